@@ -1,0 +1,37 @@
+# `make test` and `make demo` each set up .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU build of torch; a GPU machine can preinstall its own build in .venv.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv test lint format demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	RAY_AUTH_MODE=disabled $(PY) -m pytest -q
+
+bench: venv
+	$(PY) bench/rank_profiler_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,6 @@
+"""The profiling coordinator and its pure core. Importing this package never imports torch."""
+
+from coordinator.config import ProfilerConfig
+from coordinator.schedule import ProfilerAction, Schedule, Window
+
+__all__ = ["ProfilerAction", "ProfilerConfig", "Schedule", "Window"]

@@ -1,0 +1,271 @@
+"""ProfilerConfig: what to profile, when, and where the files go. Imports neither torch nor Ray."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+ACTIVITIES = ("cpu", "cuda")
+EXPORT_TYPES = ("chrome_trace", "chrome_trace_gz", "stacks", "none")
+_RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass
+class ProfilerConfig:
+    """Profiling settings shared by the coordinator and every rank.
+
+    The schedule fields mean exactly what they mean in ``torch.profiler.schedule``,
+    counted in absolute global steps.
+    """
+
+    enable: bool = False
+    """Master switch; a disabled config makes the hooks no-ops."""
+    ranks: list[int] | str = field(default_factory=lambda: [0])
+    """Global ranks to profile, or ``"all"``."""
+    save_path: str | None = None
+    """Directory for traces; required when enabled."""
+    run_name: str | None = None
+    """Sub-directory of ``save_path`` for this run; default ``run_<UTC start time>``."""
+    skip_first: int = 0
+    """Steps to skip before the first cycle."""
+    wait: int = 0
+    """Idle steps at the start of each cycle."""
+    warmup: int = 1
+    """Steps the profiler runs without recording before each window."""
+    active: int = 3
+    """Recorded steps per window (at least 1)."""
+    repeat: int = 1
+    """Number of cycles; 0 means the whole run."""
+    skip_first_wait: bool = False
+    """Skip the ``wait`` phase of the first cycle."""
+    on_demand_only: bool = False
+    """No scheduled windows; only captures requested at run time."""
+    activities: list[str] = field(default_factory=lambda: ["cpu", "cuda"])
+    """``"cpu"`` and/or ``"cuda"``; a rank without a GPU records cpu only."""
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    export_type: str = "chrome_trace_gz"
+    """``chrome_trace``, ``chrome_trace_gz``, ``stacks`` (needs with_stack) or ``none``."""
+    top_k: int = 50
+    """Kernels kept per rank per window in the summary."""
+    worker_timeout_s: float = 60.0
+    """Seconds the coordinator waits for a rank's acknowledgement before marking it unresponsive."""
+    max_windows: int = 64
+    """Closed windows whose summaries the coordinator keeps in memory."""
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any] | Any) -> ProfilerConfig:
+        """Build and validate a config from a dict or an OmegaConf-style mapping.
+
+        Unknown keys raise a ValueError naming the closest valid key.
+        """
+        if mapping is None:
+            return cls().validate()
+        if not hasattr(mapping, "keys") or not hasattr(mapping, "__getitem__"):
+            raise ValueError(
+                f"profiler config: expected a mapping, got {type(mapping).__name__}: {mapping!r}"
+            )
+        names = [f.name for f in dataclasses.fields(cls)]
+        values: dict[str, Any] = {}
+        for key in mapping.keys():  # noqa: SIM118 - OmegaConf mappings are not always iterable dicts
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"profiler config: unknown key {key!r}{hint}")
+            values[key] = _plain(mapping[key])
+        return cls(**values).validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, JSON- and msgpack-friendly copy."""
+        out = dataclasses.asdict(self)
+        out["ranks"] = list(self.ranks) if isinstance(self.ranks, list) else self.ranks
+        return out
+
+    def validate(self) -> ProfilerConfig:
+        """Check every field; raise ValueError naming the field and value. Returns self."""
+        _check_bool(self, "enable")
+        for name in (
+            "skip_first_wait",
+            "on_demand_only",
+            "record_shapes",
+            "profile_memory",
+            "with_stack",
+            "with_flops",
+            "with_modules",
+        ):
+            _check_bool(self, name)
+        for name in ("skip_first", "wait", "warmup", "repeat"):
+            _check_int(self, name, minimum=0)
+        _check_int(self, "active", minimum=1)
+        _check_int(self, "top_k", minimum=1)
+        _check_int(self, "max_windows", minimum=1)
+        _check_number(self, "worker_timeout_s", minimum_exclusive=0.0)
+        self._validate_ranks()
+        self._validate_activities()
+        self._validate_export()
+        self._validate_run_name()
+        self._validate_save_path()
+        return self
+
+    def selects(self, rank: int) -> bool:
+        """Whether ``rank`` is profiled under this config."""
+        return self.ranks == "all" or rank in self.ranks
+
+    def _validate_ranks(self) -> None:
+        ranks = self.ranks
+        if ranks is None:
+            raise ValueError("profiler config: 'ranks' is None; give a list of ranks or 'all'")
+        if isinstance(ranks, str):
+            if ranks != "all":
+                raise ValueError(
+                    f"profiler config: 'ranks' must be a list of ints or 'all', got {ranks!r}"
+                )
+            return
+        if not isinstance(ranks, Sequence):
+            raise ValueError(
+                f"profiler config: 'ranks' must be a list of ints or 'all', "
+                f"got {type(ranks).__name__}: {ranks!r}"
+            )
+        if len(ranks) == 0:
+            raise ValueError("profiler config: 'ranks' is empty; give at least one rank or 'all'")
+        for r in ranks:
+            if isinstance(r, bool) or not isinstance(r, int):
+                raise ValueError(f"profiler config: 'ranks' holds a non-int rank {r!r}")
+            if r < 0:
+                raise ValueError(f"profiler config: 'ranks' holds a negative rank {r}")
+        self.ranks = sorted(set(ranks))
+
+    def _validate_activities(self) -> None:
+        acts = self.activities
+        if acts is None or isinstance(acts, str) or not isinstance(acts, Sequence):
+            raise ValueError(
+                f"profiler config: 'activities' must be a list drawn from {list(ACTIVITIES)}, "
+                f"got {acts!r}"
+            )
+        if len(acts) == 0:
+            raise ValueError(
+                "profiler config: 'activities' is empty; use ['cpu'] or ['cpu', 'cuda']"
+            )
+        for a in acts:
+            if a not in ACTIVITIES:
+                raise ValueError(
+                    f"profiler config: 'activities' holds unknown activity {a!r}; "
+                    f"known: {list(ACTIVITIES)}"
+                )
+        self.activities = list(dict.fromkeys(acts))
+
+    def _validate_export(self) -> None:
+        if self.export_type not in EXPORT_TYPES:
+            raise ValueError(
+                f"profiler config: 'export_type' is {self.export_type!r}; "
+                f"expected one of {list(EXPORT_TYPES)}"
+            )
+        if self.export_type == "stacks" and not self.with_stack:
+            raise ValueError(
+                "profiler config: 'export_type' is 'stacks' but 'with_stack' is False; "
+                "stacks need with_stack=True"
+            )
+
+    def _validate_run_name(self) -> None:
+        name = self.run_name
+        if name is None:
+            return
+        if not isinstance(name, str) or not _RUN_NAME_RE.match(name):
+            raise ValueError(
+                f"profiler config: 'run_name' {name!r} must be one path component of letters, "
+                "digits, '.', '_' or '-' (at most 128, not starting with '.')"
+            )
+
+    def _validate_save_path(self) -> None:
+        path = self.save_path
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise ValueError(
+                f"profiler config: 'save_path' must be a path string, "
+                f"got {type(path).__name__}: {path!r}"
+            )
+        if path is not None:
+            self.save_path = os.fspath(path)
+        if not self.enable:
+            return
+        if not self.save_path:
+            raise ValueError("profiler config: 'save_path' is required when 'enable' is True")
+        check_writable_dir(self.save_path)
+
+
+def check_writable_dir(path: str) -> None:
+    """Raise ValueError unless ``path`` is (or can be created as) a writable directory."""
+    probe = os.path.abspath(path)
+    if os.path.exists(probe):
+        if not os.path.isdir(probe):
+            raise ValueError(f"profiler config: 'save_path' {path!r} exists and is not a directory")
+    else:
+        # The nearest existing ancestor must be a directory we can create things in.
+        while not os.path.exists(probe):
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            probe = parent
+        if not os.path.isdir(probe):
+            raise ValueError(
+                f"profiler config: 'save_path' {path!r} cannot be created: "
+                f"{probe!r} is not a directory"
+            )
+    try:  # os.access lies for root and read-only mounts; a real file tells the truth
+        fd, name = tempfile.mkstemp(prefix=".profiler-probe-", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        raise ValueError(
+            f"profiler config: 'save_path' {path!r} is not writable ({probe!r}: {exc.strerror})"
+        ) from exc
+
+
+def _plain(value: Any) -> Any:
+    """Turn OmegaConf ListConfig/DictConfig-like values into plain lists."""
+    if isinstance(value, (str, bytes)) or value is None:
+        return value
+    if isinstance(value, Sequence) or (
+        hasattr(value, "__iter__") and hasattr(value, "__len__") and not hasattr(value, "keys")
+    ):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _check_bool(cfg: ProfilerConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"profiler config: {name!r} must be true or false, "
+            f"got {type(value).__name__}: {value!r}"
+        )
+
+
+def _check_int(cfg: ProfilerConfig, name: str, minimum: int) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"profiler config: {name!r} must be an int, got {type(value).__name__}: {value!r}"
+        )
+    if value < minimum:
+        raise ValueError(f"profiler config: {name!r} must be >= {minimum}, got {value}")
+
+
+def _check_number(cfg: ProfilerConfig, name: str, minimum_exclusive: float) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"profiler config: {name!r} must be a number, got {type(value).__name__}: {value!r}"
+        )
+    if not value > minimum_exclusive or value != value or value == float("inf"):
+        raise ValueError(
+            f"profiler config: {name!r} must be a finite number > {minimum_exclusive}, got {value}"
+        )

@@ -1,0 +1,129 @@
+"""A fault anywhere disables that rank's profiling, says why, and never reaches training."""
+
+import gzip
+
+import pytest
+import torch
+
+from coordinator.config import ProfilerConfig
+from coordinator.schedule import Window
+from tests.torch_helpers import TinyMLP
+from worker_ext.mixin import ProfilerWorkerMixin
+from worker_ext.rank_profiler import RankProfiler
+
+
+def make(tmp_path, run=None, **kw):
+    base = dict(
+        enable=True,
+        save_path=str(tmp_path),
+        ranks="all",
+        activities=["cpu"],
+        export_type="chrome_trace",
+    )
+    base.update(kw)
+    return RankProfiler(0, ProfilerConfig(**base).validate(), run or str(tmp_path / "run"))
+
+
+def one_window(rp, model):
+    statuses = [rp.begin_window(Window(0, 0, 1, 2), 0)]
+    for k in range(3):
+        model.train_step()
+        statuses.append(rp.step(k))
+    statuses.append(rp.end_window())
+    statuses.append(rp.wait_for_summaries(30))
+    return statuses
+
+
+def raiser(message, after=None):
+    def fn(self, *a, **kw):
+        if after is not None:
+            after(self, *a, **kw)
+        raise RuntimeError(message)
+
+    return fn
+
+
+def assert_disabled(rp, where, type_name, message):
+    st = rp.status()
+    assert st["state"] == "disabled"
+    assert st["reason"]["where"] == where, st["reason"]
+    assert st["reason"]["type"] == type_name
+    assert message in st["reason"]["message"]
+    assert st["phase"] == "idle"
+    assert not torch._C._autograd._profiler_enabled()  # nothing left running
+
+
+def test_fault_in_warm_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.profiler.profile, "start", raiser("no kineto"))
+    rp = make(tmp_path)
+    assert_disabled(rp, "warm_up", "RuntimeError", "no kineto")
+
+
+@pytest.mark.parametrize(
+    "method,where,wrap_real",
+    [("start", "begin_window", False), ("step", "step", False), ("stop", "step", True)],
+)
+def test_torch_raising_in_a_command(tmp_path, monkeypatch, method, where, wrap_real):
+    rp = make(tmp_path)
+    model = TinyMLP()
+    real = getattr(torch.profiler.profile, method)
+    monkeypatch.setattr(
+        torch.profiler.profile, method, raiser("torch broke", real if wrap_real else None)
+    )
+    statuses = one_window(rp, model)  # raises nothing
+    monkeypatch.undo()
+    assert_disabled(rp, where, "RuntimeError", "torch broke")
+    assert all(s["state"] in ("ok", "disabled") for s in statuses)
+    assert one_window(rp, model)[-1]["windows_captured"] == 0  # stays off for the run
+
+
+def test_unwritable_run_directory(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    rp = make(tmp_path, run=str(blocker / "run"))
+    one_window(rp, TinyMLP())
+    st = rp.status()
+    assert st["state"] == "disabled" and st["reason"]["where"] == "export"
+    assert st["reason"]["type"] in ("NotADirectoryError", "FileExistsError")
+
+
+def test_disk_full_while_compressing(tmp_path, monkeypatch):
+    def full(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gzip, "open", full)
+    rp = make(tmp_path, export_type="chrome_trace_gz")
+    one_window(rp, TinyMLP())
+    assert_disabled(rp, "export", "OSError", "No space left")
+    leftovers = [p.name for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert leftovers == []
+
+
+def test_failed_summary(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.profiler.profile, "key_averages", raiser("parse failed"))
+    rp = make(tmp_path)
+    statuses = one_window(rp, TinyMLP())
+    assert_disabled(rp, "summary", "RuntimeError", "parse failed")
+    assert not [b for s in statuses for b in s["summaries"]]
+
+
+def test_bad_window_from_the_coordinator(tmp_path):
+    worker = ProfilerWorkerMixin()
+    cfg = ProfilerConfig(enable=True, save_path=str(tmp_path), ranks="all", activities=["cpu"])
+    worker.configure_profiler(0, cfg.to_dict(), str(tmp_path / "run"), warm_up=False)
+    st = worker.start_profile({"index": 0, "warmup_start": 5, "first": 2, "last": 1}, 0)
+    assert st["state"] == "disabled" and st["reason"]["where"] == "start_profile"
+
+
+def test_bad_config_from_the_coordinator(tmp_path):
+    worker = ProfilerWorkerMixin()
+    st = worker.configure_profiler(0, {"enable": True, "actve": 1}, str(tmp_path))
+    assert st["state"] == "disabled" and "did you mean 'active'" in st["reason"]["message"]
+
+
+def test_calls_before_configure_are_harmless():
+    worker = ProfilerWorkerMixin()
+    assert worker.profile_step(3)["state"] == "not_configured"
+    assert worker.stop_profile()["state"] == "not_configured"
+    assert worker.start_profile({}, 0)["state"] == "not_configured"
+    assert worker.dump_profiler_summary()["state"] == "not_configured"

@@ -1,0 +1,206 @@
+import gzip
+import json
+import os
+
+import pytest
+import torch
+
+from coordinator.config import ProfilerConfig
+from coordinator.schedule import Schedule, Window
+from coordinator.summary_codec import decode_summary
+from coordinator.trace_layout import default_run_name, run_dir
+from tests.torch_helpers import TinyMLP, run_profiled, summaries, window_dirs
+from worker_ext.rank_profiler import RankProfiler
+
+
+def cfg_for(tmp_path, **kw):
+    base = {
+        "enable": True,
+        "save_path": str(tmp_path),
+        "activities": ["cpu"],
+        "export_type": "chrome_trace",
+        "skip_first": 0,
+        "wait": 1,
+        "warmup": 1,
+        "active": 2,
+        "repeat": 1,
+    }
+    base.update(kw)
+    return ProfilerConfig(**base)
+
+
+def expected_dirs(cfg, steps):
+    return [
+        f"window_{w.index:04d}_steps_{w.first}-{w.last}"
+        for w in Schedule(cfg).windows(limit=steps)
+        if w.last < steps
+    ]
+
+
+@pytest.mark.parametrize(
+    "kw,steps",
+    [
+        ({"repeat": 1}, 12),
+        ({"repeat": 3}, 20),
+        ({"repeat": 0}, 17),
+        ({"skip_first": 5, "repeat": 2}, 20),
+        ({"skip_first": 4, "wait": 6, "skip_first_wait": True, "repeat": 2}, 25),
+    ],
+    ids=["one_window", "repeat", "repeat_0", "skip_first", "skip_first_wait"],
+)
+def test_trace_files_follow_the_schedule(tmp_path, kw, steps):
+    cfg = cfg_for(tmp_path, **kw)
+    rp, statuses = run_profiled(cfg, steps)
+    dirs = expected_dirs(cfg, steps)
+    assert dirs and window_dirs(cfg) == dirs
+    for d in dirs:
+        assert os.listdir(tmp_path / "run" / d) == ["rank0.pt.trace.json"]
+    assert rp.status()["windows_captured"] == len(dirs)
+    assert sorted(decode_summary(s).window for s in summaries(statuses)) == list(range(len(dirs)))
+
+
+def test_stop_mid_window_writes_a_partial_window_named_by_its_real_last_step(tmp_path):
+    cfg = cfg_for(tmp_path, wait=0, warmup=1, active=10)
+    _, statuses = run_profiled(cfg, steps=5)  # warmup 0, records 1..4, stopped
+    assert window_dirs(cfg) == ["window_0000_steps_1-4"]
+    (s,) = [decode_summary(b) for b in summaries(statuses)]
+    assert s.partial is True and s.steps == (1, 4)
+    assert [st for st, _ in s.step_us] == [1, 2, 3, 4]
+    closed = [st["closed"] for st in statuses if st["closed"]]
+    assert closed[0]["partial"] is True and closed[0]["steps"] == [1, 4]
+
+
+def test_stop_during_warmup_writes_nothing(tmp_path):
+    cfg = cfg_for(tmp_path, wait=0, warmup=5, active=2)
+    rp, statuses = run_profiled(cfg, steps=3)
+    assert window_dirs(cfg) == [] and summaries(statuses) == []
+    assert rp.status()["state"] == "ok" and rp.status()["windows_captured"] == 0
+
+
+def test_stop_without_start_and_double_stop_are_noops(tmp_path):
+    rp = RankProfiler(0, cfg_for(tmp_path), str(tmp_path / "run"))
+    assert rp.end_window()["state"] == "ok"
+    rp.begin_window(Window(0, 0, 1, 3), 0)
+    TinyMLP().train_step()
+    rp.step(0)
+    TinyMLP().train_step()
+    rp.step(1)
+    first = rp.end_window()
+    second = rp.end_window()
+    assert first["closed"]["steps"] == [1, 1] and second["closed"] is None
+    assert second["state"] == "ok"
+
+
+def test_unselected_rank_creates_no_profiler(tmp_path, monkeypatch):
+    made = []
+    real = torch.profiler.profile
+
+    def spy(*a, **kw):
+        made.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch.profiler, "profile", spy)
+    cfg = cfg_for(tmp_path, ranks=[0], wait=0)
+    rp, statuses = run_profiled(cfg, steps=6, rank=1)
+    assert made == [] and rp._prof is None
+    assert {st["state"] for st in statuses} == {"not_selected"}
+    assert window_dirs(cfg) == []
+
+
+def test_save_path_resolution(tmp_path):
+    assert run_dir(str(tmp_path), "exp1") == os.path.join(os.path.realpath(tmp_path), "exp1")
+    assert default_run_name(0) == "run_19700101-000000"
+    with pytest.raises(ValueError, match="escapes|single file name"):
+        run_dir(str(tmp_path), "../x")
+    os.symlink("/", tmp_path / "link")
+    with pytest.raises(ValueError, match="escapes"):
+        run_dir(str(tmp_path), "link")
+
+
+def test_cuda_requested_without_gpu_records_cpu_and_says_so(tmp_path):
+    rp = RankProfiler(0, cfg_for(tmp_path, activities=["cpu", "cuda"]), str(tmp_path / "r"))
+    st = rp.status()
+    if torch.cuda.is_available():
+        assert st["device"] == "cuda" and st["note"] is None
+    else:
+        assert st["device"] == "cpu" and "no GPU" in st["note"]
+    assert rp._activities() == [
+        torch.profiler.ProfilerActivity.CPU,
+        *([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []),
+    ]
+
+
+def load_trace(path):
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("export", ["chrome_trace", "chrome_trace_gz"])
+def test_traces_carry_their_rank_and_real_ops(tmp_path, export):
+    cfg = cfg_for(tmp_path, export_type=export, wait=0, ranks="all")
+    rp, _ = run_profiled(cfg, steps=4, rank=3, model=TinyMLP())
+    path = rp.status()["last_trace_path"]
+    assert path.endswith(".pt.trace.json.gz" if export.endswith("gz") else ".pt.trace.json")
+    assert os.path.basename(path) == "rank3" + os.path.basename(path)[5:]
+    trace = load_trace(path)
+    assert trace["rank"] == 3
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert "aten::addmm" in names and "ProfilerStep#1" in names and "ProfilerStep#2" in names
+    assert not [f for f in os.listdir(os.path.dirname(path)) if f.endswith((".tmp", ".part"))]
+
+
+def test_summary_has_real_ops_step_times_and_top_k(tmp_path):
+    cfg = cfg_for(tmp_path, wait=0, top_k=3, export_type="none")
+    _, statuses = run_profiled(cfg, steps=4)
+    (s,) = [decode_summary(b) for b in summaries(statuses)]
+    assert window_dirs(cfg) == []  # export none: summary only
+    assert s.device == "cpu" and s.unit == "us" and s.steps == (1, 2)
+    assert len(s.kernels) == 3 and s.dropped_rows > 0 and s.dropped_us > 0
+    assert [k.self_us for k in s.kernels] == sorted((k.self_us for k in s.kernels), reverse=True)
+    assert not any(k.name.startswith("ProfilerStep") for k in s.kernels)
+    assert [st for st, _ in s.step_us] == [1, 2] and all(us > 0 for _, us in s.step_us)
+
+    cfg = cfg_for(tmp_path / "b", wait=0, top_k=500, export_type="none")
+    _, statuses = run_profiled(cfg, steps=4)
+    (s,) = [decode_summary(b) for b in summaries(statuses)]
+    names = {k.name for k in s.kernels}
+    assert {"aten::addmm", "aten::mm", "aten::relu"} <= names
+    assert s.dropped_rows == 0
+
+
+def test_flops_and_stack_rows_are_normalised(tmp_path):
+    cfg = cfg_for(
+        tmp_path,
+        wait=0,
+        top_k=1000,
+        with_stack=True,
+        with_flops=True,
+        export_type="stacks",
+    )
+    rp, statuses = run_profiled(cfg, steps=4)
+    (s,) = [decode_summary(b) for b in summaries(statuses)]
+    assert not [k.name for k in s.kernels if "0x7" in k.name]
+    assert any("0x?" in k.name for k in s.kernels)
+    assert any(k.flops > 0 for k in s.kernels if k.name == "aten::addmm")
+    stacks = rp.status()["last_trace_path"]
+    assert stacks.endswith("rank0.stacks.txt")
+    with open(stacks) as f:
+        lines = f.read().splitlines()
+    assert any(";" in line and "train_step" in line for line in lines)
+    assert all(line.rsplit(" ", 1)[1].isdigit() for line in lines)
+
+
+def test_key_averages_runs_off_the_training_thread(tmp_path, monkeypatch):
+    import threading
+
+    seen = []
+    real = torch.profiler.profile.key_averages
+
+    def spy(self, *a, **kw):
+        seen.append(threading.current_thread().name)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(torch.profiler.profile, "key_averages", spy)
+    run_profiled(cfg_for(tmp_path, wait=0), steps=4)
+    assert seen and all(name != threading.main_thread().name for name in seen)

@@ -1,0 +1,170 @@
+import contextlib
+import math
+import struct
+
+import msgpack
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from coordinator.summary_codec import (
+    MAX_NAME_CHARS,
+    MAX_PAYLOAD_BYTES,
+    KernelRow,
+    RankSummary,
+    SummaryDecodeError,
+    decode_summary,
+    encode_summary,
+)
+
+times = st.floats(min_value=0, max_value=1e12, allow_nan=False, allow_infinity=False)
+ints = st.integers(0, 2**40)
+kernel_rows = st.builds(KernelRow, st.text(min_size=1, max_size=80), times, ints, ints)
+
+
+@st.composite
+def summaries(draw):
+    first = draw(st.integers(0, 10**9))
+    last = first + draw(st.integers(0, 50))
+    return RankSummary(
+        rank=draw(st.integers(0, 100_000)),
+        window=draw(st.integers(0, 10_000)),
+        steps=(first, last),
+        partial=draw(st.booleans()),
+        device=draw(st.sampled_from(["cpu", "cuda"])),
+        kernels=draw(st.lists(kernel_rows, max_size=30)),
+        dropped_rows=draw(ints),
+        dropped_us=draw(times),
+        step_us=draw(st.lists(st.tuples(st.integers(0, 10**9), times), max_size=10)),
+    )
+
+
+def good_obj():
+    return {
+        "v": 1,
+        "rank": 3,
+        "window": 0,
+        "steps": [4, 6],
+        "partial": False,
+        "device": "cpu",
+        "unit": "us",
+        "kernels": [["aten::mm", 12.5, 3, 0]],
+        "dropped": [0, 0.0],
+        "step_us": [[4, 100.0]],
+    }
+
+
+def pack(obj):
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(summaries())
+def test_round_trip(summary):
+    back = decode_summary(encode_summary(summary))
+    assert back == summary
+    assert math.isclose(back.total_us, summary.total_us, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_good_payload_decodes():
+    s = decode_summary(pack(good_obj()))
+    assert s.kernels == [KernelRow("aten::mm", 12.5, 3, 0)] and s.steps == (4, 6)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.binary(max_size=512))
+def test_decoder_never_raises_anything_but_decode_error_on_garbage(data):
+    with contextlib.suppress(SummaryDecodeError):
+        decode_summary(data)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.floats()
+        | st.text(max_size=10),
+        lambda children: (
+            st.lists(children, max_size=4)
+            | st.dictionaries(st.text(max_size=8), children, max_size=4)
+        ),
+        max_leaves=20,
+    )
+)
+def test_decoder_rejects_random_structures(obj):
+    with pytest.raises(SummaryDecodeError):
+        decode_summary(pack(obj))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(list(good_obj())),
+    st.one_of(st.none(), st.booleans(), st.text(max_size=5), st.floats(), st.integers(-5, -1)),
+)
+def test_decoder_rejects_a_bad_value_in_any_field(key, bad):
+    assume(not (key == "partial" and isinstance(bad, bool)))
+    obj = good_obj()
+    obj[key] = bad
+    with pytest.raises(SummaryDecodeError):
+        decode_summary(pack(obj))
+
+
+@pytest.mark.parametrize(
+    "mutate,pattern",
+    [
+        (lambda o: o.update(v=2), "version 2 is not supported"),
+        (lambda o: o.pop("rank"), "missing \\['rank'\\]"),
+        (lambda o: o.update(extra=1), "unexpected \\['extra'\\]"),
+        (lambda o: o.update(steps=[7, 6]), "first is after last"),
+        (lambda o: o["kernels"].append(["x", float("nan"), 1, 0]), "finite"),
+        (lambda o: o["kernels"].append(["x", -1.0, 1, 0]), ">= 0"),
+        (lambda o: o["kernels"].append(["x", 1.0, True, 0]), "count must be a non-negative int"),
+        (lambda o: o["kernels"].append(["", 1.0, 1, 0]), "non-empty string"),
+        (lambda o: o["kernels"].append(["x" * (MAX_NAME_CHARS + 1), 1.0, 1, 0]), "at most"),
+        (lambda o: o["kernels"].append(["x", 1.0, 1]), "expected 4..4"),
+        (lambda o: o.update(device="tpu"), "device 'tpu'"),
+        (lambda o: o.update(unit="ms"), "unit 'ms'"),
+    ],
+)
+def test_decoder_errors_say_what_is_wrong(mutate, pattern):
+    obj = good_obj()
+    mutate(obj)
+    with pytest.raises(SummaryDecodeError, match=pattern):
+        decode_summary(pack(obj))
+
+
+def test_oversized_payload_is_refused_before_parsing():
+    with pytest.raises(SummaryDecodeError, match="over the"):
+        decode_summary(b"\x90" * (MAX_PAYLOAD_BYTES + 1))
+
+
+def test_lying_length_headers_do_not_allocate():
+    # array32 / map32 / str32 headers claiming 4 billion items, with nothing behind them.
+    for prefix in (b"\xdd", b"\xdf", b"\xdb", b"\xc6"):
+        with pytest.raises(SummaryDecodeError):
+            decode_summary(prefix + struct.pack(">I", 2**32 - 1))
+
+
+def test_deep_nesting_is_refused():
+    with pytest.raises(SummaryDecodeError):
+        decode_summary(b"\x91" * 100_000 + b"\xc0")
+
+
+def test_ext_types_and_trailing_bytes_are_refused():
+    with pytest.raises(SummaryDecodeError):
+        decode_summary(pack(msgpack.ExtType(5, b"abc")))
+    with pytest.raises(SummaryDecodeError, match="not valid msgpack"):
+        decode_summary(pack(good_obj()) + b"\x00")
+
+
+def test_non_bytes_input_is_refused():
+    with pytest.raises(SummaryDecodeError, match="must be bytes"):
+        decode_summary({"v": 1})
+
+
+def test_encoder_refuses_what_the_decoder_would_refuse():
+    bad = RankSummary(0, 0, (1, 0), False, "cpu", [])
+    with pytest.raises(ValueError):
+        encode_summary(bad)

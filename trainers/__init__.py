@@ -1,0 +1,1 @@
+"""Training-loop hooks and reference trainers."""
