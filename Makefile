@@ -32,6 +32,7 @@ test: venv
 
 bench: venv
 	$(PY) bench/rank_profiler_overhead.py
+	RAY_AUTH_MODE=disabled $(PY) bench/coordinator_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

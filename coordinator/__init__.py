@@ -1,6 +1,22 @@
-"""The profiling coordinator and its pure core. Importing this package never imports torch."""
+"""The profiling coordinator and its pure core. Importing this package never imports torch.
+
+``ProfilerCoordinator``, ``get_or_create_coordinator`` and ``connect`` need Ray and are
+imported on first use, so the pure modules stay light.
+"""
+
+from typing import Any
 
 from coordinator.config import ProfilerConfig
 from coordinator.schedule import ProfilerAction, Schedule, Window
 
-__all__ = ["ProfilerAction", "ProfilerConfig", "Schedule", "Window"]
+_ACTOR_NAMES = ("ProfilerCoordinator", "get_or_create_coordinator", "connect")
+
+__all__ = ["ProfilerAction", "ProfilerConfig", "Schedule", "Window", *_ACTOR_NAMES]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ACTOR_NAMES:
+        from coordinator import actor
+
+        return getattr(actor, name)
+    raise AttributeError(f"module 'coordinator' has no attribute {name!r}")

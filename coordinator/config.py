@@ -63,13 +63,15 @@ class ProfilerConfig:
     """Closed windows whose summaries the coordinator keeps in memory."""
 
     @classmethod
-    def from_dict(cls, mapping: Mapping[str, Any] | Any) -> ProfilerConfig:
+    def from_dict(
+        cls, mapping: Mapping[str, Any] | Any, check_paths: bool = True
+    ) -> ProfilerConfig:
         """Build and validate a config from a dict or an OmegaConf-style mapping.
 
         Unknown keys raise a ValueError naming the closest valid key.
         """
         if mapping is None:
-            return cls().validate()
+            return cls().validate(check_paths)
         if not hasattr(mapping, "keys") or not hasattr(mapping, "__getitem__"):
             raise ValueError(
                 f"profiler config: expected a mapping, got {type(mapping).__name__}: {mapping!r}"
@@ -82,7 +84,7 @@ class ProfilerConfig:
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ValueError(f"profiler config: unknown key {key!r}{hint}")
             values[key] = _plain(mapping[key])
-        return cls(**values).validate()
+        return cls(**values).validate(check_paths)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, JSON- and msgpack-friendly copy."""
@@ -90,8 +92,12 @@ class ProfilerConfig:
         out["ranks"] = list(self.ranks) if isinstance(self.ranks, list) else self.ranks
         return out
 
-    def validate(self) -> ProfilerConfig:
-        """Check every field; raise ValueError naming the field and value. Returns self."""
+    def validate(self, check_paths: bool = True) -> ProfilerConfig:
+        """Check every field; raise ValueError naming the field and value. Returns self.
+
+        ``check_paths=False`` skips the probe that ``save_path`` is writable from this process
+        (the coordinator may run on a node that does not mount it).
+        """
         _check_bool(self, "enable")
         for name in (
             "skip_first_wait",
@@ -113,7 +119,7 @@ class ProfilerConfig:
         self._validate_activities()
         self._validate_export()
         self._validate_run_name()
-        self._validate_save_path()
+        self._validate_save_path(check_paths)
         return self
 
     def selects(self, rank: int) -> bool:
@@ -185,7 +191,7 @@ class ProfilerConfig:
                 "digits, '.', '_' or '-' (at most 128, not starting with '.')"
             )
 
-    def _validate_save_path(self) -> None:
+    def _validate_save_path(self, check_paths: bool) -> None:
         path = self.save_path
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise ValueError(
@@ -198,7 +204,8 @@ class ProfilerConfig:
             return
         if not self.save_path:
             raise ValueError("profiler config: 'save_path' is required when 'enable' is True")
-        check_writable_dir(self.save_path)
+        if check_paths:
+            check_writable_dir(self.save_path)
 
 
 def check_writable_dir(path: str) -> None:

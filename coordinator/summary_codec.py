@@ -125,7 +125,7 @@ def _from_obj(obj: Any) -> RankSummary:
     if keys != _TOP_KEYS:
         missing, extra = sorted(_TOP_KEYS - keys), sorted(map(str, keys - _TOP_KEYS))
         raise SummaryDecodeError(f"summary keys wrong: missing {missing}, unexpected {extra}")
-    if obj["v"] != SUMMARY_VERSION or isinstance(obj["v"], bool):
+    if type(obj["v"]) is not int or obj["v"] != SUMMARY_VERSION:
         raise SummaryDecodeError(
             f"summary version {obj['v']!r} is not supported (expected {SUMMARY_VERSION})"
         )

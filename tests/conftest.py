@@ -2,6 +2,12 @@ import contextlib
 import os
 
 import pytest
+from hypothesis import settings
+
+# CI runs the property tests with a fixed seed, so a red build is reproducible; local runs explore.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

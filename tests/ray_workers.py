@@ -6,6 +6,7 @@ import asyncio
 
 from tests.torch_helpers import TinyMLP
 from worker_ext import ProfilerWorkerMixin
+from worker_ext.rank_profiler import RankProfiler
 
 
 class ToyWorker(ProfilerWorkerMixin):
@@ -28,3 +29,47 @@ class AsyncToyWorker(ProfilerWorkerMixin):
     async def train_step(self) -> float:
         await asyncio.sleep(0)
         return self.model.train_step()
+
+
+class FaultyWorker(ToyWorker):
+    """Injects faults (the only mocking allowed: fault injection)."""
+
+    def inject(self, kind: str) -> None:
+        import time
+
+        import torch
+
+        if kind == "torch_start":
+
+            def broken_start(self):
+                raise RuntimeError("injected: CUPTI_ERROR_NOT_INITIALIZED")
+
+            torch.profiler.profile.start = broken_start
+        elif kind == "garbage_summary":
+            real_status = RankProfiler.status
+
+            def garbage(self):
+                st = real_status(self)
+                if st["summaries"]:
+                    st["summaries"] = [b"\xc1garbage"]
+                return st
+
+            RankProfiler.status = garbage
+        elif kind == "slow":
+
+            def slow(self, k):
+                time.sleep(6)
+                return {}
+
+            RankProfiler.step = slow
+        else:
+            raise ValueError(kind)
+
+
+def _node_id(self) -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+ToyWorker.node_id = _node_id

@@ -1,12 +1,18 @@
-"""ProfilerWorkerMixin: inherit it in a Ray actor class to make that actor profilable."""
+"""ProfilerWorkerMixin: inherit it in a Ray actor class to make that actor profilable.
+
+This module imports no torch: the coordinator uses the mixin's method signatures to call
+workers without loading their classes (see ``coordinator.worker_handles``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator.config import ProfilerConfig
 from coordinator.schedule import Window
-from worker_ext.rank_profiler import RankProfiler
+
+if TYPE_CHECKING:
+    from worker_ext.rank_profiler import RankProfiler
 
 
 class ProfilerWorkerMixin:
@@ -27,6 +33,8 @@ class ProfilerWorkerMixin:
         warm_up: bool = True,
     ) -> dict[str, Any]:
         """Set this actor's global rank, the config and the run directory."""
+        from worker_ext.rank_profiler import RankProfiler
+
         old = self._rank_profiler
         if old is not None and old.phase != "idle":
             old.end_window()  # a re-configure never leaves a profiler running

@@ -1,0 +1,114 @@
+"""StepClient: the trainer's side of the step protocol, nearly free on steps outside windows.
+
+Every coordinator reply names ``next_sync_step``, the first step whose report makes ranks act.
+From that step on the client reports every step and waits for the acknowledgement, so the
+ranks' profilers are in the right state before the next training step starts. Before it, a
+report changes nothing on any rank: the client sends one at most every ``report_interval_s``
+without waiting (Ray keeps one caller's calls to an actor in order), so the coordinator's
+``global_step`` trails by at most that long, and ``stop()`` reports the last step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+_MAX_IN_FLIGHT = 64
+_DRAIN_EVERY = 16  # look at finished replies every few steps, not on every one
+
+
+class StepClient:
+    """Reports steps to a coordinator for one trainer; see the module docstring."""
+
+    def __init__(self, coordinator: Any, trainer_id: str, report_interval_s: float = 0.1) -> None:
+        self.coordinator = coordinator
+        self.trainer_id = trainer_id
+        self.report_interval_s = report_interval_s
+        self.next_sync_step: int | None = 0
+        self.last_reply: dict[str, Any] | None = None
+        self._in_flight: list[Any] = []
+        self._last_sent = 0.0
+        self._unreported: int | None = None
+
+    def start(self, first_step: int) -> dict[str, Any]:
+        """Blocking: the coordinator prepares the ranks for ``first_step``."""
+        return self._absorb(ray.get(self.coordinator.start.remote(self.trainer_id, first_step)))
+
+    def step(self, k: int) -> dict[str, Any] | None:
+        """Report that global step ``k`` finished; waits only when ranks must act."""
+        if self.next_sync_step is not None and k >= self.next_sync_step:
+            ref = self._send(k)
+            self.drain(block=True)
+            return self._absorb(ray.get(ref))
+        if time.monotonic() - self._last_sent < self.report_interval_s:
+            self._unreported = k
+            return None
+        self._in_flight.append(self._send(k))
+        if len(self._in_flight) % _DRAIN_EVERY == 0:
+            self.drain(block=len(self._in_flight) > _MAX_IN_FLIGHT)
+        return None
+
+    def stop(self) -> dict[str, Any]:
+        """Blocking: report the last step, close an open window, collect pending summaries."""
+        if self._unreported is not None:
+            self._in_flight.append(self._send(self._unreported))
+        self.drain(block=True)
+        return self._absorb(ray.get(self.coordinator.stop.remote(self.trainer_id)))
+
+    # The asyncio forms: the same protocol, awaiting instead of blocking the event loop.
+
+    async def astart(self, first_step: int) -> dict[str, Any]:
+        return self._absorb(await self.coordinator.start.remote(self.trainer_id, first_step))
+
+    async def astep(self, k: int) -> dict[str, Any] | None:
+        if self.next_sync_step is not None and k >= self.next_sync_step:
+            ref = self._send(k)
+            await self.adrain()
+            return self._absorb(await ref)
+        if time.monotonic() - self._last_sent < self.report_interval_s:
+            self._unreported = k
+            return None
+        self._in_flight.append(self._send(k))
+        if len(self._in_flight) > _MAX_IN_FLIGHT:
+            await self.adrain()
+        return None
+
+    async def astop(self) -> dict[str, Any]:
+        if self._unreported is not None:
+            self._in_flight.append(self._send(self._unreported))
+        await self.adrain()
+        return self._absorb(await self.coordinator.stop.remote(self.trainer_id))
+
+    async def adrain(self) -> None:
+        refs, self._in_flight = self._in_flight, []
+        for ref in refs:
+            self._absorb(await ref)
+
+    def _send(self, k: int) -> Any:
+        self._last_sent = time.monotonic()
+        self._unreported = None
+        return self.coordinator.step.remote(self.trainer_id, k)
+
+    def drain(self, block: bool = False) -> None:
+        """Absorb replies of unacknowledged reports (raises what ``ray.get`` raises)."""
+        if not self._in_flight:
+            return
+        if block:
+            done = self._in_flight
+        else:
+            done, _ = ray.wait(self._in_flight, num_returns=len(self._in_flight), timeout=0)
+        if not done:
+            return
+        done_set = set(done)
+        replies = ray.get(list(done))
+        self._in_flight = [r for r in self._in_flight if r not in done_set]
+        for reply in replies:
+            self._absorb(reply)
+
+    def _absorb(self, reply: dict[str, Any]) -> dict[str, Any]:
+        self.last_reply = reply
+        if "next_sync_step" in reply:
+            self.next_sync_step = reply["next_sync_step"]
+        return reply

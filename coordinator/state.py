@@ -1,0 +1,260 @@
+"""The coordinator's bookkeeping: trainers, rank states, windows, counters. Pure: no Ray, no I/O.
+
+The actor feeds it every worker reply (``apply_reply``) and failure (``rank_failed``); it decodes
+summaries strictly, folds them into per-window aggregates and keeps history bounded.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.aggregate import WindowAggregate, empty_summary
+from coordinator.schedule import Window
+from coordinator.summary_codec import SummaryDecodeError, decode_summary
+
+RANK_STATES = ("ok", "disabled", "lost", "unresponsive", "not_selected")
+
+
+@dataclass
+class RankRecord:
+    """What the coordinator knows about one rank of one trainer."""
+
+    trainer_id: str
+    rank: int
+    selected: bool
+    state: str = "ok"
+    reason: Any = None
+    device: str | None = None
+    note: str | None = None
+    windows_captured: int = 0
+    last_trace_path: str | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether RPCs still go to this rank."""
+        return self.selected and self.state == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "trainer_id": self.trainer_id,
+            "rank": self.rank,
+            "state": self.state if self.selected else "not_selected",
+            "reason": self.reason,
+            "device": self.device,
+            "note": self.note,
+            "windows_captured": self.windows_captured,
+            "last_trace_path": self.last_trace_path,
+        }
+
+
+@dataclass
+class TrainerRecord:
+    trainer_id: str
+    role: str
+    ranks: list[int]
+    handles: dict[int, Any]
+    run_dir: str
+
+    def to_dict(self, stepping: bool) -> dict[str, Any]:
+        return {
+            "trainer_id": self.trainer_id,
+            "role": self.role,
+            "world_size": len(self.ranks),
+            "ranks": self.ranks,
+            "advances_step": stepping,
+            "run_dir": self.run_dir,
+        }
+
+
+@dataclass
+class WindowRecord:
+    """One window the run opened; closed once every participating rank acknowledged."""
+
+    window: Window
+    participants: set[tuple[str, int]] = field(default_factory=set)
+    acked: set[tuple[str, int]] = field(default_factory=set)
+    steps: tuple[int, int] | None = None
+    partial: bool = False
+    closed: bool = False
+    trace_dirs: dict[str, str] = field(default_factory=dict)
+    aggregates: dict[str, WindowAggregate] = field(default_factory=dict)
+    pending: set[tuple[str, int]] = field(default_factory=set)
+
+    def aggregate(self, trainer_id: str) -> WindowAggregate:
+        agg = self.aggregates.get(trainer_id)
+        if agg is None:
+            agg = self.aggregates[trainer_id] = WindowAggregate(self.window.index)
+        return agg
+
+    def to_dict(self) -> dict[str, Any]:
+        captured = sorted(
+            (t, r) for (t, r) in self.acked if (t, r) in self.participants and self.steps
+        )
+        return {
+            "index": self.window.index,
+            "planned": [self.window.first, self.window.last],
+            "steps": list(self.steps) if self.steps else None,
+            "partial": self.partial,
+            "ranks": sorted({r for _, r in captured}),
+            "trace_dir": next(iter(self.trace_dirs.values()), None),
+            "trace_dirs": dict(self.trace_dirs),
+            "summaries_pending": sorted(r for _, r in self.pending),
+        }
+
+
+class CoordinatorState:
+    """Everything the coordinator knows; every method is synchronous and pure."""
+
+    def __init__(self, max_windows: int) -> None:
+        self.trainers: dict[str, TrainerRecord] = {}
+        self.stepping_trainer: str | None = None
+        self.ranks: dict[tuple[str, int], RankRecord] = {}
+        self.windows: collections.OrderedDict[int, WindowRecord] = collections.OrderedDict()
+        self.max_windows = max_windows
+        self.global_step: int | None = None
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # ----------------------------------------------------------- windows
+
+    def open_window(self, window: Window, participants: list[tuple[str, int]]) -> WindowRecord:
+        rec = WindowRecord(window, participants=set(participants))
+        self.windows[window.index] = rec
+        self.counters["windows_opened"] += 1
+        return rec
+
+    def current_window(self) -> WindowRecord | None:
+        for rec in reversed(self.windows.values()):
+            if not rec.closed:
+                return rec
+        return None
+
+    def closed_windows(self) -> list[WindowRecord]:
+        return [w for w in self.windows.values() if w.closed]
+
+    def close_window(self, rec: WindowRecord) -> None:
+        """Mark ``rec`` closed (its closing command was answered) and bound the history."""
+        if rec.closed:
+            return
+        rec.closed = True
+        self.counters["windows_closed"] += 1
+        while len(self.closed_windows()) > self.max_windows:
+            oldest = next(i for i, w in self.windows.items() if w.closed)
+            del self.windows[oldest]
+            self.counters["windows_evicted"] += 1
+
+    # ----------------------------------------------------------- replies
+
+    def apply_reply(self, key: tuple[str, int], reply: Any) -> None:
+        """Fold one worker reply into the state. Never raises on a bad reply."""
+        rec = self.ranks[key]
+        if not isinstance(reply, dict) or "state" not in reply:
+            self.rank_failed(key, "disabled", f"malformed reply from the worker: {reply!r:.200}")
+            return
+        state = reply.get("state")
+        if state == "disabled" and rec.state == "ok":
+            rec.state, rec.reason = "disabled", reply.get("reason")
+            self.counters["ranks_disabled"] += 1
+        elif state == "not_configured" and rec.state == "ok":
+            rec.state = "disabled"
+            rec.reason = {
+                "where": "coordinator",
+                "type": "NotConfigured",
+                "message": "the worker lost its profiler configuration (restarted?)",
+            }
+            self.counters["ranks_disabled"] += 1
+        rec.device = reply.get("device", rec.device)
+        rec.note = reply.get("note", rec.note)
+        if isinstance(reply.get("windows_captured"), int):
+            rec.windows_captured = reply["windows_captured"]
+        if reply.get("last_trace_path"):
+            rec.last_trace_path = reply["last_trace_path"]
+        closed = reply.get("closed")
+        if isinstance(closed, dict):
+            self._apply_closed(key, closed)
+        for blob in reply.get("summaries") or []:
+            self.ingest_summary(key, blob)
+        pending = set(reply.get("summary_pending") or [])
+        for w in self.windows.values():
+            if key in w.pending and w.window.index not in pending:
+                w.pending.discard(key)
+
+    def _apply_closed(self, key: tuple[str, int], closed: dict[str, Any]) -> None:
+        w = self.windows.get(closed.get("window"))
+        if w is None:
+            return
+        w.acked.add(key)
+        steps = closed.get("steps")
+        if steps:
+            steps = (int(steps[0]), int(steps[1]))
+            if w.steps is None:
+                w.steps = steps
+            elif w.steps != steps:
+                self.counters["step_mismatches"] += 1
+            path = closed.get("trace_path")
+            if path:
+                w.trace_dirs.setdefault(key[0], os.path.dirname(path))
+        w.partial = w.partial or bool(closed.get("partial"))
+        if closed.get("summary_pending"):
+            w.pending.add(key)
+
+    def ingest_summary(self, key: tuple[str, int], blob: Any) -> None:
+        """Decode strictly; a bad summary marks that rank's window bad and nothing else."""
+        trainer_id, rank = key
+        try:
+            s = decode_summary(blob)
+        except SummaryDecodeError as exc:
+            self.counters["bad_summaries"] += 1
+            for w in reversed(self.windows.values()):
+                if key in w.participants:
+                    w.aggregate(trainer_id).mark_bad(rank, str(exc))
+                    w.pending.discard(key)
+                    break
+            return
+        w = self.windows.get(s.window)
+        if w is None or key not in w.participants or s.rank != rank:
+            self.counters["unexpected_summaries"] += 1
+            return
+        if w.aggregate(trainer_id).add(s):
+            self.counters["summaries"] += 1
+        else:
+            self.counters["duplicate_summaries"] += 1
+        w.pending.discard(key)
+
+    def rank_failed(self, key: tuple[str, int], state: str, reason: Any) -> None:
+        rec = self.ranks[key]
+        if rec.state == "ok":
+            rec.state, rec.reason = state, reason
+            self.counters[f"ranks_{state}"] += 1
+        for w in self.windows.values():
+            w.pending.discard(key)
+
+    # ----------------------------------------------------------- queries
+
+    def kernel_summary(
+        self, window: int | None, top_k: int, trainer_id: str | None
+    ) -> dict[str, Any]:
+        tid = trainer_id or self.stepping_trainer
+        if window is None:
+            closed = self.closed_windows()
+            if not closed:
+                return empty_summary()
+            rec = closed[-1]
+        else:
+            rec = self.windows.get(window)
+            if rec is None:
+                known = [w.window.index for w in self.closed_windows()]
+                raise ValueError(
+                    f"no window {window}: the closed windows kept are {known} "
+                    f"(history holds the last {self.max_windows})"
+                )
+        agg = rec.aggregates.get(tid) if tid else None
+        out = agg.to_dict(top_k) if agg else {**empty_summary(), "window": rec.window.index}
+        out["steps"] = list(rec.steps) if rec.steps else out["steps"]
+        out["partial"] = rec.partial
+        out["closed"] = rec.closed
+        out["trainer_id"] = tid
+        out["pending_ranks"] = sorted(r for t, r in rec.pending if t == tid)
+        return out
