@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The CPU build of torch; a GPU machine can preinstall its own build in .venv.
 TORCH_SPEC ?= torch==2.13.0
+# Extra pip arguments for torch, e.g. --index-url https://download.pytorch.org/whl/cpu
+TORCH_PIP_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: venv test lint format demo bench clean
 
@@ -13,7 +16,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
@@ -29,6 +32,9 @@ test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q
+
+demo: venv
+	RAY_AUTH_MODE=$${RAY_AUTH_MODE:-disabled} $(PY) -m trainers.demo $(DEMO_ARGS)
 
 bench: venv
 	$(PY) bench/rank_profiler_overhead.py

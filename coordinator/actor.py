@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 DEFAULT_NAME = "profiler"
 DEFAULT_NAMESPACE = "profiler"
 _TRAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_POLL_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 # Configuring a rank warms Kineto up, which took up to 41 s on a loaded 2-core machine.
 CONFIGURE_TIMEOUT_S = 120.0
 _LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)
@@ -47,7 +46,6 @@ class _Coordinator:
         self.driver = WindowDriver(Schedule(cfg))
         self.state = CoordinatorState(cfg.max_windows)
         self._lock = asyncio.Lock()
-        self._polls: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------ trainer API
 
@@ -100,10 +98,11 @@ class _Coordinator:
                     keys.append((trainer_id, r))
             st.counters["registrations"] += 1
             cfg_dict = cfg.to_dict()
+            report_to = {"name": self.name, "namespace": self.namespace, "trainer_id": trainer_id}
             await self._fan_out(
                 keys,
                 "configure_profiler",
-                lambda key: (key[1], cfg_dict, run_dir),
+                lambda key: (key[1], cfg_dict, run_dir, True, report_to),
                 timeout=max(CONFIGURE_TIMEOUT_S, cfg.worker_timeout_s),
             )
             await self._join_open_window(keys)
@@ -203,6 +202,16 @@ class _Coordinator:
             raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
         return self.state.kernel_summary(window, top_k, trainer_id)
 
+    async def ingest_summary(self, trainer_id: str, rank: int, blob: bytes) -> bool:
+        """A rank pushes its summary here as soon as it is built (off its training thread)."""
+        key = (trainer_id, rank)
+        if key not in self.state.ranks:
+            self.state.counters["unexpected_summaries"] += 1
+            return True  # nobody will ever want it: do not make the rank keep it
+        self.state.counters["summaries_pushed"] += 1
+        self.state.ingest_summary(key, blob)
+        return True
+
     async def get_config(self) -> dict[str, Any]:
         return self.config.to_dict()
 
@@ -294,24 +303,6 @@ class _Coordinator:
 
     def _closed(self, rec: WindowRecord) -> None:
         self.state.close_window(rec)
-        if rec.pending:
-            task = asyncio.ensure_future(self._poll_summaries(rec))
-            self._polls.add(task)
-            task.add_done_callback(self._polls.discard)
-
-    async def _poll_summaries(self, rec: WindowRecord) -> None:
-        """Collect summaries the ranks build after a window closed, off the trainer's path."""
-        waited, budget = 0.0, max(60.0, self.config.worker_timeout_s)
-        i = 0
-        while rec.pending and waited < budget:
-            delay = _POLL_DELAYS_S[min(i, len(_POLL_DELAYS_S) - 1)]
-            await asyncio.sleep(delay)
-            waited, i = waited + delay, i + 1
-            keys = sorted(k for k in rec.pending if self.state.ranks[k].active)
-            if not keys:
-                return
-            self.state.counters["summary_polls"] += 1
-            await self._fan_out(keys, "dump_profiler_summary", lambda _: (0.0,))
 
     async def _fan_out(
         self,

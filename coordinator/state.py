@@ -89,6 +89,10 @@ class WindowRecord:
             agg = self.aggregates[trainer_id] = WindowAggregate(self.window.index)
         return agg
 
+    def has_summary(self, key: tuple[str, int]) -> bool:
+        agg = self.aggregates.get(key[0])
+        return agg is not None and (key[1] in agg.rank_totals or key[1] in agg.bad_ranks)
+
     def to_dict(self) -> dict[str, Any]:
         captured = sorted(
             (t, r) for (t, r) in self.acked if (t, r) in self.participants and self.steps
@@ -197,8 +201,8 @@ class CoordinatorState:
             if path:
                 w.trace_dirs.setdefault(key[0], os.path.dirname(path))
         w.partial = w.partial or bool(closed.get("partial"))
-        if closed.get("summary_pending"):
-            w.pending.add(key)
+        if closed.get("summary_pending") and not w.has_summary(key):
+            w.pending.add(key)  # (a pushed summary can arrive before the closing reply)
 
     def ingest_summary(self, key: tuple[str, int], blob: Any) -> None:
         """Decode strictly; a bad summary marks that rank's window bad and nothing else."""

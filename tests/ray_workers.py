@@ -46,15 +46,17 @@ class FaultyWorker(ToyWorker):
 
             torch.profiler.profile.start = broken_start
         elif kind == "garbage_summary":
-            real_status = RankProfiler.status
+            import worker_ext.rank_profiler as rp
 
-            def garbage(self):
-                st = real_status(self)
-                if st["summaries"]:
-                    st["summaries"] = [b"\xc1garbage"]
-                return st
+            rp.encode_summary = lambda summary: b"\xc1garbage"
+        elif kind == "slow_step_1s":
+            real_step = RankProfiler.step
 
-            RankProfiler.status = garbage
+            def slow_1s(self, k):
+                time.sleep(1.0)
+                return real_step(self, k)
+
+            RankProfiler.step = slow_1s
         elif kind == "slow":
 
             def slow(self, k):

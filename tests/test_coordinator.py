@@ -92,7 +92,10 @@ def test_end_to_end_windows_traces_and_aggregates(ray_session, make, tmp_path):
     assert c["worker_rpcs_start_profile"] == 2 * 3
     assert c["worker_rpcs_profile_step"] == 2 * 3 * 3
     assert c.get("worker_rpcs_stop_profile", 0) == 0
-    assert c["worker_rpcs"] == sum(v for k, v in c.items() if k.startswith("worker_rpcs_"))
+    # Nothing else: ranks push their summaries; only stop() collects what is still pending.
+    late = c.get("worker_rpcs_dump_profiler_summary", 0)
+    assert c["worker_rpcs"] == 3 + 2 * 3 + 2 * 3 * 3 + late and late <= 3
+    assert c["summaries"] == 2 * 3
     assert st["process"]["torch_loaded"] is False
 
     ks = ray.get(coord.kernel_summary.remote(top_k=5))

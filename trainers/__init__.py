@@ -1,1 +1,8 @@
-"""Training-loop hooks and reference trainers."""
+"""Training-loop hooks, reference trainers and the demo.
+
+``ProfilingHooks`` imports neither torch nor Ray until it is attached with profiling enabled.
+"""
+
+from trainers.hooks import ProfilingHooks
+
+__all__ = ["ProfilingHooks"]

@@ -31,8 +31,13 @@ class ProfilerWorkerMixin:
         config: dict[str, Any] | ProfilerConfig,
         run_dir: str | None,
         warm_up: bool = True,
+        report_to: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        """Set this actor's global rank, the config and the run directory."""
+        """Set this actor's global rank, the config and the run directory.
+
+        ``report_to`` (``name``, ``namespace``, ``trainer_id``) names the coordinator that
+        summaries are pushed to as soon as they are built; without it they ride on replies.
+        """
         from worker_ext.rank_profiler import RankProfiler
 
         old = self._rank_profiler
@@ -43,8 +48,9 @@ class ProfilerWorkerMixin:
             refuse = _threaded_actor_reason()
         except Exception as exc:
             cfg, refuse = ProfilerConfig(enable=True, ranks="all"), f"bad config: {exc}"
+        publish = _summary_publisher(report_to, int(rank)) if report_to else None
         self._rank_profiler = RankProfiler(
-            int(rank), cfg, run_dir, warm_up=warm_up, refuse_reason=refuse
+            int(rank), cfg, run_dir, warm_up=warm_up, refuse_reason=refuse, publish=publish
         )
         return self._rank_profiler.status()
 
@@ -74,6 +80,21 @@ class ProfilerWorkerMixin:
         """The status with every ready summary; waits up to ``wait_s`` for pending ones."""
         rp = self._rank_profiler
         return _not_configured() if rp is None else rp.wait_for_summaries(wait_s)
+
+
+def _summary_publisher(report_to: dict[str, str], rank: int) -> Any:
+    """Push a summary to the coordinator from the rank's summary thread (not the training one)."""
+    handle: list[Any] = []
+
+    def publish(blob: bytes) -> bool:
+        import ray
+
+        if not handle:
+            handle.append(ray.get_actor(report_to["name"], namespace=report_to["namespace"]))
+        ref = handle[0].ingest_summary.remote(report_to["trainer_id"], rank, blob)
+        return bool(ray.get(ref, timeout=30))
+
+    return publish
 
 
 def _not_configured() -> dict[str, Any]:

@@ -19,6 +19,7 @@ import queue
 import shutil
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,11 +65,13 @@ class RankProfiler:
         *,
         warm_up: bool = True,
         refuse_reason: str | None = None,
+        publish: Callable[[bytes], bool] | None = None,
     ) -> None:
         self.rank = int(rank)
         self.config = config
         self.run_directory = run_directory
         self.selected = bool(config.enable and config.selects(self.rank))
+        self._publish = publish  # hands a summary to the coordinator; False: keep it for a reply
         self.windows_captured = 0
         self.windows_skipped = 0
         self.last_trace_path: str | None = None
@@ -419,8 +422,18 @@ class RankProfiler:
             top_k=self.config.top_k,
         )
         data = encode_summary(summary)
+        if self._publish is not None and _published(self._publish, data):
+            return
         with self._cond:
             self._ready.append(data)
+
+
+def _published(publish: Callable[[bytes], bool], data: bytes) -> bool:
+    try:
+        return bool(publish(data))
+    except Exception:
+        log.debug("publishing a summary failed; it rides on the next reply", exc_info=True)
+        return False
 
 
 def _pick_device(config: ProfilerConfig) -> tuple[str, str | None]:

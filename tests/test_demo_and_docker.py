@@ -1,0 +1,112 @@
+"""The main job's entry point, its flags and errors, and the docker files that run it."""
+
+import os
+import shlex
+import subprocess
+import sys
+
+import yaml
+
+from tests.conftest import ROOT
+from trainers.demo import build_config, parse_args
+
+
+def run_demo(*args, timeout=240):
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "trainers.demo", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_demo_prints_steps_status_kernels_and_traces(tmp_path):
+    proc = run_demo(
+        "--trainer",
+        "sft",
+        "--steps",
+        "8",
+        "--save-path",
+        str(tmp_path),
+        "--run-name",
+        "demo",
+        "--skip-first",
+        "1",
+        "--wait",
+        "1",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    step_lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    assert len(step_lines) == 8 and "loss" in step_lines[0] and " ms " in step_lines[0]
+    assert "profiler: recording" in out and "profiler: warmup" in out
+    assert "== profiler status ==" in out and "== top kernels" in out
+    assert f"traces: {tmp_path / 'demo'}" in out
+    # windows record 3-4 and 7-8; the run ends after step 7, so the second one is partial
+    assert sorted(os.listdir(tmp_path / "demo")) == [
+        "window_0000_steps_3-4",
+        "window_0001_steps_7-7",
+    ]
+
+
+def test_demo_config_file_and_flags(tmp_path):
+    cfg_file = tmp_path / "profiler.yaml"
+    cfg_file.write_text("wait: 7\nactive: 4\nexport_type: chrome_trace\nranks: [0]\n")
+    args = parse_args(["--config", str(cfg_file), "--active", "2", "--save-path", str(tmp_path)])
+    cfg = build_config(args)
+    assert (cfg.wait, cfg.active, cfg.export_type, cfg.ranks) == (7, 2, "chrome_trace", [0])
+    assert build_config(parse_args(["--no-profile"])).enable is False
+
+
+def test_demo_bad_config_is_one_clear_line(tmp_path):
+    cfg_file = tmp_path / "bad.yaml"
+    cfg_file.write_text("warmup: null\n")
+    proc = run_demo("--config", str(cfg_file), timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: profiler config: 'warmup' must be an int, got NoneType: None"
+    )
+
+
+def test_demo_against_a_dead_address_fails_fast():
+    proc = run_demo("--address", "127.0.0.1:9", timeout=60)
+    assert proc.returncode != 0
+    assert "no Ray cluster answers at 127.0.0.1:9" in proc.stderr
+
+
+def test_dockerfile_installs_like_the_readme_and_runs_the_demo():
+    with open(os.path.join(ROOT, "docker", "Dockerfile")) as f:
+        lines = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+    assert lines[0].startswith("FROM python:3.11")
+    for ln in lines:
+        if ln.startswith("COPY "):
+            for src in shlex.split(ln)[1:-1]:
+                assert os.path.exists(os.path.join(ROOT, src)), src
+    assert any(ln.startswith("RUN make venv") for ln in lines)
+    assert lines[-1] == 'CMD ["make", "demo"]'
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        makefile = f.read()
+    assert "\ndemo: venv\n" in makefile and "-m trainers.demo" in makefile
+
+
+def test_compose_runs_a_head_a_worker_node_and_the_demo_joining_them():
+    with open(os.path.join(ROOT, "docker", "compose.yaml")) as f:
+        compose = yaml.safe_load(f)
+    services = compose["services"]
+    assert set(services) == {"ray-head", "ray-worker", "demo"}
+    head = services["ray-head"]["command"].split()
+    assert head[:3] == ["ray", "start", "--head"] and "--port=6379" in head
+    assert "--address=ray-head:6379" in services["ray-worker"]["command"].split()
+    demo = shlex.split(services["demo"]["command"])
+    assert demo[:3] == ["python", "-m", "trainers.demo"]
+    args = parse_args(demo[3:])  # the real entry point accepts exactly these flags
+    assert args.address == "ray-head:6379" and args.save_path == "/app/profiles"
+    for svc in services.values():
+        assert svc["build"]["dockerfile"] == "docker/Dockerfile"
+        assert os.path.exists(
+            os.path.join(ROOT, "docker", svc["build"]["context"], "pyproject.toml")
+        )

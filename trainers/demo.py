@@ -1,0 +1,220 @@
+"""The main job: a reference trainer on Ray policy workers, profiled by the coordinator.
+
+    python -m trainers.demo                      # fully-async RL, 2 ranks, embedded Ray
+    python -m trainers.demo --trainer sft --steps 20 --wait 5 --active 3
+    python -m trainers.demo --config profiler.yaml --address HOST:PORT
+
+With ``--address`` it joins a running cluster and leaves the coordinator alive afterwards, so a
+notebook can read it (``ray.get_actor("profiler", namespace="profiler")``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import yaml
+
+from coordinator.config import ProfilerConfig
+
+TRAINERS = ("sft", "rl", "async", "fully-async")
+SCHEDULE_FLAGS = ("skip_first", "wait", "warmup", "active", "repeat")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m trainers.demo", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--trainer", choices=TRAINERS, default="fully-async")
+    ap.add_argument("--ranks", type=int, default=2, help="policy ranks (default 2)")
+    ap.add_argument("--steps", type=int, default=16, help="global steps (default 16)")
+    ap.add_argument("--first-step", type=int, default=0, help="resume at this step")
+    ap.add_argument("--rollouts", type=int, default=2, help="generation workers (RL trainers)")
+    ap.add_argument("--config", help="a YAML file of ProfilerConfig fields")
+    ap.add_argument("--save-path", help="trace directory (default ./profiles)")
+    ap.add_argument("--run-name")
+    ap.add_argument("--ranks-to-profile", default=None, help="'all' or a comma list (default all)")
+    for flag in SCHEDULE_FLAGS:
+        ap.add_argument("--" + flag.replace("_", "-"), type=int, dest=flag)
+    ap.add_argument("--export-type", choices=["chrome_trace", "chrome_trace_gz", "stacks", "none"])
+    ap.add_argument("--top-k", type=int, default=10, help="rows in the printed kernel table")
+    ap.add_argument("--no-profile", action="store_true", help="run with profiling disabled")
+    ap.add_argument("--address", help="join this Ray cluster instead of starting one")
+    ap.add_argument("--namespace", default="profiler")
+    return ap.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> ProfilerConfig:
+    """Defaults for the demo, then the YAML file, then explicit flags."""
+    values: dict[str, Any] = {
+        "enable": True,
+        "ranks": "all",
+        "save_path": os.path.abspath("profiles"),
+        "skip_first": 2,
+        "wait": 2,
+        "warmup": 1,
+        "active": 2,
+        "repeat": 2,
+        "activities": ["cpu", "cuda"],
+        "export_type": "chrome_trace_gz",
+    }
+    if args.config:
+        with open(args.config) as f:
+            loaded = yaml.safe_load(f)
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"{args.config}: expected a mapping of ProfilerConfig fields")
+        values.update(loaded or {})
+    for flag in SCHEDULE_FLAGS:
+        if getattr(args, flag) is not None:
+            values[flag] = getattr(args, flag)
+    if args.save_path:
+        values["save_path"] = os.path.abspath(args.save_path)
+    if args.run_name:
+        values["run_name"] = args.run_name
+    if args.export_type:
+        values["export_type"] = args.export_type
+    if args.ranks_to_profile:
+        r = args.ranks_to_profile
+        values["ranks"] = "all" if r == "all" else [int(x) for x in r.split(",")]
+    if args.no_profile:
+        values["enable"] = False
+    return ProfilerConfig.from_dict(values)
+
+
+def connect_ray(address: str | None, namespace: str) -> None:
+    import ray
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {"env_vars": {"PYTHONPATH": root}}
+    if address is None:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(
+            num_cpus=8,
+            include_dashboard=False,
+            log_to_driver=False,
+            namespace=namespace,
+            runtime_env=env,
+        )
+        return
+    if address != "auto":
+        host, _, port = address.rpartition(":")
+        try:  # ray.init retries a dead address for minutes: fail fast instead
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=3).close()
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"error: no Ray cluster answers at {address}: {exc}") from None
+    ray.init(address=address, namespace=namespace, log_to_driver=False, runtime_env=env)
+
+
+def print_step(step: int, metric: str, value: float, seconds: float, phase: str) -> None:
+    print(f"step {step:4d}  {metric} {value:8.4f}  {seconds * 1e3:8.1f} ms  profiler: {phase}")
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
+    from trainers.hooks import ProfilingHooks
+    from trainers.loops import (
+        RunConfig,
+        run_fully_async_rl,
+        run_one_step_async_rl,
+        run_sft,
+        run_sync_rl,
+    )
+    from trainers.workers import make_policy_group, make_rollouts
+
+    cfg = build_config(args)
+    connect_ray(args.address, args.namespace)
+    t_start = time.perf_counter()
+    policy = make_policy_group(args.ranks)
+    rollouts = make_rollouts(args.rollouts) if args.trainer != "sft" else []
+    hooks = ProfilingHooks.attach(cfg, policy, trainer_id=args.trainer, namespace=args.namespace)
+    rc = RunConfig(steps=args.steps, first_step=args.first_step)
+    print(
+        f"{args.trainer} trainer, {args.ranks} policy ranks, {args.steps} steps; "
+        f"profiling {'on' if hooks.enabled else 'off'}"
+    )
+    if args.trainer == "sft":
+        result = run_sft(hooks, policy, rc, print_step)
+    elif args.trainer == "rl":
+        result = run_sync_rl(hooks, policy, rollouts[0], rc, print_step)
+    elif args.trainer == "async":
+        result = asyncio.run(run_one_step_async_rl(hooks, policy, rollouts[0], rc, print_step))
+    else:
+        result = asyncio.run(run_fully_async_rl(hooks, policy, rollouts, rc, print_step))
+    n = len(result.values)
+    half = max(1, n // 2)
+    print(
+        f"{result.metric}: first half {sum(result.values[:half]) / half:.4f}, "
+        f"second half {sum(result.values[half:]) / max(1, n - half):.4f}; "
+        f"wall {time.perf_counter() - t_start:.1f} s"
+    )
+    if hooks.coordinator is not None:
+        print_report(
+            ray.get(hooks.coordinator.status.remote()),
+            ray.get(hooks.coordinator.kernel_summary.remote(top_k=args.top_k)),
+        )
+        if args.address is None:
+            ray.kill(hooks.coordinator)
+        else:
+            print(
+                f"coordinator left running: ray.get_actor('profiler', namespace={args.namespace!r})"
+            )
+    elif hooks.disabled_reason and cfg.enable:
+        print(f"profiling was switched off: {hooks.disabled_reason}")
+    ray.shutdown()
+    return 0
+
+
+def print_report(status: dict[str, Any], kernels: dict[str, Any]) -> None:
+    """The status summary, the cross-rank top-kernel table and where the traces are."""
+    c = status["counters"]
+    print("\n== profiler status ==")
+    print(
+        f"global step {status['global_step']}, phase {status['phase']}, "
+        f"windows closed {len(status['windows'])}, worker RPCs {c.get('worker_rpcs', 0)}"
+    )
+    for r in status["ranks"]:
+        why = f" ({r['reason']['message']})" if r.get("reason") else ""
+        note = f" [{r['note']}]" if r.get("note") else ""
+        print(f"  rank {r['rank']}: {r['state']}{why}, windows {r['windows_captured']}{note}")
+    for w in status["windows"]:
+        flag = " partial" if w["partial"] else ""
+        print(
+            f"  window {w['index']}: steps {w['steps']}{flag} ranks {w['ranks']}"
+            f" -> {w['trace_dir']}"
+        )
+    if kernels["window"] is None:
+        print("no closed window yet")
+        return
+    print(
+        f"\n== top kernels, window {kernels['window']} steps {kernels['steps']}, "
+        f"ranks {kernels['ranks']}, self {kernels['device']} time ({kernels['unit']}) =="
+    )
+    print(
+        f"{'total':>10} {'mean':>9} {'min':>9} {'max':>9} {'max@':>4} {'calls':>6} "
+        f"{'share':>6}  name"
+    )
+    for k in kernels["kernels"]:
+        print(
+            f"{k['total_us']:>10.0f} {k['mean_us']:>9.0f} {k['min_us']:>9.0f} {k['max_us']:>9.0f} "
+            f"{k['max_rank']:>4} {k['count']:>6} {k['share']:>6.1%}  {k['name'][:60]}"
+        )
+    print(f"\ntraces: {status['run_dir']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
