@@ -44,8 +44,10 @@ class _Coordinator:
         self.run_name = cfg.run_name or default_run_name()
         self.run_dir = contained(cfg.save_path, self.run_name) if cfg.save_path else None
         self.driver = WindowDriver(Schedule(cfg))
-        self.state = CoordinatorState(cfg.max_windows)
+        self.state = CoordinatorState(cfg.max_windows, cfg.detail_windows, cfg.straggler_threshold)
         self._lock = asyncio.Lock()
+        self._capture_ranks: dict[int, list[tuple[str, int]]] = {}
+        self._metrics = _Metrics(name)
 
     # ------------------------------------------------------------ trainer API
 
@@ -127,15 +129,25 @@ class _Coordinator:
             await self._run(self.driver.start(first_step))
             return self._step_reply(True)
 
-    async def step(self, trainer_id: str, k: int) -> dict[str, Any]:
-        """Global step ``k`` has finished. Returns once the ranks that act are ready for k+1."""
+    async def step(
+        self, trainer_id: str, k: int, plan_version: int | None = None
+    ) -> dict[str, Any]:
+        """Global step ``k`` has finished. Returns once the ranks that act are ready for k+1.
+
+        ``plan_version``: the latest one the trainer saw in a reply (``StepClient`` sends it);
+        a capture it had not seen yet does not open on this report.
+        """
         async with self._lock:
             rejected = self._reject(trainer_id, "step")
             if rejected:
                 return rejected
             if isinstance(k, bool) or not isinstance(k, int) or k < 0:
                 return self._refuse("step", f"step must be an int >= 0, got {k!r}")
-            result = self.driver.step(k)
+            if plan_version is not None and (
+                isinstance(plan_version, bool) or not isinstance(plan_version, int)
+            ):
+                return self._refuse("step", f"plan_version must be an int, got {plan_version!r}")
+            result = self.driver.step(k, plan_version)
             if isinstance(result, Ignored):
                 self.state.counters["ignored_steps"] += 1
                 self.state.counters[f"ignored_steps_{result.reason}"] += 1
@@ -187,6 +199,7 @@ class _Coordinator:
                 "skipped_windows": drv.skipped_windows,
                 **dict(st.counters),
             },
+            "metrics": self._metrics.snapshot(),
             "process": {
                 "pid": os.getpid(),
                 "torch_loaded": "torch" in sys.modules,
@@ -195,12 +208,112 @@ class _Coordinator:
         }
 
     async def kernel_summary(
-        self, window: int | None = None, top_k: int = 20, trainer_id: str | None = None
+        self,
+        window: int | None = None,
+        top_k: int = 20,
+        trainer_id: str | None = None,
+        per_rank: bool = False,
     ) -> dict[str, Any]:
-        """Cross-rank kernel table for the latest closed window, or for ``window``."""
+        """Cross-rank kernel table for the latest closed window, or for ``window``.
+
+        ``per_rank=True`` adds each top kernel's self time on every rank (recent windows only).
+        """
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
-        return self.state.kernel_summary(window, top_k, trainer_id)
+        return self.state.kernel_summary(window, top_k, trainer_id, per_rank)
+
+    async def request_capture(
+        self,
+        active: int = 1,
+        warmup: int = 1,
+        ranks: list[int] | None = None,
+        start_step: int | None = None,
+    ) -> dict[str, Any]:
+        """Profile ``active`` steps from ``start_step`` (default: as soon as possible).
+
+        Answers at once: ``{"accepted": True, "window", "steps": [first, last], "ranks"}`` or
+        ``{"accepted": False, "reason"}``. ``ranks=None`` means the configured ranks.
+        """
+        async with self._lock:
+            for name, value, low in (("active", active, 1), ("warmup", warmup, 0)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                    return _refused(f"{name} must be an int >= {low}, got {value!r}")
+            if start_step is not None and (
+                isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0
+            ):
+                return _refused(f"start_step must be an int >= 0 or None, got {start_step!r}")
+            st = self.state
+            tid = st.stepping_trainer
+            if tid is None:
+                return _refused("no trainer is registered with the coordinator")
+            if not self.config.enable:
+                return _refused("profiling is disabled in this coordinator's config")
+            world = st.trainers[tid].ranks
+            if ranks is None:
+                wanted = [r for r in world if self.config.selects(r)]
+            else:
+                if not isinstance(ranks, (list, tuple)) or not all(
+                    isinstance(r, int) and not isinstance(r, bool) for r in ranks
+                ):
+                    return _refused(f"ranks must be a list of ints or None, got {ranks!r}")
+                unknown = sorted(set(ranks) - set(world))
+                if unknown:
+                    return _refused(
+                        f"unknown ranks {unknown}: trainer {tid!r} has ranks {_span(world)}"
+                    )
+                wanted = sorted(set(ranks))
+            keys = [(tid, r) for r in wanted]
+            down = [
+                r for (t, r) in keys if st.ranks[(t, r)].selected and not st.ranks[(t, r)].active
+            ]
+            if down:
+                return _refused(
+                    f"ranks {down} cannot profile: "
+                    + "; ".join(f"rank {r} is {st.ranks[(tid, r)].state}" for r in down)
+                )
+            planned = self.driver.request_capture(warmup, active, start_step)
+            if isinstance(planned, str):
+                st.counters["captures_refused"] += 1
+                return _refused(planned)
+            await self._configure_for_capture(keys)
+            self._capture_ranks[planned.index] = keys
+            st.counters["captures_requested"] += 1
+            return {
+                "accepted": True,
+                "window": planned.index,
+                "steps": [planned.first, planned.last],
+                "warmup_start": planned.warmup_start,
+                "ranks": wanted,
+            }
+
+    async def cancel_capture(self, window: int) -> dict[str, Any]:
+        """Drop a requested capture that has not opened yet."""
+        async with self._lock:
+            why = self.driver.cancel_capture(window)
+            if why is not None:
+                return {"cancelled": False, "reason": why}
+            self._capture_ranks.pop(window, None)
+            self.state.counters["captures_cancelled"] += 1
+            return {"cancelled": True, "window": window}
+
+    async def _configure_for_capture(self, keys: list[tuple[str, int]]) -> None:
+        """Ranks the config does not select are configured for this capture only."""
+        st = self.state
+        fresh = [k for k in keys if not st.ranks[k].selected]
+        if not fresh:
+            return
+        for key in fresh:
+            st.ranks[key].selected = True
+        tid = fresh[0][0]
+        report_to = {"name": self.name, "namespace": self.namespace, "trainer_id": tid}
+        run_dir = st.trainers[tid].run_dir
+        base = self.config.to_dict()
+        await self._fan_out(
+            fresh,
+            "configure_profiler",
+            lambda key: (key[1], {**base, "ranks": [key[1]]}, run_dir, False, report_to),
+            timeout=max(CONFIGURE_TIMEOUT_S, self.config.worker_timeout_s),
+        )
 
     async def ingest_summary(self, trainer_id: str, rank: int, blob: bytes) -> bool:
         """A rank pushes its summary here as soon as it is built (off its training thread)."""
@@ -210,6 +323,7 @@ class _Coordinator:
             return True  # nobody will ever want it: do not make the rank keep it
         self.state.counters["summaries_pushed"] += 1
         self.state.ingest_summary(key, blob)
+        self._metrics.export(self.state)
         return True
 
     async def get_config(self) -> dict[str, Any]:
@@ -248,6 +362,7 @@ class _Coordinator:
         return {**self._step_reply(False), "rejected": why}
 
     def _step_reply(self, applied: bool) -> dict[str, Any]:
+        self._metrics.export(self.state)
         cur = self.driver.current
         return {
             "applied": applied,
@@ -255,6 +370,7 @@ class _Coordinator:
             "phase": self._phase(),
             "window": cur.index if cur else None,
             "next_sync_step": self._next_sync_step(),
+            "plan_version": self.driver.plan_version,
         }
 
     def _next_sync_step(self) -> int | None:
@@ -284,7 +400,12 @@ class _Coordinator:
         st = self.state
         for cmd in commands:
             if isinstance(cmd, Begin):
-                keys = [k for k, r in st.ranks.items() if r.active]
+                keys = self._capture_ranks.pop(cmd.window.index, None)
+                if keys is None:  # a scheduled window: the ranks the config selects
+                    keys = [
+                        k for k, r in st.ranks.items() if r.active and self.config.selects(k[1])
+                    ]
+                keys = [k for k in keys if st.ranks[k].active]
                 rec = st.open_window(cmd.window, keys)
                 w = cmd.window.to_dict()
                 await self._fan_out(keys, "start_profile", lambda _, w=w, s=cmd.step: (w, s))
@@ -348,6 +469,77 @@ class _Coordinator:
                 st.rank_failed(key, state, _reason(method, exc))
             else:
                 st.apply_reply(key, task.result())
+
+
+class _Metrics:
+    """The coordinator's counters as Ray metrics, so a Prometheus that scrapes Ray sees them.
+
+    Ray prefixes the names with ``ray_``: ``ray_profiler_global_step`` and so on.
+    """
+
+    GAUGES = {
+        "profiler_global_step": "Last global step the stepping trainer reported finished",
+        "profiler_ranks_disabled": "Ranks whose profiling is disabled by a fault",
+        "profiler_ranks_lost": "Ranks whose worker died or whose node went away",
+        "profiler_ranks_unresponsive": "Ranks that did not answer within worker_timeout_s",
+    }
+    COUNTERS = {
+        "profiler_windows_captured": "Profiling windows closed",
+        "profiler_worker_rpcs": "Calls the coordinator made to worker ranks",
+    }
+
+    def __init__(self, name: str) -> None:
+        self.values: dict[str, float] = {}
+        self._sent: dict[str, float] = {}
+        try:
+            from ray.util import metrics
+
+            tags = {"coordinator": name}
+            self._gauges = {
+                n: metrics.Gauge(n, d, tag_keys=("coordinator",)) for n, d in self.GAUGES.items()
+            }
+            self._counters = {
+                n: metrics.Counter(n, d, tag_keys=("coordinator",))
+                for n, d in self.COUNTERS.items()
+            }
+            for m in (*self._gauges.values(), *self._counters.values()):
+                m.set_default_tags(tags)
+            self.error: str | None = None
+        except Exception as exc:  # metrics are a convenience; never fail the coordinator
+            self._gauges, self._counters = {}, {}
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def export(self, st: CoordinatorState) -> None:
+        states = [r.state for r in st.ranks.values() if r.selected]
+        self.values = {
+            "profiler_global_step": float(st.global_step if st.global_step is not None else -1),
+            "profiler_ranks_disabled": float(states.count("disabled")),
+            "profiler_ranks_lost": float(states.count("lost")),
+            "profiler_ranks_unresponsive": float(states.count("unresponsive")),
+            "profiler_windows_captured": float(st.counters["windows_closed"]),
+            "profiler_worker_rpcs": float(st.counters["worker_rpcs"]),
+        }
+        try:
+            for n, g in self._gauges.items():
+                g.set(self.values[n])
+            for n, c in self._counters.items():
+                delta = self.values[n] - self._sent.get(n, 0.0)
+                if delta > 0:
+                    c.inc(delta)
+                    self._sent[n] = self.values[n]
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "exported": bool(self._gauges) and self.error is None,
+            "error": self.error,
+            "values": dict(self.values),
+        }
+
+
+def _refused(reason: str) -> dict[str, Any]:
+    return {"accepted": False, "reason": reason}
 
 
 async def _await(ref: Any) -> Any:

@@ -16,7 +16,6 @@ from typing import Any
 import ray
 
 _MAX_IN_FLIGHT = 64
-_DRAIN_EVERY = 16  # look at finished replies every few steps, not on every one
 
 
 class StepClient:
@@ -31,6 +30,7 @@ class StepClient:
         self._in_flight: list[Any] = []
         self._last_sent = 0.0
         self._unreported: int | None = None
+        self.plan_version: int | None = None  # the latest plan this trainer has seen
 
     def start(self, first_step: int) -> dict[str, Any]:
         """Blocking: the coordinator prepares the ranks for ``first_step``."""
@@ -38,6 +38,8 @@ class StepClient:
 
     def step(self, k: int) -> dict[str, Any] | None:
         """Report that global step ``k`` finished; waits only when ranks must act."""
+        if self._in_flight:  # learn of new captures as soon as a reply is back
+            self.drain(block=False)
         if self.next_sync_step is not None and k >= self.next_sync_step:
             ref = self._send(k)
             self.drain(block=True)
@@ -46,8 +48,8 @@ class StepClient:
             self._unreported = k
             return None
         self._in_flight.append(self._send(k))
-        if len(self._in_flight) % _DRAIN_EVERY == 0:
-            self.drain(block=len(self._in_flight) > _MAX_IN_FLIGHT)
+        if len(self._in_flight) > _MAX_IN_FLIGHT:
+            self.drain(block=True)
         return None
 
     def stop(self) -> dict[str, Any]:
@@ -63,6 +65,8 @@ class StepClient:
         return self._absorb(await self.coordinator.start.remote(self.trainer_id, first_step))
 
     async def astep(self, k: int) -> dict[str, Any] | None:
+        if self._in_flight:
+            self.drain(block=False)  # ray.wait with timeout 0 does not block the loop
         if self.next_sync_step is not None and k >= self.next_sync_step:
             ref = self._send(k)
             await self.adrain()
@@ -89,7 +93,7 @@ class StepClient:
     def _send(self, k: int) -> Any:
         self._last_sent = time.monotonic()
         self._unreported = None
-        return self.coordinator.step.remote(self.trainer_id, k)
+        return self.coordinator.step.remote(self.trainer_id, k, self.plan_version)
 
     def drain(self, block: bool = False) -> None:
         """Absorb replies of unacknowledged reports (raises what ``ray.get`` raises)."""
@@ -111,4 +115,6 @@ class StepClient:
         self.last_reply = reply
         if "next_sync_step" in reply:
             self.next_sync_step = reply["next_sync_step"]
+        if isinstance(reply.get("plan_version"), int):
+            self.plan_version = reply["plan_version"]
         return reply

@@ -61,6 +61,10 @@ class ProfilerConfig:
     """Seconds the coordinator waits for a rank's acknowledgement before marking it unresponsive."""
     max_windows: int = 64
     """Closed windows whose summaries the coordinator keeps in memory."""
+    detail_windows: int = 8
+    """Most recent closed windows that keep per-rank values (rank x kernel views)."""
+    straggler_threshold: float = 1.25
+    """Flag a rank whose step time or kernel time exceeds this multiple of the median."""
 
     @classmethod
     def from_dict(
@@ -115,6 +119,8 @@ class ProfilerConfig:
         _check_int(self, "top_k", minimum=1)
         _check_int(self, "max_windows", minimum=1)
         _check_number(self, "worker_timeout_s", minimum_exclusive=0.0)
+        _check_int(self, "detail_windows", minimum=0)
+        _check_number(self, "straggler_threshold", minimum_exclusive=1.0)
         self._validate_ranks()
         self._validate_activities()
         self._validate_export()

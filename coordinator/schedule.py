@@ -29,6 +29,8 @@ class Window:
     warmup_start: int
     first: int
     last: int
+    kind: str = "scheduled"
+    """``scheduled`` (from the config's schedule) or ``capture`` (requested at run time)."""
 
     def action(self, step: int) -> ProfilerAction:
         """The action during ``step`` if this were the only window."""
@@ -41,7 +43,14 @@ class Window:
     def shifted_to(self, warmup_start: int) -> Window:
         """The same window length, starting its warm-up at ``warmup_start``."""
         delta = warmup_start - self.warmup_start
-        return Window(self.index, warmup_start, self.first + delta, self.last + delta)
+        return Window(self.index, warmup_start, self.first + delta, self.last + delta, self.kind)
+
+    def renumbered(self, index: int) -> Window:
+        return Window(index, self.warmup_start, self.first, self.last, self.kind)
+
+    def overlaps(self, other: Window) -> bool:
+        """Whether the two windows share a warm-up or recorded step."""
+        return self.warmup_start <= other.last and other.warmup_start <= self.last
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -49,11 +58,13 @@ class Window:
             "warmup_start": self.warmup_start,
             "first": self.first,
             "last": self.last,
+            "kind": self.kind,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Window:
-        w = cls(int(d["index"]), int(d["warmup_start"]), int(d["first"]), int(d["last"]))
+        kind = str(d.get("kind", "scheduled"))
+        w = cls(int(d["index"]), int(d["warmup_start"]), int(d["first"]), int(d["last"]), kind)
         if not 0 <= w.warmup_start <= w.first <= w.last:
             raise ValueError(f"window {d!r}: need 0 <= warmup_start <= first <= last")
         return w

@@ -82,6 +82,7 @@ class WindowRecord:
     trace_dirs: dict[str, str] = field(default_factory=dict)
     aggregates: dict[str, WindowAggregate] = field(default_factory=dict)
     pending: set[tuple[str, int]] = field(default_factory=set)
+    threshold: float = 1.25  # straggler threshold
 
     def aggregate(self, trainer_id: str) -> WindowAggregate:
         agg = self.aggregates.get(trainer_id)
@@ -106,13 +107,25 @@ class WindowRecord:
             "trace_dir": next(iter(self.trace_dirs.values()), None),
             "trace_dirs": dict(self.trace_dirs),
             "summaries_pending": sorted(r for _, r in self.pending),
+            "kind": self.window.kind,
+            "stragglers": sorted(
+                {
+                    r
+                    for a in self.aggregates.values()
+                    for r in a.stragglers(self.threshold)["flagged"]
+                }
+            ),
         }
 
 
 class CoordinatorState:
     """Everything the coordinator knows; every method is synchronous and pure."""
 
-    def __init__(self, max_windows: int) -> None:
+    def __init__(
+        self, max_windows: int, detail_windows: int = 8, straggler_threshold: float = 1.25
+    ) -> None:
+        self.detail_windows = detail_windows
+        self.straggler_threshold = straggler_threshold
         self.trainers: dict[str, TrainerRecord] = {}
         self.stepping_trainer: str | None = None
         self.ranks: dict[tuple[str, int], RankRecord] = {}
@@ -124,7 +137,9 @@ class CoordinatorState:
     # ----------------------------------------------------------- windows
 
     def open_window(self, window: Window, participants: list[tuple[str, int]]) -> WindowRecord:
-        rec = WindowRecord(window, participants=set(participants))
+        rec = WindowRecord(
+            window, participants=set(participants), threshold=self.straggler_threshold
+        )
         self.windows[window.index] = rec
         self.counters["windows_opened"] += 1
         return rec
@@ -144,6 +159,10 @@ class CoordinatorState:
             return
         rec.closed = True
         self.counters["windows_closed"] += 1
+        closed = self.closed_windows()
+        for old in closed[: max(0, len(closed) - self.detail_windows)]:
+            for agg in old.aggregates.values():
+                agg.drop_detail()
         while len(self.closed_windows()) > self.max_windows:
             oldest = next(i for i, w in self.windows.items() if w.closed)
             del self.windows[oldest]
@@ -238,7 +257,7 @@ class CoordinatorState:
     # ----------------------------------------------------------- queries
 
     def kernel_summary(
-        self, window: int | None, top_k: int, trainer_id: str | None
+        self, window: int | None, top_k: int, trainer_id: str | None, per_rank: bool = False
     ) -> dict[str, Any]:
         tid = trainer_id or self.stepping_trainer
         if window is None:
@@ -255,7 +274,10 @@ class CoordinatorState:
                     f"(history holds the last {self.max_windows})"
                 )
         agg = rec.aggregates.get(tid) if tid else None
-        out = agg.to_dict(top_k) if agg else {**empty_summary(), "window": rec.window.index}
+        if agg is not None:
+            out = agg.to_dict(top_k, self.straggler_threshold, per_rank)
+        else:
+            out = {**empty_summary(), "window": rec.window.index}
         out["steps"] = list(rec.steps) if rec.steps else out["steps"]
         out["partial"] = rec.partial
         out["closed"] = rec.closed

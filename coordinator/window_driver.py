@@ -3,6 +3,11 @@
 The trainer reports ``start(first_step)`` before its loop, ``step(k)`` after global step k has
 finished, and ``stop()`` after the loop. The driver answers with the commands the selected ranks
 must run before the next training step, and nothing at all on steps outside a window.
+
+One plan holds the scheduled windows and the captures requested at run time, never overlapping.
+``plan_version`` counts changes to the captures: a capture opens only on a report from a trainer
+that knew of it (its report carries that version), so it had waited for the acknowledgement;
+otherwise the capture moves to the next step boundary.
 """
 
 from __future__ import annotations
@@ -55,16 +60,89 @@ class WindowDriver:
         self.skipped_windows = 0
         self._cursor: Window | None = None  # next scheduled window not yet opened or skipped
         self._started = False
+        self.captures: list[Window] = []  # requested, not yet opened; sorted by warm-up start
+        self.plan_version = 0
+        self._capture_versions: dict[int, int] = {}
 
     @property
     def started(self) -> bool:
         return self._started
 
     def next_window(self) -> Window | None:
-        """The next scheduled window, numbered as it would be if it opened next."""
-        if self._cursor is None:
-            return None
-        return _renumber(self._cursor, self.next_index)
+        """The next window to open: a capture, or the scheduled one numbered as it would be."""
+        sched = self._cursor.renumbered(self.next_index) if self._cursor else None
+        cap = self.captures[0] if self.captures else None
+        if cap is None or (sched is not None and sched.warmup_start < cap.warmup_start):
+            return sched
+        return cap
+
+    @property
+    def next_boundary(self) -> int:
+        """The first step the trainer has not reported finished (0 before any report)."""
+        return self.last_step + 1 if self.last_step is not None else 0
+
+    def request_capture(self, warmup: int, active: int, start_step: int | None) -> Window | str:
+        """Plan a capture recording ``active`` steps from ``start_step`` (default: the earliest
+        step whose warm-up can still begin at a boundary the trainer has not reached).
+
+        Returns the planned window, or the reason it was refused.
+        """
+        if warmup < 0 or active < 1:
+            return f"need warmup >= 0 and active >= 1, got warmup={warmup} active={active}"
+        # Once started, the trainer may already be running the step after its last report.
+        earliest = self.next_boundary + (1 if self._started else 0)
+        if start_step is None:
+            warmup_start = earliest
+        else:
+            warmup_start = start_step - warmup
+            if warmup_start < earliest:
+                return (
+                    f"start_step {start_step} is too early: with warmup {warmup} its warm-up "
+                    f"would begin at step {warmup_start}, and the earliest step the trainer can "
+                    f"still be prepared for is {earliest}"
+                )
+        w = Window(
+            self.next_index,
+            warmup_start,
+            warmup_start + warmup,
+            warmup_start + warmup + active - 1,
+            "capture",
+        )
+        clash = self._clash(w)
+        if clash is not None:
+            return f"steps {w.warmup_start}-{w.last} overlap {clash}"
+        self.next_index += 1
+        self.captures = sorted([*self.captures, w], key=lambda c: c.warmup_start)
+        self.plan_version += 1
+        self._capture_versions[w.index] = self.plan_version
+        return w
+
+    def cancel_capture(self, index: int) -> str | None:
+        """Drop a capture that has not opened yet; returns the reason when it cannot."""
+        if self.current is not None and self.current.index == index:
+            return f"window {index} is already open; stop() closes it early"
+        kept = [c for c in self.captures if c.index != index]
+        if len(kept) == len(self.captures):
+            return f"no pending capture {index}"
+        self.captures = kept
+        self.plan_version += 1
+        return None
+
+    def _clash(self, w: Window) -> str | None:
+        cur = self.current
+        if cur is not None and cur.overlaps(w):
+            return f"{cur.kind} window {cur.index} (steps {cur.warmup_start}-{cur.last})"
+        for c in self.captures:
+            if c.overlaps(w):
+                return f"capture {c.index} (steps {c.warmup_start}-{c.last})"
+        s = self._cursor
+        if s is not None and s.warmup_start <= w.last:
+            s = self.schedule.first_window_from(max(w.warmup_start, s.warmup_start))
+        while s is not None and s.warmup_start <= w.last:
+            if s.overlaps(w):
+                return f"the scheduled window recording steps {s.first}-{s.last}"
+            s = self.schedule.first_window_from(s.last + 1)
+        return None
 
     def start(self, first_step: int) -> list[Command]:
         """Before the loop: the next step to run is ``first_step`` (the resumed step on resume)."""
@@ -78,11 +156,18 @@ class WindowDriver:
         self.last_step = first_step - 1 if first_step > 0 else None
         # Windows that end before first_step belong to steps already run.
         self._cursor = self.schedule.first_window_from(first_step)
+        # Requested captures are never dropped: ones that would start earlier move to first_step.
+        self.captures = [
+            c.shifted_to(first_step) if c.warmup_start < first_step else c for c in self.captures
+        ]
         commands += self._maybe_begin(first_step, resumed=True)
         return commands
 
-    def step(self, k: int) -> list[Command] | Ignored:
-        """Global step ``k`` finished. Returns commands, or ``Ignored`` for a stale report."""
+    def step(self, k: int, known_version: int | None = None) -> list[Command] | Ignored:
+        """Global step ``k`` finished. Returns commands, or ``Ignored`` for a stale report.
+
+        ``known_version`` is the ``plan_version`` the reporting trainer had seen (None: all).
+        """
         if k < 0:
             raise ValueError(f"step must be >= 0, got {k}")
         if not self._started:  # no start(): behave as if the loop began after step k
@@ -97,7 +182,7 @@ class WindowDriver:
             if not closes:
                 return commands
             self.current = None
-        return commands + self._maybe_begin(k + 1, resumed=False)
+        return commands + self._maybe_begin(k + 1, resumed=False, known_version=known_version)
 
     def stop(self) -> list[Command]:
         """After the loop: close an open window (partial). Safe to call repeatedly."""
@@ -106,28 +191,47 @@ class WindowDriver:
         self.current = None
         return [End()]
 
-    def _maybe_begin(self, step: int, resumed: bool) -> list[Command]:
-        """Open the next scheduled window if its warm-up should have begun by ``step``."""
-        w = self._cursor
-        if w is None or w.warmup_start > step:
+    def _maybe_begin(
+        self, step: int, resumed: bool, known_version: int | None = None
+    ) -> list[Command]:
+        """Open the window whose warm-up should have begun by ``step``, if any."""
+        cap = self.captures[0] if self.captures else None
+        sched = self._cursor
+        if (
+            cap is not None
+            and cap.warmup_start <= step
+            and (
+                sched is None or cap.warmup_start <= sched.warmup_start or sched.warmup_start > step
+            )
+        ):
+            if known_version is not None and known_version < self._capture_versions[cap.index]:
+                # The trainer did not wait for this report: it may already run `step`.
+                self.captures[0] = cap.shifted_to(step + 1)
+                return []
+            self.captures.pop(0)
+            w = cap if step <= cap.first else cap.shifted_to(step)
+        elif sched is not None and sched.warmup_start <= step:
+            w = sched
+            if step > w.first and not resumed:
+                # The trainer skipped past this window's start: it opens now, at full length.
+                w = w.shifted_to(step)
+            w = w.renumbered(self.next_index)
+            self.next_index += 1
+        else:
             return []
-        if step > w.first and not resumed:
-            # The trainer skipped past this window's start: it opens now, at full length.
-            w = w.shifted_to(step)
-        w = _renumber(w, self.next_index)
-        self.next_index += 1
         self.current = w
         self._advance_cursor(after=w.last)
+        # Captures that the opened window now covers move to just after it.
+        moved = [c.shifted_to(w.last + 1) if c.warmup_start <= w.last else c for c in self.captures]
+        self.captures = sorted(moved, key=lambda c: c.warmup_start)
         return [Begin(w, step)]
 
     def _advance_cursor(self, after: int) -> None:
+        if self._cursor is not None and self._cursor.warmup_start > after:
+            return  # a capture opened before the next scheduled window: that one still stands
         nxt = self.schedule.first_window_from(after + 1)
         # Scheduled windows that would start inside a shifted window are dropped, not overlapped.
         while nxt is not None and nxt.warmup_start <= after:
             self.skipped_windows += 1
             nxt = self.schedule.first_window_from(nxt.last + 1)
         self._cursor = nxt
-
-
-def _renumber(w: Window, index: int) -> Window:
-    return Window(index, w.warmup_start, w.first, w.last)

@@ -13,8 +13,10 @@ class ToyWorker(ProfilerWorkerMixin):
     def __init__(self) -> None:
         self.model = TinyMLP()
 
-    def train_step(self) -> float:
-        return self.model.train_step()
+    def train_step(self, repeat: int = 1) -> float:
+        for _ in range(repeat):
+            loss = self.model.train_step()
+        return loss
 
     def pid(self) -> int:
         import os

@@ -10,6 +10,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -67,10 +70,12 @@ def wait_for_port(port: int, deadline_s: float) -> None:
     raise TimeoutError(f"no Ray head on port {port} after {deadline_s} s")
 
 
-def test_second_driver_reads_the_coordinator_after_the_trainer_exits(tmp_path):
+@pytest.fixture(scope="module")
+def head():
+    """A private `ray start --head` cluster for this module; stops only what it started."""
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths are capped
-    port = free_port()
-    head = subprocess.Popen(
+    port, metrics_port = free_port(), free_port()
+    proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -83,6 +88,7 @@ def test_second_driver_reads_the_coordinator_after_the_trainer_exits(tmp_path):
             "--include-dashboard=false",
             "--disable-usage-stats",
             f"--temp-dir={temp_dir}",
+            f"--metrics-export-port={metrics_port}",
         ],
         cwd=ROOT,
         env=env(),
@@ -92,51 +98,163 @@ def test_second_driver_reads_the_coordinator_after_the_trainer_exits(tmp_path):
     )
     try:
         wait_for_port(port, 90)
-        address = env(RAY_ADDRESS=f"127.0.0.1:{port}")
-        trainer = subprocess.run(
-            [sys.executable, "-m", "tests.scripts.second_driver_trainer", str(tmp_path)],
-            cwd=ROOT,
-            env=address,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert trainer.returncode == 0 and "TRAINER-DONE" in trainer.stdout, trainer.stderr[-4000:]
-        reader = subprocess.run(
-            [sys.executable, "-m", "tests.scripts.second_driver_reader", "--kill"],
-            cwd=ROOT,
-            env=address,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        out = result_of(reader)
-        st, ks = out["status"], out["kernels"]
-        assert st["name"] == "profiler" and st["namespace"] == "profiler"
-        assert st["global_step"] == 3 and [w["steps"] for w in st["windows"]] == [[1, 2]]
-        assert [t["trainer_id"] for t in st["trainers"]] == ["sft"]
-        assert ks["window"] == 0 and ks["ranks"] == [0, 1] and len(ks["kernels"]) == 5
-        assert sorted(os.listdir(tmp_path / "run" / "window_0000_steps_1-2")) == [
-            "rank0.pt.trace.json.gz",
-            "rank1.pt.trace.json.gz",
-        ]
-        gone = subprocess.run(
-            [sys.executable, "-m", "tests.scripts.second_driver_reader"],
-            cwd=ROOT,
-            env=address,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert gone.returncode != 0 and "Failed to look up actor" in gone.stderr
+        yield {"env": env(RAY_ADDRESS=f"127.0.0.1:{port}"), "metrics_port": metrics_port}
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
-            head.wait(timeout=30)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=30)
-        # anything of that cluster still in the group (raylet workers) goes too
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):  # raylet workers left in the group
+            os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def py(head, *args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        env=head["env"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def test_second_driver_reads_the_coordinator_after_the_trainer_exits(head, tmp_path):
+    trainer = py(head, "tests.scripts.second_driver_trainer", str(tmp_path))
+    assert trainer.returncode == 0 and "TRAINER-DONE" in trainer.stdout, trainer.stderr[-4000:]
+    # A Prometheus that scrapes Ray sees the coordinator's metrics (exported every few seconds).
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline and "ray_profiler_global_step" not in text:
+        time.sleep(2)
+        text = scrape(head["metrics_port"])
+    for name in (
+        "global_step",
+        "windows_captured_total",
+        "worker_rpcs_total",
+        "ranks_disabled",
+        "ranks_lost",
+    ):
+        assert f"ray_profiler_{name}" in text, name
+    out = result_of(py(head, "tests.scripts.second_driver_reader", "--kill"))
+    st, ks = out["status"], out["kernels"]
+    assert st["name"] == "profiler" and st["namespace"] == "profiler"
+    assert st["global_step"] == 3 and [w["steps"] for w in st["windows"]] == [[1, 2]]
+    assert [t["trainer_id"] for t in st["trainers"]] == ["sft"]
+    assert st["metrics"]["exported"] and st["metrics"]["values"]["profiler_global_step"] == 3
+    assert ks["window"] == 0 and ks["ranks"] == [0, 1] and len(ks["kernels"]) == 5
+    assert sorted(os.listdir(tmp_path / "run" / "window_0000_steps_1-2")) == [
+        "rank0.pt.trace.json.gz",
+        "rank1.pt.trace.json.gz",
+    ]
+    gone = py(head, "tests.scripts.second_driver_reader")
+    assert gone.returncode != 0 and "Failed to look up actor" in gone.stderr
+
+
+def cli(head, *args, timeout=300):
+    return py(head, "coordinator", *args, timeout=timeout)
+
+
+def test_capture_requested_from_another_process_while_training(head, tmp_path):
+    stop_file = tmp_path / "stop"
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "tests.scripts.capture_trainer", str(tmp_path), str(stop_file)],
+        cwd=ROOT,
+        env=head["env"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # wait until the trainer is registered and stepping
+            st = cli(head, "--json", "status")
+            if st.returncode == 0 and (json.loads(st.stdout)["global_step"] or -1) >= 3:
+                break
+            assert time.monotonic() < deadline, st.stderr
+            time.sleep(1)
+        assert json.loads(st.stdout)["next_window"] is None  # on-demand only: nothing planned
+
+        waited = cli(
+            head,
+            "--json",
+            "capture",
+            "--active",
+            "2",
+            "--warmup",
+            "1",
+            "--wait",
+            "--timeout",
+            "120",
+        )
+        assert waited.returncode == 0, waited.stderr
+        ks = json.loads(waited.stdout.strip().splitlines()[-1])
+        assert ks["ranks"] == [0, 1] and ks["kernels"] and ks["steps"][1] - ks["steps"][0] == 1
+        assert not ks["partial"] and ks["stragglers"]["ranks"].keys() == {"0", "1"}
+
+        # overlap and cancel
+        far = cli(head, "--json", "capture", "--active", "3", "--start-step", "100000")
+        res = json.loads(far.stdout)
+        assert res["accepted"] and res["steps"] == [100000, 100002]
+        clash = cli(head, "capture", "--active", "1", "--start-step", "100001")
+        assert clash.returncode == 1 and "capture refused" in clash.stderr
+        assert f"overlap capture {res['window']}" in clash.stderr
+        unknown = cli(head, "capture", "--active", "1", "--ranks", "0", "7")
+        assert unknown.returncode == 1 and "unknown ranks [7]" in unknown.stderr
+        assert cli(head, "cancel", str(res["window"])).returncode == 0
+        again = cli(head, "cancel", str(res["window"]))
+        assert again.returncode == 1 and "no pending capture" in again.stderr
+
+        # the other read commands, as a person and as a script would run them
+        top = cli(head, "top", "--k", "5")
+        assert top.returncode == 0 and "aten::" in top.stdout and "share" in top.stdout
+        strag = cli(head, "stragglers")
+        assert strag.returncode == 0 and "x median" in strag.stdout
+        watch = cli(head, "watch", "--count", "2", "--interval", "0.2")
+        assert watch.returncode == 0 and watch.stdout.count("global step") == 2
+        human = cli(head, "status")
+        assert human.returncode == 0 and "phase" in human.stdout and "capture" in human.stdout
+    finally:
+        stop_file.write_text("")
+        out, err = trainer.communicate(timeout=120)
+    assert trainer.returncode == 0, err[-4000:]
+    run = tmp_path / "run"
+    (window_dir,) = [d for d in os.listdir(run) if d.startswith(f"window_{ks['window']:04d}")]
+    assert window_dir == f"window_{ks['window']:04d}_steps_{ks['steps'][0]}-{ks['steps'][1]}"
+    assert sorted(os.listdir(run / window_dir)) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+    assert '"enabled": true' in out
+    kill = subprocess.run(
+        [sys.executable, "-m", "tests.scripts.second_driver_reader", "--kill"],
+        cwd=ROOT,
+        env=head["env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert kill.returncode == 0
+
+
+def test_cli_errors_are_one_line(head):
+    no_coord = cli(head, "--name", "nobody", "status")
+    assert no_coord.returncode == 1
+    assert no_coord.stderr.strip().splitlines() == [
+        "error: no profiler coordinator named 'nobody' in namespace 'profiler' "
+        f"on the cluster at {head['env']['RAY_ADDRESS']}"
+    ]
+    no_cluster = subprocess.run(
+        [sys.executable, "-m", "coordinator", "--address", f"127.0.0.1:{free_port()}", "top"],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert no_cluster.returncode == 1 and len(no_cluster.stderr.strip().splitlines()) == 1
+    assert no_cluster.stderr.startswith("error: no Ray cluster answers at 127.0.0.1:")

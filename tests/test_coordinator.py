@@ -352,3 +352,35 @@ def test_step_client_waits_only_when_ranks_act(ray_session, make, tmp_path):
     assert st["global_step"] == 12
     assert [w["steps"] for w in st["windows"]] == [[4, 5], [10, 11]]
     assert st["counters"]["worker_rpcs_profile_step"] == 2 * 3 * 2
+
+
+def test_capture_and_schedule_in_one_run(ray_session, make, tmp_path):
+    ray = ray_session
+    coord, workers = make(2, skip_first=0, wait=6, warmup=1, active=2, repeat=1)
+    # scheduled: warm-up 6, record 7-8
+    r = ray.get(coord.request_capture.remote(active=2))
+    assert r == {"accepted": False, "reason": "no trainer is registered with the coordinator"}
+    ray.get(coord.register.remote("t", workers))
+    ray.get(coord.start.remote("t", 0))
+    ray.get([w.train_step.remote() for w in workers])
+    ray.get(coord.step.remote("t", 0))
+    cap = ray.get(coord.request_capture.remote(active=2, warmup=1, ranks=[1]))
+    assert cap["accepted"] and cap["steps"] == [3, 4] and cap["ranks"] == [1]
+    clash = ray.get(coord.request_capture.remote(active=3, start_step=6))
+    assert not clash["accepted"] and "scheduled window recording steps 7-8" in clash["reason"]
+    assert ray.get(coord.status.remote())["next_window"]["kind"] == "capture"
+    for k in range(1, 10):
+        ray.get([w.train_step.remote() for w in workers])
+        ray.get(coord.step.remote("t", k))
+    ray.get(coord.stop.remote("t"))
+    st = ray.get(coord.status.remote())
+    assert [(w["kind"], w["steps"], w["ranks"]) for w in st["windows"]] == [
+        ("capture", [3, 4], [1]),
+        ("scheduled", [7, 8], [0, 1]),
+    ]
+    assert sorted(os.listdir(tmp_path / "run")) == [
+        "window_0000_steps_3-4",
+        "window_0001_steps_7-8",
+    ]
+    assert os.listdir(tmp_path / "run" / "window_0000_steps_3-4") == ["rank1.pt.trace.json"]
+    assert st["counters"]["captures_requested"] == 1 and st["counters"]["captures_refused"] == 1

@@ -1,3 +1,6 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from coordinator.config import ProfilerConfig
 from coordinator.schedule import Schedule, Window
 from coordinator.window_driver import Begin, End, Ignored, Step, WindowDriver
@@ -99,3 +102,98 @@ def test_next_window_is_reported_with_the_index_it_would_get():
 def test_stopping_mid_window_records_up_to_the_last_finished_step():
     plan = recorded_steps(driver(wait=0, warmup=1, active=5, repeat=1), 0, [0, 1, 2])
     assert plan == {0: [1, 2]}
+
+
+# ---------------------------------------------------------------- captures
+
+
+def test_capture_defaults_to_the_earliest_boundary_the_trainer_cannot_have_passed():
+    d = driver(on_demand_only=True)
+    d.start(0)
+    for k in range(6):
+        assert d.step(k) == []
+    w = d.request_capture(warmup=1, active=2, start_step=None)
+    # last report: step 5; the trainer may already run step 6, so warm-up starts at 7
+    assert w == Window(0, 7, 8, 9, "capture")
+    assert d.next_window() == w
+    assert d.step(6, known_version=d.plan_version) == [Begin(w, 7)]
+    assert d.step(7) == [Step(7, False)]
+    assert d.step(8) == [Step(8, False)]
+    assert d.step(9) == [Step(9, True)]
+
+
+def test_capture_waits_for_a_report_from_a_trainer_that_knew_of_it():
+    d = driver(on_demand_only=True)
+    d.start(0)
+    d.step(0)
+    stale = d.plan_version
+    w = d.request_capture(warmup=1, active=1, start_step=None)  # warm-up at 2
+    assert d.step(1, known_version=stale) == []  # the trainer did not wait: it may run step 2
+    assert d.next_window() == Window(w.index, 3, 4, 4, "capture")
+    assert d.step(2, known_version=d.plan_version) == [
+        Begin(Window(w.index, 3, 4, 4, "capture"), 3)
+    ]
+
+
+def test_capture_and_schedule_share_one_plan_without_overlap():
+    d = driver(skip_first=0, wait=6, warmup=1, active=2, repeat=0)  # warm-up 6, record 7-8; 15..
+    d.start(0)
+    d.step(0)
+    cap = d.request_capture(warmup=1, active=2, start_step=3)  # warm-up 2, record 3-4
+    assert cap == Window(0, 2, 3, 4, "capture")
+    assert "overlap the scheduled window recording steps 7-8" in d.request_capture(1, 2, 7)
+    assert "overlap capture 0" in d.request_capture(0, 1, 4)
+    assert d.step(1) == [Begin(cap, 2)]
+    for k in (2, 3):
+        d.step(k)
+    assert d.step(4) == [Step(4, True)]
+    assert d.next_window() == Window(1, 6, 7, 8)  # the scheduled window, numbered after it
+    assert d.step(5) == [Begin(Window(1, 6, 7, 8), 6)]
+
+
+def test_capture_overlapping_the_open_window_is_refused_and_cancel_works():
+    d = driver(wait=0, warmup=1, active=5, repeat=1)
+    d.start(0)  # window 0 open: warm-up 0, record 1-5
+    assert "overlap scheduled window 0" in d.request_capture(1, 1, 3)
+    w = d.request_capture(1, 1, 8)
+    assert isinstance(w, Window)
+    assert d.cancel_capture(w.index) is None
+    assert d.cancel_capture(w.index) == f"no pending capture {w.index}"
+    assert "already open" in d.cancel_capture(0)
+    assert "too early" in d.request_capture(2, 1, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 6),
+    st.integers(0, 3),
+    st.integers(0, 3),
+    st.integers(1, 3),
+    st.integers(0, 3),
+    st.lists(
+        st.tuples(
+            st.integers(0, 40), st.integers(0, 2), st.integers(1, 3), st.none() | st.integers(0, 45)
+        ),
+        max_size=6,
+    ),
+)
+def test_opened_windows_never_overlap(skip_first, wait, warmup, active, repeat, requests):
+    d = driver(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
+    opened = []
+    pending = {}
+    d.start(0)
+    for k in range(50):
+        for at, w_up, act, start in requests:
+            if at == k:
+                w = d.request_capture(w_up, act, start)
+                if isinstance(w, Window):
+                    pending[w.index] = w
+        out = d.step(k, known_version=d.plan_version)
+        opened += [c.window for c in out if isinstance(c, Begin)]
+    spans = [(w.warmup_start, w.last) for w in opened]
+    assert all(a[1] < b[0] for a, b in zip(spans, spans[1:], strict=False))
+    assert len({w.index for w in opened}) == len(opened)
+    for w in opened:  # a capture records as many steps as requested
+        if w.kind == "capture":
+            p = pending[w.index]
+            assert w.last - w.first == p.last - p.first

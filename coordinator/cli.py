@@ -1,0 +1,290 @@
+"""``python -m coordinator`` / ``ray-profiler``: read and steer a running coordinator.
+
+    ray-profiler status
+    ray-profiler top --window 3 --k 20
+    ray-profiler capture --active 3 --warmup 1 --ranks 0 1 --wait
+    ray-profiler cancel 4
+    ray-profiler stragglers
+    ray-profiler watch --interval 2
+
+Tables for people; ``--json`` for scripts. Errors are one line on stderr, exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+
+class CliError(Exception):
+    """A failure to report as one line."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="ray-profiler", description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS", "auto"),
+        help="Ray cluster address (default: $RAY_ADDRESS or auto)",
+    )
+    ap.add_argument("--namespace", default="profiler")
+    ap.add_argument("--name", default="profiler", help="the coordinator actor's name")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("status", help="phase, step, windows, ranks, counters")
+    top = sub.add_parser("top", help="cross-rank top kernels of a window")
+    top.add_argument("--window", type=int, default=None, help="default: the latest closed")
+    top.add_argument("--k", type=int, default=20)
+    cap = sub.add_parser("capture", help="profile the next steps of the running job")
+    cap.add_argument("--active", type=int, required=True)
+    cap.add_argument("--warmup", type=int, default=1)
+    cap.add_argument("--ranks", type=int, nargs="+", default=None)
+    cap.add_argument("--start-step", type=int, default=None)
+    cap.add_argument("--wait", action="store_true", help="wait for the window, print its kernels")
+    cap.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits")
+    cap.add_argument("--k", type=int, default=20)
+    cancel = sub.add_parser("cancel", help="drop a capture that has not started")
+    cancel.add_argument("window", type=int)
+    strag = sub.add_parser("stragglers", help="ranks slower than the median in a window")
+    strag.add_argument("--window", type=int, default=None)
+    watch = sub.add_parser("watch", help="a refreshing status view")
+    watch.add_argument("--interval", type=float, default=2.0)
+    watch.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+    return ap.parse_args(argv)
+
+
+def connect(address: str, namespace: str, name: str) -> Any:
+    """A coordinator handle, or CliError with one line that says what is missing."""
+    if address != "auto":
+        host, _, port = address.rpartition(":")
+        try:  # ray.init retries a dead address for minutes
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=3).close()
+        except (OSError, ValueError) as exc:
+            raise CliError(f"no Ray cluster answers at {address} ({exc})") from None
+    import ray
+
+    try:
+        ray.init(
+            address=address,
+            namespace=namespace,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+            configure_logging=False,
+        )
+    except ConnectionError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CliError(f"no Ray cluster found at {address}: {first}") from None
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        raise CliError(
+            f"no profiler coordinator named {name!r} in namespace {namespace!r} "
+            f"on the cluster at {address}"
+        ) from None
+
+
+def call(handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    import ray
+
+    try:
+        return ray.get(getattr(handle, method).remote(*args, **kwargs), timeout=60)
+    except ray.exceptions.RayActorError as exc:
+        raise CliError(f"the coordinator died: {exc}") from None
+    except ValueError as exc:  # e.g. an unknown window
+        raise CliError(str(exc).strip().splitlines()[-1]) from None
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def render_status(st: dict[str, Any]) -> str:
+    c = st["counters"]
+    cur, nxt = st["current_window"], st["next_window"]
+    lines = [
+        f"coordinator {st['namespace']}/{st['name']}: phase {st['phase']}, "
+        f"global step {st['global_step']}",
+        f"current window: {_window(cur)}; next window: {_window(nxt)}",
+        f"trace dir: {st['run_dir']}",
+        f"worker RPCs {c.get('worker_rpcs', 0)}, ignored steps {c.get('ignored_steps', 0)}, "
+        f"rejected steps {c.get('rejected_steps', 0)}, windows closed {c.get('windows_closed', 0)}",
+        "",
+        f"{'trainer':<12} {'rank':>4} {'state':<13} {'windows':>7}  reason / note",
+    ]
+    for r in st["ranks"]:
+        reason = r["reason"]["message"] if r.get("reason") else (r.get("note") or "")
+        lines.append(
+            f"{r['trainer_id']:<12} {r['rank']:>4} {r['state']:<13} "
+            f"{r['windows_captured']:>7}  {reason[:70]}"
+        )
+    if st["windows"]:
+        lines += ["", f"{'window':>6} {'kind':<9} {'steps':<12} {'ranks':<16} stragglers / dir"]
+        for w in st["windows"][-10:]:
+            steps = "-".join(map(str, w["steps"])) if w["steps"] else "(none)"
+            flag = " partial" if w["partial"] else ""
+            strag = f"stragglers {w['stragglers']} " if w.get("stragglers") else ""
+            lines.append(
+                f"{w['index']:>6} {w.get('kind', ''):<9} {steps + flag:<12} "
+                f"{str(w['ranks']):<16} {strag}{w['trace_dir'] or ''}"
+            )
+    return "\n".join(lines)
+
+
+def _window(w: dict[str, Any] | None) -> str:
+    if not w:
+        return "none"
+    return (
+        f"{w['index']} ({w.get('kind', 'scheduled')}, warm-up {w['warmup_start']}, "
+        f"record {w['first']}-{w['last']})"
+    )
+
+
+def render_top(ks: dict[str, Any]) -> str:
+    if ks["window"] is None:
+        return "no closed window yet"
+    head = (
+        f"window {ks['window']} steps {ks['steps']}{' partial' if ks['partial'] else ''}, "
+        f"ranks {ks['ranks']}, self {ks['device']} time in {ks['unit']}"
+    )
+    if ks.get("pending_ranks"):
+        head += f" (summaries pending from ranks {ks['pending_ranks']})"
+    lines = [
+        head,
+        f"{'total':>11} {'mean':>10} {'min':>10} {'max':>10} {'max@':>5} {'std':>9} "
+        f"{'calls':>7} {'share':>6}  name",
+    ]
+    for k in ks["kernels"]:
+        lines.append(
+            f"{k['total_us']:>11.1f} {k['mean_us']:>10.1f} {k['min_us']:>10.1f} "
+            f"{k['max_us']:>10.1f} {k['max_rank']:>5} {k['std_us']:>9.1f} {k['count']:>7} "
+            f"{k['share']:>6.1%}  {k['name'][:70]}"
+        )
+    return "\n".join(lines)
+
+
+def render_stragglers(ks: dict[str, Any]) -> str:
+    if ks["window"] is None:
+        return "no closed window yet"
+    s = ks["stragglers"]
+    lines = [
+        f"window {ks['window']} steps {ks['steps']}: threshold {s['threshold']}x the median; "
+        f"flagged {s['flagged'] or 'none'}",
+        f"{'rank':>4} {'step ms':>9} {'x median':>9} {'kernel ms':>10} {'x median':>9}  flag",
+    ]
+    for r, v in s["ranks"].items():
+        lines.append(
+            f"{r:>4} {_num(v['step_ms']):>9} {_num(v['step_ratio'], 2):>9} "
+            f"{_num(v['kernel_ms']):>10} {_num(v['kernel_ratio'], 2):>9}  "
+            f"{'STRAGGLER' if v['flagged'] else ''}"
+        )
+    return "\n".join(lines)
+
+
+def _num(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+# ------------------------------------------------------------------ commands
+
+
+def run(args: argparse.Namespace) -> int:
+    h = connect(args.address, args.namespace, args.name)
+    out = print
+    if args.command == "status":
+        st = call(h, "status")
+        out(json.dumps(st) if args.json else render_status(st))
+    elif args.command == "top":
+        ks = call(h, "kernel_summary", window=args.window, top_k=args.k)
+        out(json.dumps(ks) if args.json else render_top(ks))
+    elif args.command == "stragglers":
+        ks = call(h, "kernel_summary", window=args.window, top_k=0)
+        out(
+            json.dumps(ks["stragglers"] | {"window": ks["window"]})
+            if args.json
+            else render_stragglers(ks)
+        )
+    elif args.command == "cancel":
+        res = call(h, "cancel_capture", args.window)
+        if args.json:
+            out(json.dumps(res))
+        elif res["cancelled"]:
+            out(f"capture {args.window} cancelled")
+        else:
+            raise CliError(f"cannot cancel window {args.window}: {res['reason']}")
+    elif args.command == "capture":
+        return capture(h, args)
+    elif args.command == "watch":
+        n = 0
+        while True:
+            st = call(h, "status")
+            if args.json:
+                out(json.dumps(st), flush=True)
+            else:
+                out("\033[2J\033[H" + time.strftime("%H:%M:%S  ") + render_status(st), flush=True)
+            n += 1
+            if args.count and n >= args.count:
+                break
+            time.sleep(args.interval)
+    return 0
+
+
+def capture(h: Any, args: argparse.Namespace) -> int:
+    res = call(
+        h,
+        "request_capture",
+        active=args.active,
+        warmup=args.warmup,
+        ranks=args.ranks,
+        start_step=args.start_step,
+    )
+    if not res["accepted"]:
+        raise CliError(f"capture refused: {res['reason']}")
+    if not args.wait:
+        print(
+            json.dumps(res)
+            if args.json
+            else f"capture accepted: window {res['window']}, steps {res['steps'][0]}-"
+            f"{res['steps'][1]}, ranks {res['ranks']}"
+        )
+        return 0
+    if not args.json:
+        print(
+            f"capture accepted: window {res['window']}, steps {res['steps'][0]}-"
+            f"{res['steps'][1]}, ranks {res['ranks']}; waiting for it to close...",
+            flush=True,
+        )
+    deadline = time.monotonic() + args.timeout
+    while True:
+        st = call(h, "status")
+        done = [w for w in st["windows"] if w["index"] == res["window"]]
+        if done and not done[0]["summaries_pending"]:
+            break
+        if time.monotonic() > deadline:
+            raise CliError(
+                f"window {res['window']} did not close within {args.timeout:g} s "
+                f"(global step {st['global_step']})"
+            )
+        time.sleep(0.5)
+    ks = call(h, "kernel_summary", window=res["window"], top_k=args.k)
+    print(json.dumps(ks) if args.json else render_top(ks))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except CliError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""A long-running trainer with on-demand profiling only; stops when a stop file appears.
+
+Usage: python -m tests.scripts.capture_trainer SAVE_PATH STOP_FILE
+"""
+
+import json
+import os
+import sys
+import time
+
+import ray
+
+from tests.ray_workers import ToyWorker
+from trainers.hooks import ProfilingHooks
+
+
+def main(save_path: str, stop_file: str) -> None:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ray.init(
+        address="auto",
+        namespace="profiler",
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": root}},
+    )
+    cfg = {
+        "enable": True,
+        "save_path": save_path,
+        "run_name": "run",
+        "ranks": "all",
+        "activities": ["cpu"],
+        "export_type": "chrome_trace",
+        "on_demand_only": True,
+    }
+    workers = [ray.remote(num_cpus=0)(ToyWorker).remote() for _ in range(2)]
+    hooks = ProfilingHooks.attach(cfg, workers, trainer_id="sft")
+    step = 0
+    with hooks.session(first_step=0):
+        deadline = time.monotonic() + 240
+        while not os.path.exists(stop_file) and time.monotonic() < deadline:
+            ray.get([w.train_step.remote() for w in workers])
+            hooks.step(step)
+            step += 1
+            time.sleep(0.02)
+    print("RESULT " + json.dumps({"steps": step, "enabled": hooks.enabled}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,100 @@
+import math
+import statistics
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.aggregate import WindowAggregate, empty_summary
+from coordinator.summary_codec import KernelRow, RankSummary
+
+
+def summary(rank, rows, steps_us=(), window=0, dropped_us=0.0):
+    return RankSummary(
+        rank,
+        window,
+        (4, 5),
+        False,
+        "cuda",
+        [KernelRow(n, us, c, 0) for n, us, c in rows],
+        dropped_rows=1 if dropped_us else 0,
+        dropped_us=dropped_us,
+        step_us=[(4 + i, us) for i, us in enumerate(steps_us)],
+    )
+
+
+def test_statistics_count_absent_ranks_as_zero():
+    agg = WindowAggregate(0)
+    agg.add(summary(0, [("gemm", 30.0, 2), ("copy", 10.0, 1)]))
+    agg.add(summary(1, [("gemm", 50.0, 3)], dropped_us=20.0))
+    agg.add(summary(2, [("gemm", 10.0, 1), ("copy", 5.0, 4)]))
+    gemm, copy = agg.top(5)
+    assert gemm["name"] == "gemm" and gemm["total_us"] == 90.0 and gemm["count"] == 6
+    assert gemm["mean_us"] == 30.0 and gemm["min_us"] == 10.0 and gemm["max_us"] == 50.0
+    assert gemm["max_rank"] == 1 and gemm["ranks_present"] == 3
+    assert gemm["std_us"] == pytest.approx(statistics.pstdev([30.0, 50.0, 10.0]))
+    assert copy["min_us"] == 0.0 and copy["mean_us"] == 5.0  # rank 1 never ran it
+    assert copy["std_us"] == pytest.approx(statistics.pstdev([10.0, 0.0, 5.0]))
+    total = 40.0 + 70.0 + 15.0  # rank totals include rank 1's dropped rows
+    assert gemm["share"] == pytest.approx(90.0 / total)
+    d = agg.to_dict(1)
+    assert d["rank_totals"] == {0: 40.0, 1: 70.0, 2: 15.0} and len(d["kernels"]) == 1
+    assert d["dropped"] == {"rows": 1, "us": 20.0}
+
+
+def test_a_repeated_summary_changes_nothing():
+    agg = WindowAggregate(0)
+    assert agg.add(summary(0, [("a", 1.0, 1)]))
+    assert not agg.add(summary(0, [("a", 5.0, 1)]))
+    assert agg.top(1)[0]["total_us"] == 1.0 and agg.duplicates == 1
+
+
+def test_empty_summary_shape_matches_a_real_one():
+    agg = WindowAggregate(3)
+    agg.add(summary(0, [("a", 1.0, 1)]))
+    assert set(empty_summary()) == set(agg.to_dict(5))
+
+
+def test_per_rank_values_and_dropping_them():
+    agg = WindowAggregate(0)
+    agg.add(summary(0, [("a", 1.0, 1)]))
+    agg.add(summary(1, [("b", 2.0, 1), ("a", 3.0, 1)]))
+    assert agg.per_rank(["a", "b"]) == {"a": {0: 1.0, 1: 3.0}, "b": {0: 0.0, 1: 2.0}}
+    agg.drop_detail()
+    assert agg.per_rank(["a"]) is None
+    assert agg.to_dict(5, per_rank=True)["per_rank"] is None
+
+
+def test_stragglers_are_flagged_against_the_median():
+    agg = WindowAggregate(0)
+    for rank, kernel_us, step_us in ((0, 100.0, 1000.0), (1, 110.0, 1000.0), (2, 300.0, 1500.0)):
+        agg.add(summary(rank, [("k", kernel_us, 1)], steps_us=(step_us, step_us)))
+    s = agg.stragglers(1.25)
+    assert s["flagged"] == [2]
+    assert s["ranks"][2]["kernel_ratio"] == pytest.approx(300 / 110)
+    assert s["ranks"][2]["step_ratio"] == pytest.approx(1.5)
+    assert s["ranks"][0]["flagged"] is False
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.dictionaries(st.sampled_from("abcdef"), st.floats(0, 1e6), max_size=6),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_running_sums_equal_a_direct_computation(per_rank):
+    agg = WindowAggregate(0)
+    for r, rows in enumerate(per_rank):
+        agg.add(summary(r, [(n, us, 1) for n, us in rows.items()]))
+    n = len(per_rank)
+    for row in agg.top(10):
+        values = [rows.get(row["name"], 0.0) for rows in per_rank]
+        assert row["total_us"] == pytest.approx(sum(values))
+        assert row["min_us"] == pytest.approx(min(values))
+        assert row["max_us"] == pytest.approx(max(values))
+        assert row["std_us"] == pytest.approx(
+            statistics.pstdev(values), abs=1e-6 * max(values) + 1e-9
+        )
+        assert math.isclose(row["mean_us"], sum(values) / n, rel_tol=1e-9, abs_tol=1e-9)
