@@ -59,14 +59,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def address_problem(address: str) -> str | None:
+    """Why nothing can answer at ``HOST:PORT`` (None: something listens, or ``auto``).
+
+    ``ray.init`` retries a dead address for minutes, so callers probe first and fail fast.
+    """
+    if address == "auto":
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=3).close()
+    except (OSError, ValueError) as exc:
+        return f"no Ray cluster answers at {address} ({exc})"
+    return None
+
+
 def connect(address: str, namespace: str, name: str) -> Any:
     """A coordinator handle, or CliError with one line that says what is missing."""
-    if address != "auto":
-        host, _, port = address.rpartition(":")
-        try:  # ray.init retries a dead address for minutes
-            socket.create_connection((host or "127.0.0.1", int(port)), timeout=3).close()
-        except (OSError, ValueError) as exc:
-            raise CliError(f"no Ray cluster answers at {address} ({exc})") from None
+    problem = address_problem(address)
+    if problem:
+        raise CliError(problem)
     import ray
 
     try:

@@ -62,7 +62,7 @@ class FaultyWorker(ToyWorker):
         elif kind == "slow":
 
             def slow(self, k):
-                time.sleep(6)
+                time.sleep(8)
                 return {}
 
             RankProfiler.step = slow

@@ -241,6 +241,28 @@ def test_capture_requested_from_another_process_while_training(head, tmp_path):
     assert kill.returncode == 0
 
 
+def test_demo_joins_a_cluster_and_leaves_the_coordinator_for_a_notebook(head, tmp_path):
+    demo = py(
+        head,
+        "trainers.demo",
+        "--trainer",
+        "sft",
+        "--steps",
+        "8",
+        "--address",
+        head["env"]["RAY_ADDRESS"],
+        "--save-path",
+        str(tmp_path),
+        "--run-name",
+        "joined",
+    )
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    assert "coordinator left running" in demo.stdout
+    out = result_of(py(head, "tests.scripts.second_driver_reader", "--kill"))
+    assert out["status"]["global_step"] == 7 and out["kernels"]["ranks"] == [0, 1]
+    assert out["status"]["run_dir"] == str(tmp_path / "joined")
+
+
 def test_cli_errors_are_one_line(head):
     no_coord = cli(head, "--name", "nobody", "status")
     assert no_coord.returncode == 1

@@ -320,7 +320,7 @@ def test_a_killed_worker_is_lost_and_the_window_closes_on_the_others(ray_session
 
 def test_an_unresponsive_worker_is_marked_and_skipped(ray_session, make):
     ray = ray_session
-    coord, workers = make(2, cls=FaultyWorker, worker_timeout_s=1.5, repeat=1)
+    coord, workers = make(2, cls=FaultyWorker, worker_timeout_s=3.0, repeat=1)
     ray.get(coord.register.remote("t", workers))
     ray.get(workers[1].inject.remote("slow"))
     replies = train(ray, coord, workers, steps=5)

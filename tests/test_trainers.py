@@ -1,6 +1,7 @@
 """The four reference trainers, profiled end to end, and unchanged by profiling."""
 
 import asyncio
+import json
 import os
 import uuid
 
@@ -112,6 +113,11 @@ def test_trainer_is_profiled_end_to_end_and_unchanged(ray_session, actors, tmp_p
             "rank0.pt.trace.json",
             "rank1.pt.trace.json",
         ]
+    # The ranks form a gloo group, so each trace names its rank in distributedInfo (for HTA).
+    for r in (0, 1):
+        with open(tmp_path / "run" / expected[0] / f"rank{r}.pt.trace.json") as f:
+            info = json.load(f)["distributedInfo"]
+        assert info["rank"] == r and info["world_size"] == 2 and info["backend"] == "gloo"
     # Windows aligned across ranks, summaries aggregated with every rank present.
     assert [(w["steps"], w["ranks"]) for w in status["windows"]] == [
         ([w.first, w.last], [0, 1]) for w in windows

@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
 import time
 from typing import Any
 
 import yaml
 
+from coordinator.cli import address_problem
 from coordinator.config import ProfilerConfig
 
 TRAINERS = ("sft", "rl", "async", "fully-async")
@@ -101,12 +101,9 @@ def connect_ray(address: str | None, namespace: str) -> None:
             runtime_env=env,
         )
         return
-    if address != "auto":
-        host, _, port = address.rpartition(":")
-        try:  # ray.init retries a dead address for minutes: fail fast instead
-            socket.create_connection((host or "127.0.0.1", int(port)), timeout=3).close()
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"error: no Ray cluster answers at {address}: {exc}") from None
+    problem = address_problem(address)
+    if problem:
+        raise SystemExit(f"error: {problem}")
     ray.init(address=address, namespace=namespace, log_to_driver=False, runtime_env=env)
 
 
