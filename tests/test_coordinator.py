@@ -5,7 +5,8 @@ import uuid
 
 import pytest
 
-from coordinator import ProfilerConfig, connect, get_or_create_coordinator
+from coordinator import connect, get_or_create_coordinator
+from tests.configs import profiler_config
 from tests.ray_workers import FaultyWorker, ToyWorker
 
 
@@ -15,22 +16,8 @@ def make(ray_session, ray_actors, tmp_path):
     ray = ray_session
 
     def _make(n, cls=ToyWorker, **kw):
-        base = dict(
-            enable=True,
-            save_path=str(tmp_path),
-            run_name="run",
-            ranks="all",
-            activities=["cpu"],
-            export_type="chrome_trace",
-            skip_first=0,
-            wait=1,
-            warmup=1,
-            active=2,
-            repeat=2,
-            worker_timeout_s=20.0,
-        )
-        base.update(kw)
-        cfg = ProfilerConfig(**base)
+        base = dict(skip_first=0, wait=1, warmup=1, active=2, repeat=2, worker_timeout_s=20.0)
+        cfg = profiler_config(tmp_path, **{**base, **kw})
         name = f"profiler-{uuid.uuid4().hex[:8]}"
         coord = get_or_create_coordinator(cfg, name=name, namespace="profiler-tests")
         ray_actors.append(coord)

@@ -5,7 +5,7 @@ import uuid
 import pytest
 import ray as ray_module
 
-from coordinator.config import ProfilerConfig
+from tests.configs import profiler_config
 from tests.ray_workers import FaultyWorker, ToyWorker
 from trainers.hooks import ProfilingHooks
 
@@ -46,17 +46,7 @@ def test_bad_config_is_an_error_at_attach():
 
 
 def make_hooks(ray, tmp_path, workers, **kw):
-    cfg = ProfilerConfig(
-        enable=True,
-        save_path=str(tmp_path),
-        ranks="all",
-        activities=["cpu"],
-        wait=0,
-        warmup=1,
-        active=2,
-        repeat=0,
-        **kw,
-    )
+    cfg = profiler_config(tmp_path, wait=0, warmup=1, active=2, repeat=0, **kw)
     name = f"profiler-{uuid.uuid4().hex[:8]}"
     return ProfilingHooks.attach(
         cfg, workers, trainer_id="t", name=name, namespace="profiler-tests"

@@ -2,24 +2,14 @@ import os
 
 import pytest
 
-from coordinator.config import ProfilerConfig
 from coordinator.schedule import Window
 from coordinator.summary_codec import decode_summary
+from tests.configs import profiler_config
 from tests.ray_workers import AsyncToyWorker, ToyWorker
 
 
 def cfg_dict(tmp_path):
-    return (
-        ProfilerConfig(
-            enable=True,
-            save_path=str(tmp_path),
-            ranks="all",
-            activities=["cpu"],
-            export_type="chrome_trace",
-        )
-        .validate()
-        .to_dict()
-    )
+    return profiler_config(tmp_path).validate().to_dict()
 
 
 def drive_one_window(ray, h, tmp_path, rank):

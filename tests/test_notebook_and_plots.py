@@ -5,8 +5,9 @@ import uuid
 import matplotlib
 import pytest
 
-from coordinator import ProfilerConfig, get_or_create_coordinator, plots
+from coordinator import get_or_create_coordinator, plots
 from coordinator import notebook as nb
+from tests.configs import profiler_config
 from tests.ray_workers import ToyWorker
 
 matplotlib.use("Agg")
@@ -17,11 +18,8 @@ def run(ray_session, tmp_path_factory):
     """3 ranks, 2 windows; rank 2 does 6x the work of the others."""
     ray = ray_session
     tmp_path = tmp_path_factory.mktemp("nb")
-    cfg = ProfilerConfig(
-        enable=True,
-        save_path=str(tmp_path),
-        ranks="all",
-        activities=["cpu"],
+    cfg = profiler_config(
+        tmp_path,
         export_type="none",
         wait=0,
         warmup=1,

@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from coordinator.config import ProfilerConfig
 from coordinator.schedule import Schedule
+from tests.configs import profiler_config
 from trainers.hooks import ProfilingHooks
 from trainers.loops import (
     RunConfig,
@@ -32,20 +32,8 @@ def actors(ray_session):
         ray_session.kill(h)
 
 
-def profiler_config(tmp_path):
-    return ProfilerConfig(
-        enable=True,
-        save_path=str(tmp_path),
-        run_name="run",
-        ranks="all",
-        activities=["cpu"],
-        export_type="chrome_trace",
-        skip_first=1,
-        wait=1,
-        warmup=1,
-        active=2,
-        repeat=2,
-    )
+def trainer_config(tmp_path):
+    return profiler_config(tmp_path, skip_first=1, wait=1, warmup=1, active=2, repeat=2)
 
 
 def run(kind, hooks, policy, rollouts, rc):
@@ -67,7 +55,7 @@ def test_trainer_is_profiled_end_to_end_and_unchanged(ray_session, actors, tmp_p
     off = run(kind, ProfilingHooks.attach({"enable": False}, policy), policy, rollouts, rc)
 
     reset_workers(policy, rollouts, seed=0)
-    cfg = profiler_config(tmp_path)
+    cfg = trainer_config(tmp_path)
     name = f"profiler-{uuid.uuid4().hex[:8]}"
     hooks = ProfilingHooks.attach(
         cfg, policy, trainer_id=kind, name=name, namespace="profiler-tests"

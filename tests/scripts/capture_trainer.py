@@ -10,27 +10,14 @@ import time
 
 import ray
 
+from tests.configs import join_cluster, profiler_config
 from tests.ray_workers import ToyWorker
 from trainers.hooks import ProfilingHooks
 
 
 def main(save_path: str, stop_file: str) -> None:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ray.init(
-        address="auto",
-        namespace="profiler",
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": root}},
-    )
-    cfg = {
-        "enable": True,
-        "save_path": save_path,
-        "run_name": "run",
-        "ranks": "all",
-        "activities": ["cpu"],
-        "export_type": "chrome_trace",
-        "on_demand_only": True,
-    }
+    join_cluster()  # RAY_ADDRESS, namespace "profiler"
+    cfg = profiler_config(save_path, on_demand_only=True)
     workers = [ray.remote(num_cpus=0)(ToyWorker).remote() for _ in range(2)]
     hooks = ProfilingHooks.attach(cfg, workers, trainer_id="sft")
     step = 0

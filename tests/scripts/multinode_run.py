@@ -11,37 +11,20 @@ import tempfile
 import ray
 from ray.cluster_utils import Cluster
 
-from coordinator import ProfilerConfig, get_or_create_coordinator
+from coordinator import get_or_create_coordinator
+from tests.configs import join_cluster, profiler_config
 from tests.ray_workers import ToyWorker
 
 
 def main() -> None:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     save = tempfile.mkdtemp(prefix="multinode-")
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 4, "resources": {"head": 8}, "include_dashboard": False},
     )
     try:
-        ray.init(
-            address=cluster.address,
-            namespace="profiler-multinode",
-            log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONPATH": root, "RAY_AUTH_MODE": "disabled"}},
-        )
-        cfg = ProfilerConfig(
-            enable=True,
-            save_path=save,
-            run_name="run",
-            ranks="all",
-            activities=["cpu"],
-            export_type="chrome_trace",
-            wait=0,
-            warmup=1,
-            active=2,
-            repeat=0,
-            worker_timeout_s=60.0,
-        )
+        join_cluster(cluster.address, namespace="profiler-multinode")
+        cfg = profiler_config(save, wait=0, warmup=1, active=2, repeat=0, worker_timeout_s=60.0)
         coord = get_or_create_coordinator(cfg)  # created before node 2 exists: it stays on the head
         node2 = cluster.add_node(num_cpus=4, resources={"node2": 8})
         cluster.wait_for_nodes()

@@ -1,32 +1,18 @@
 """A trainer driver: joins the cluster at RAY_ADDRESS, profiles one window, exits."""
 
-import os
 import sys
 
 import ray
 
-from coordinator import ProfilerConfig, get_or_create_coordinator
+from coordinator import get_or_create_coordinator
+from tests.configs import join_cluster, profiler_config
 from tests.ray_workers import ToyWorker
 
 
 def main(save_path: str) -> None:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ray.init(
-        address="auto",
-        namespace="profiler",
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": root}},
-    )
-    cfg = ProfilerConfig(
-        enable=True,
-        save_path=save_path,
-        run_name="run",
-        ranks="all",
-        activities=["cpu"],
-        wait=0,
-        warmup=1,
-        active=2,
-        repeat=1,
+    join_cluster()  # RAY_ADDRESS, namespace "profiler"
+    cfg = profiler_config(
+        save_path, export_type="chrome_trace_gz", wait=0, warmup=1, active=2, repeat=1
     )
     coord = get_or_create_coordinator(cfg)  # name "profiler", namespace "profiler"
     workers = [ray.remote(num_cpus=0)(ToyWorker).remote() for _ in range(2)]
