@@ -39,6 +39,8 @@ demo: venv
 bench: venv
 	$(PY) bench/rank_profiler_overhead.py
 	RAY_AUTH_MODE=disabled $(PY) bench/coordinator_overhead.py
+	RAY_AUTH_MODE=disabled $(PY) bench/summary_cost.py
+	$(PY) bench/summary_memory.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

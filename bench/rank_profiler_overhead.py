@@ -1,4 +1,7 @@
-"""What the rank profiler costs a training step, measured against no profiler in the same run.
+"""What the rank profiler costs a step outside and inside a window, against no profiler.
+
+The cost of closing a window (the closing step plus every step slowed until its summary is in)
+is measured by bench/summary_cost.py.
 
 Run: .venv/bin/python bench/rank_profiler_overhead.py  (or `make bench`)
 """
@@ -65,8 +68,7 @@ def main() -> None:
     ).validate()
     rp = RankProfiler(0, cfg, os.path.join(tmp, "run"))
 
-    base, idle, warm, rec, close, after = [], [], [], [], [], []
-    raw_close, inline_close = [], []
+    base, idle, warm, rec = [], [], [], []
     summaries: list[bytes] = []
     k = 0
     w, a = args.warmup, args.active
@@ -83,35 +85,10 @@ def main() -> None:
             step()
             summaries.extend(rp.step(k)["summaries"])
             t = time.perf_counter() - t0
-            (warm if j < w else rec if j < w + a - 1 else close).append(t)
+            if j < w + a - 1:  # the closing step is bench/summary_cost.py's
+                (warm if j < w else rec).append(t)
             k += 1
-        # The steps right after a close share the GIL with the summary thread.
-        after += [timed(step) for _ in range(5)]
         summaries += rp.wait_for_summaries(60)["summaries"]
-        # Baselines for the closing step: torch alone, stop + export ...
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        prof.start()
-        for _ in range(a):
-            step()
-        path = os.path.join(tmp, f"raw{i}.json")
-        raw_close.append(
-            timed(lambda p=prof, path=path: (step(), p.stop(), p.export_chrome_trace(path)))
-        )
-        # ... and the same with key_averages() on the training thread.
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        prof.start()
-        for _ in range(a):
-            step()
-        inline_close.append(
-            timed(
-                lambda p=prof, path=path: (
-                    step(),
-                    p.stop(),
-                    p.export_chrome_trace(path),
-                    p.key_averages(),
-                )
-            )
-        )
 
     med = statistics.median
     b = med(base)
@@ -127,20 +104,10 @@ def main() -> None:
         ("rank profiler idle (no window)", med(idle)),
         ("warmup step", med(warm)),
         ("recording step", med(rec)),
-        ("closing step (stop+export, summary async)", med(close)),
-        ("step after a close (summary thread busy)", med(after)),
-        ("closing step, torch stop+export alone", med(raw_close)),
-        ("closing step, key_averages() inline", med(inline_close)),
     ]
     for name, v in rows:
         print(f"{name:<40}{v * 1e3:>10.2f}{v / b:>12.2f}")
-    extra = med(close) - b
-    raw_extra = med(raw_close) - b
-    inline_extra = med(inline_close) - b
-    print(
-        f"closing step adds {extra * 1e3:.1f} ms; stop+export alone add {raw_extra * 1e3:.1f} ms; "
-        f"key_averages inline would add {inline_extra * 1e3:.1f} ms"
-    )
+    print("closing a window: see bench/summary_cost.py (the closing step and the steps after it)")
     print(
         f"summary {summary_bytes} B vs trace {trace_bytes} B (gzip {gz_bytes} B): "
         f"{trace_bytes / summary_bytes:.0f}x / {gz_bytes / summary_bytes:.1f}x smaller"

@@ -327,6 +327,17 @@ class _Coordinator:
         self._metrics.export(self.state)
         return True
 
+    async def summary_failed(
+        self, trainer_id: str, rank: int, window: int, reason: dict[str, Any]
+    ) -> bool:
+        """A rank's node agent could not build its summary of ``window`` (or died): say why."""
+        key = (trainer_id, rank)
+        if key not in self.state.ranks or not isinstance(reason, dict):
+            self.state.counters["unexpected_summaries"] += 1
+            return False
+        reason = {str(k): str(v)[:1000] for k, v in list(reason.items())[:8]}
+        return self.state.summary_failed(key, window, reason)
+
     async def get_config(self) -> dict[str, Any]:
         return self.config.to_dict()
 

@@ -7,13 +7,90 @@ one float32 array per rank until ``drop_detail``; the coordinator keeps them for
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import statistics
 from array import array
 from typing import Any
 
-from coordinator.summary_codec import UNIT, RankSummary
+from coordinator.summary_codec import (
+    BREAKDOWN_KEYS,
+    UNIT,
+    Breakdown,
+    RankSummary,
+    StreamRow,
+)
+
+
+class _Table:
+    """Running per-name statistics over ranks: one row per op, kernel or allocating op."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.names: list[str] = []
+        self.total: list[float] = []
+        self.sumsq: list[float] = []
+        self.max: list[float] = []
+        self.max_rank: list[int] = []
+        self.min_present: list[float] = []
+        self.present: list[int] = []
+        self.count: list[int] = []
+
+    def add(self, rank: int, rows: list[tuple[str, float, int]]) -> array:
+        """Fold one rank's ``(name, value, count)`` rows in; returns its values by row id."""
+        ids, names = self.ids, self.names
+        row = array("f")
+        for name, v, count in rows:
+            i = ids.get(name)
+            if i is None:
+                i = ids[name] = len(names)
+                names.append(name)
+                self.total.append(0.0)
+                self.sumsq.append(0.0)
+                self.max.append(-1.0)
+                self.max_rank.append(rank)
+                self.min_present.append(math.inf)
+                self.present.append(0)
+                self.count.append(0)
+            self.total[i] += v
+            self.sumsq[i] += v * v
+            if v > self.max[i]:
+                self.max[i], self.max_rank[i] = v, rank
+            if v < self.min_present[i]:
+                self.min_present[i] = v
+            self.present[i] += 1
+            self.count[i] += count
+            if len(row) <= i:
+                row.extend([0.0] * (i + 1 - len(row)))
+            row[i] += v
+        return row
+
+    def top(self, k: int, n: int, grand: float, unit: str) -> list[dict[str, Any]]:
+        """The ``k`` rows with the largest total over the ``n`` reporting ranks."""
+        if n == 0 or k <= 0:
+            return []
+        order = heapq.nlargest(k, range(len(self.names)), key=self.total.__getitem__)
+        rows = []
+        for i in order:
+            total = self.total[i]
+            mean = total / n
+            var = max(0.0, self.sumsq[i] / n - mean * mean)  # absent ranks count as 0
+            rows.append(
+                {
+                    "name": self.names[i],
+                    f"total_{unit}": total,
+                    f"mean_{unit}": mean,
+                    f"min_{unit}": self.min_present[i] if self.present[i] == n else 0.0,
+                    f"max_{unit}": self.max[i],
+                    f"std_{unit}": math.sqrt(var),
+                    "max_rank": self.max_rank[i],
+                    "count": self.count[i],
+                    "ranks_present": self.present[i],
+                    "share": total / (grand or 1.0),
+                }
+            )
+        return rows
 
 
 class WindowAggregate:
@@ -30,15 +107,11 @@ class WindowAggregate:
         self.dropped_rows = 0
         self.dropped_us = 0.0
         self.duplicates = 0
-        self._ids: dict[str, int] = {}
-        self._names: list[str] = []
-        self._total: list[float] = []
-        self._sumsq: list[float] = []
-        self._max: list[float] = []
-        self._max_rank: list[int] = []
-        self._min_present: list[float] = []
-        self._present: list[int] = []
-        self._count: list[int] = []
+        self.breakdowns: dict[int, Breakdown] = {}
+        self.streams: dict[int, list[StreamRow]] = {}
+        self.peak_bytes: dict[int, int] = {}
+        self._kernels = _Table()
+        self._memory = _Table()
         self._detail: dict[int, array] | None = {}  # rank -> self time by kernel id
 
     @property
@@ -60,32 +133,13 @@ class WindowAggregate:
         self.rank_step_us[rank] = list(summary.step_us)
         self.dropped_rows += summary.dropped_rows
         self.dropped_us += summary.dropped_us
-        ids, names = self._ids, self._names
-        row = array("f")
-        for k in summary.kernels:
-            i = ids.get(k.name)
-            if i is None:
-                i = ids[k.name] = len(names)
-                names.append(k.name)
-                self._total.append(0.0)
-                self._sumsq.append(0.0)
-                self._max.append(-1.0)
-                self._max_rank.append(rank)
-                self._min_present.append(math.inf)
-                self._present.append(0)
-                self._count.append(0)
-            v = k.self_us
-            self._total[i] += v
-            self._sumsq[i] += v * v
-            if v > self._max[i]:
-                self._max[i], self._max_rank[i] = v, rank
-            if v < self._min_present[i]:
-                self._min_present[i] = v
-            self._present[i] += 1
-            self._count[i] += k.count
-            if len(row) <= i:
-                row.extend([0.0] * (i + 1 - len(row)))
-            row[i] += v
+        self.breakdowns[rank] = summary.breakdown
+        if summary.streams:
+            self.streams[rank] = list(summary.streams)
+        if summary.peak_bytes is not None:
+            self.peak_bytes[rank] = summary.peak_bytes
+            self._memory.add(rank, [(m.name, float(m.bytes), m.count) for m in summary.memory])
+        row = self._kernels.add(rank, [(k.name, k.self_us, k.count) for k in summary.kernels])
         if self._detail is not None:
             self._detail[rank] = row
         return True
@@ -100,7 +154,7 @@ class WindowAggregate:
             return None
         out = {}
         for name in names:
-            i = self._ids.get(name)
+            i = self._kernels.ids.get(name)
             out[name] = {
                 r: (float(row[i]) if i is not None and i < len(row) else 0.0)
                 for r, row in sorted(self._detail.items())
@@ -108,38 +162,48 @@ class WindowAggregate:
         return out
 
     def stragglers(self, threshold: float) -> dict[str, Any]:
-        """Each rank's mean step time and kernel-time total relative to the median over ranks.
+        """Each rank's mean step time and compute time relative to the median over ranks.
 
-        A rank is flagged when either ratio exceeds ``threshold``.
+        In a collective the fast ranks wait for the slow one, so communication time marks the
+        victims: the culprit is the rank whose compute time is high. A rank is flagged when its
+        step or compute ratio exceeds ``threshold``; ``comm_ms`` shows the waiting beside it.
         """
         step_ms = {
             r: statistics.fmean(us for _, us in steps) / 1e3
             for r, steps in self.rank_step_us.items()
             if steps
         }
-        kernel_ms = {r: t / 1e3 for r, t in self.rank_totals.items()}
+        compute_ms = {r: self._compute_us(r) / 1e3 for r in self.rank_totals}
         med_step = statistics.median(step_ms.values()) if step_ms else 0.0
-        med_kernel = statistics.median(kernel_ms.values()) if kernel_ms else 0.0
+        med_compute = statistics.median(compute_ms.values()) if compute_ms else 0.0
         ranks = {}
-        for r in sorted(kernel_ms):
+        for r in sorted(compute_ms):
             s = step_ms.get(r)
             s_ratio = s / med_step if s is not None and med_step > 0 else None
-            k_ratio = kernel_ms[r] / med_kernel if med_kernel > 0 else None
-            flagged = any(x is not None and x > threshold for x in (s_ratio, k_ratio))
+            c_ratio = compute_ms[r] / med_compute if med_compute > 0 else None
+            b = self.breakdowns.get(r)
             ranks[r] = {
                 "step_ms": s,
                 "step_ratio": s_ratio,
-                "kernel_ms": kernel_ms[r],
-                "kernel_ratio": k_ratio,
-                "flagged": flagged,
+                "compute_ms": compute_ms[r],
+                "compute_ratio": c_ratio,
+                "comm_ms": b.comm_us / 1e3 if b is not None else None,
+                "comm_share": b.share("comm") if b is not None else None,
+                "flagged": any(x is not None and x > threshold for x in (s_ratio, c_ratio)),
             }
         return {
             "threshold": threshold,
             "median_step_ms": med_step,
-            "median_kernel_ms": med_kernel,
+            "median_compute_ms": med_compute,
             "ranks": ranks,
             "flagged": [r for r, v in ranks.items() if v["flagged"]],
         }
+
+    def _compute_us(self, rank: int) -> float:
+        b = self.breakdowns.get(rank)
+        if b is not None and b.window_us > 0:
+            return b.compute_us
+        return self.rank_totals[rank]  # no breakdown: every op's self time
 
     def mark_bad(self, rank: int, reason: str) -> None:
         """A rank whose summary for this window could not be used."""
@@ -154,31 +218,31 @@ class WindowAggregate:
 
     def top(self, k: int) -> list[dict[str, Any]]:
         """The ``k`` kernels with the largest total self time over ranks."""
-        n = len(self.rank_totals)
-        if n == 0 or k <= 0:
-            return []
-        grand = sum(self.rank_totals.values()) or 1.0
-        order = heapq.nlargest(k, range(len(self._names)), key=self._total.__getitem__)
-        rows = []
-        for i in order:
-            total = self._total[i]
-            mean = total / n
-            var = max(0.0, self._sumsq[i] / n - mean * mean)  # absent ranks count as 0
-            rows.append(
-                {
-                    "name": self._names[i],
-                    "total_us": total,
-                    "mean_us": mean,
-                    "min_us": self._min_present[i] if self._present[i] == n else 0.0,
-                    "max_us": self._max[i],
-                    "std_us": math.sqrt(var),
-                    "max_rank": self._max_rank[i],
-                    "count": self._count[i],
-                    "ranks_present": self._present[i],
-                    "share": total / grand,
-                }
-            )
-        return rows
+        return self._kernels.top(k, len(self.rank_totals), sum(self.rank_totals.values()), "us")
+
+    def breakdown(self) -> dict[str, Any]:
+        """Per rank and on average: compute, comm, memcpy and other time, and shares."""
+        ranks = {r: _breakdown_row(b) for r, b in sorted(self.breakdowns.items())}
+        n = len(ranks)
+        mean = (
+            {key: sum(row[key] for row in ranks.values()) / n for key in next(iter(ranks.values()))}
+            if n
+            else {}
+        )
+        return {"ranks": ranks, "mean": mean}
+
+    def memory(self, k: int) -> dict[str, Any] | None:
+        """Peak allocated bytes per rank and the top allocating ops across ranks."""
+        if not self.peak_bytes:
+            return None
+        n = len(self.peak_bytes)
+        grand = sum(self._memory.total)
+        return {
+            "peak_bytes": dict(sorted(self.peak_bytes.items())),
+            "max_peak_bytes": max(self.peak_bytes.values()),
+            "max_peak_rank": max(self.peak_bytes, key=self.peak_bytes.__getitem__),
+            "ops": self._memory.top(k, n, grand, "bytes"),
+        }
 
     def to_dict(
         self, top_k: int, straggler_threshold: float = 1.25, per_rank: bool = False
@@ -198,6 +262,12 @@ class WindowAggregate:
             "dropped": {"rows": self.dropped_rows, "us": self.dropped_us},
             "stragglers": self.stragglers(straggler_threshold),
         }
+        out["breakdown"] = self.breakdown()
+        out["streams"] = {
+            int(r): [dataclasses.asdict(row) for row in rows]
+            for r, rows in sorted(self.streams.items())
+        }
+        out["memory"] = self.memory(top_k)
         if per_rank:
             out["per_rank"] = self.per_rank([k["name"] for k in kernels])
         return out
@@ -217,4 +287,14 @@ def empty_summary() -> dict[str, Any]:
         "rank_totals": {},
         "dropped": {"rows": 0, "us": 0.0},
         "stragglers": {"threshold": None, "ranks": {}, "flagged": []},
+        "breakdown": {"ranks": {}, "mean": {}},
+        "streams": {},
+        "memory": None,
     }
+
+
+def _breakdown_row(b: Breakdown) -> dict[str, float]:
+    row = {f"{k}_us": getattr(b, f"{k}_us") for k in BREAKDOWN_KEYS}
+    row["window_us"] = b.window_us
+    row.update({f"{k}_share": b.share(k) for k in BREAKDOWN_KEYS})
+    return row

@@ -176,7 +176,42 @@ def render_top(ks: dict[str, Any]) -> str:
             f"{k['max_us']:>10.1f} {k['max_rank']:>5} {k['std_us']:>9.1f} {k['count']:>7} "
             f"{k['share']:>6.1%}  {k['name'][:70]}"
         )
+    lines += render_breakdown(ks)
+    mem = ks.get("memory")
+    if mem:
+        lines += [
+            "",
+            f"memory: peak {_mb(mem['max_peak_bytes'])} on rank {mem['max_peak_rank']} "
+            f"(per rank: {', '.join(f'{r}: {_mb(b)}' for r, b in mem['peak_bytes'].items())})",
+            f"{'allocated':>11} {'max':>10} {'max@':>5} {'allocs':>7}  op",
+        ]
+        for op in mem["ops"][:10]:
+            lines.append(
+                f"{_mb(op['total_bytes']):>11} {_mb(op['max_bytes']):>10} {op['max_rank']:>5} "
+                f"{op['count']:>7}  {op['name'][:70]}"
+            )
     return "\n".join(lines)
+
+
+def render_breakdown(ks: dict[str, Any]) -> list[str]:
+    """Where each rank's window went: compute, communication, copies, other."""
+    ranks = (ks.get("breakdown") or {}).get("ranks") or {}
+    if not ranks:
+        return []
+    lines = [
+        "",
+        f"{'rank':>4} {'window ms':>10} {'compute':>8} {'comm':>8} {'memcpy':>8} {'other':>8}",
+    ]
+    for r, b in ranks.items():
+        lines.append(
+            f"{r:>4} {b['window_us'] / 1e3:>10.1f} {b['compute_share']:>8.1%} "
+            f"{b['comm_share']:>8.1%} {b['memcpy_share']:>8.1%} {b['other_share']:>8.1%}"
+        )
+    return lines
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f} MB"
 
 
 def render_stragglers(ks: dict[str, Any]) -> str:
@@ -186,12 +221,17 @@ def render_stragglers(ks: dict[str, Any]) -> str:
     lines = [
         f"window {ks['window']} steps {ks['steps']}: threshold {s['threshold']}x the median; "
         f"flagged {s['flagged'] or 'none'}",
-        f"{'rank':>4} {'step ms':>9} {'x median':>9} {'kernel ms':>10} {'x median':>9}  flag",
+        "a slow rank has high compute time; the ranks waiting for it in collectives have high "
+        "comm time",
+        f"{'rank':>4} {'step ms':>9} {'x median':>9} {'compute ms':>11} {'x median':>9} "
+        f"{'comm ms':>9} {'comm %':>7}  flag",
     ]
     for r, v in s["ranks"].items():
+        share = "-" if v.get("comm_share") is None else f"{v['comm_share']:.1%}"
         lines.append(
             f"{r:>4} {_num(v['step_ms']):>9} {_num(v['step_ratio'], 2):>9} "
-            f"{_num(v['kernel_ms']):>10} {_num(v['kernel_ratio'], 2):>9}  "
+            f"{_num(v['compute_ms']):>11} {_num(v['compute_ratio'], 2):>9} "
+            f"{_num(v.get('comm_ms')):>9} {share:>7}  "
             f"{'STRAGGLER' if v['flagged'] else ''}"
         )
     return "\n".join(lines)

@@ -71,6 +71,27 @@ def stragglers_frame(summary: dict[str, Any]) -> Any:
     return frame.sort_index()
 
 
+def breakdown_frame(summary: dict[str, Any]) -> Any:
+    """Per rank: compute, comm, memcpy and other time (us) and their shares of the window."""
+    pd = _pd()
+    ranks = (summary.get("breakdown") or {}).get("ranks") or {}
+    frame = pd.DataFrame.from_dict({int(r): v for r, v in ranks.items()}, orient="index")
+    frame.index.name = "rank"
+    return frame.sort_index()
+
+
+def memory_frame(summary: dict[str, Any]) -> Any:
+    """Top allocating ops across ranks (with ``profile_memory``); ``attrs`` holds the peaks."""
+    pd = _pd()
+    mem = summary.get("memory")
+    if not mem:
+        raise ValueError("this window has no memory data: profile with profile_memory: true")
+    cols = ["name", "total_bytes", "mean_bytes", "max_bytes", "max_rank", "count", "share"]
+    frame = pd.DataFrame(mem["ops"], columns=cols)
+    frame.attrs.update(window=summary["window"], peak_bytes=dict(mem["peak_bytes"]))
+    return frame
+
+
 def ranks_frame(status: dict[str, Any]) -> Any:
     """One row per registered rank: state, reason, windows captured, last trace."""
     pd = _pd()

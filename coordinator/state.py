@@ -31,6 +31,8 @@ class RankRecord:
     note: str | None = None
     windows_captured: int = 0
     last_trace_path: str | None = None
+    summary_helper: Any = None
+    last_helper_error: Any = None
 
     @property
     def active(self) -> bool:
@@ -47,6 +49,8 @@ class RankRecord:
             "note": self.note,
             "windows_captured": self.windows_captured,
             "last_trace_path": self.last_trace_path,
+            "summary_helper": self.summary_helper,
+            "last_helper_error": self.last_helper_error,
         }
 
 
@@ -194,11 +198,18 @@ class CoordinatorState:
             rec.windows_captured = reply["windows_captured"]
         if reply.get("last_trace_path"):
             rec.last_trace_path = reply["last_trace_path"]
+        if isinstance(reply.get("summary_helper"), dict):
+            rec.summary_helper = reply["summary_helper"]
+        if isinstance(reply.get("last_helper_error"), dict):
+            rec.last_helper_error = reply["last_helper_error"]
         closed = reply.get("closed")
         if isinstance(closed, dict):
             self._apply_closed(key, closed)
         for blob in reply.get("summaries") or []:
             self.ingest_summary(key, blob)
+        for failure in reply.get("summary_failures") or []:
+            if isinstance(failure, dict):
+                self.summary_failed(key, failure.get("window"), failure)
         pending = set(reply.get("summary_pending") or [])
         for w in self.windows.values():
             if key in w.pending and w.window.index not in pending:
@@ -245,6 +256,26 @@ class CoordinatorState:
         else:
             self.counters["duplicate_summaries"] += 1
         w.pending.discard(key)
+
+    def summary_failed(self, key: tuple[str, int], window: Any, reason: Any) -> bool:
+        """A rank's summary for ``window`` is lost (its helper failed): mark it bad, stop waiting.
+
+        False (and nothing changes) for a window or rank this run does not know.
+        """
+        w = self.windows.get(window) if isinstance(window, int) else None
+        if w is None or key not in w.participants:
+            self.counters["unexpected_summaries"] += 1
+            return False
+        if isinstance(reason, dict):
+            message = f"{reason.get('where')}: {reason.get('type')}: {reason.get('message')}"
+            self.ranks[key].last_helper_error = {str(k): v for k, v in reason.items()}
+        else:
+            message = str(reason)
+        if not w.has_summary(key):
+            self.counters["lost_summaries"] += 1
+        w.aggregate(key[0]).mark_bad(key[1], message[:2000])
+        w.pending.discard(key)
+        return True
 
     def rank_failed(self, key: tuple[str, int], state: str, reason: Any) -> None:
         rec = self.ranks[key]

@@ -12,11 +12,13 @@ from typing import Any
 
 import msgpack
 
-SUMMARY_VERSION = 1
+SUMMARY_VERSION = 2
 MAX_PAYLOAD_BYTES = 4 * 1024 * 1024
 MAX_NAME_CHARS = 2048
 MAX_KERNELS = 10_000
 MAX_STEPS = 100_000
+MAX_STREAMS = 1_024
+MAX_MEMORY_ROWS = 1_000
 DEVICES = ("cpu", "cuda")
 UNIT = "us"
 _TOP_KEYS = {
@@ -30,8 +32,12 @@ _TOP_KEYS = {
     "kernels",
     "dropped",
     "step_us",
+    "breakdown",
+    "streams",
+    "memory",
 }
 _MAX_INT = 2**62
+_BREAKDOWN_FIELDS = ("compute", "comm", "memcpy", "other", "window")
 
 
 class SummaryDecodeError(ValueError):
@@ -48,6 +54,49 @@ class KernelRow:
     flops: int = 0
 
 
+@dataclass(frozen=True)
+class Breakdown:
+    """Where the window's time went on this rank, in microseconds.
+
+    CPU ranks: the wall time with a collective in flight on any thread (``comm``), self CPU time
+    of copies (``memcpy``) and of every other op (``compute``), and the rest of the window
+    (``other``: Python, waiting, idle). CUDA ranks: device time of NCCL kernels, memcpy/memset
+    and other kernels; ``other`` is device idle time.
+    """
+
+    compute_us: float = 0.0
+    comm_us: float = 0.0
+    memcpy_us: float = 0.0
+    other_us: float = 0.0
+    window_us: float = 0.0
+
+    def share(self, what: str) -> float:
+        """``what``'s share of the window (``compute``, ``comm``, ``memcpy`` or ``other``)."""
+        return getattr(self, f"{what}_us") / self.window_us if self.window_us > 0 else 0.0
+
+
+BREAKDOWN_KEYS = ("compute", "comm", "memcpy", "other")
+
+
+@dataclass(frozen=True)
+class StreamRow:
+    """Device time on one stream: busy (union of its activity) and idle, within the window."""
+
+    device: int
+    stream: int
+    busy_us: float
+    idle_us: float
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """An op's allocations in the window: bytes allocated (frees not subtracted), how many."""
+
+    name: str
+    bytes: int
+    count: int
+
+
 @dataclass
 class RankSummary:
     """What one rank recorded in one window."""
@@ -61,6 +110,11 @@ class RankSummary:
     dropped_rows: int = 0
     dropped_us: float = 0.0
     step_us: list[tuple[int, float]] = field(default_factory=list)
+    breakdown: Breakdown = field(default_factory=Breakdown)
+    streams: list[StreamRow] = field(default_factory=list)
+    peak_bytes: int | None = None
+    """Peak allocated bytes in the window (with ``profile_memory``), else None."""
+    memory: list[MemoryRow] = field(default_factory=list)
     unit: str = UNIT
 
     @property
@@ -82,6 +136,13 @@ def encode_summary(summary: RankSummary) -> bytes:
         "kernels": [[k.name, float(k.self_us), k.count, k.flops] for k in summary.kernels],
         "dropped": [summary.dropped_rows, float(summary.dropped_us)],
         "step_us": [[s, float(us)] for s, us in summary.step_us],
+        "breakdown": [float(getattr(summary.breakdown, f"{k}_us")) for k in _BREAKDOWN_FIELDS],
+        "streams": [
+            [r.device, r.stream, float(r.busy_us), float(r.idle_us)] for r in summary.streams
+        ],
+        "memory": None
+        if summary.peak_bytes is None
+        else [summary.peak_bytes, [[r.name, r.bytes, r.count] for r in summary.memory]],
     }
     try:
         data = msgpack.packb(payload, use_bin_type=True)
@@ -144,15 +205,9 @@ def _from_obj(obj: Any) -> RankSummary:
     kernels = []
     for i, row in enumerate(_list(obj["kernels"], "kernels", 0, MAX_KERNELS)):
         row = _list(row, f"kernels[{i}]", 4, 4)
-        name = row[0]
-        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
-            raise SummaryDecodeError(
-                f"summary kernels[{i}] name must be a non-empty string of at most "
-                f"{MAX_NAME_CHARS} characters"
-            )
         kernels.append(
             KernelRow(
-                name,
+                _name(row[0], f"kernels[{i}]"),
                 _time(row[1], f"kernels[{i}] self_us"),
                 _int(row[2], f"kernels[{i}] count"),
                 _int(row[3], f"kernels[{i}] flops"),
@@ -163,6 +218,31 @@ def _from_obj(obj: Any) -> RankSummary:
     for i, pair in enumerate(_list(obj["step_us"], "step_us", 0, MAX_STEPS)):
         pair = _list(pair, f"step_us[{i}]", 2, 2)
         step_us.append((_int(pair[0], f"step_us[{i}] step"), _time(pair[1], f"step_us[{i}] us")))
+    brk = _list(obj["breakdown"], "breakdown", 5, 5)
+    streams = []
+    for i, row in enumerate(_list(obj["streams"], "streams", 0, MAX_STREAMS)):
+        row = _list(row, f"streams[{i}]", 4, 4)
+        streams.append(
+            StreamRow(
+                _signed(row[0], f"streams[{i}] device"),
+                _signed(row[1], f"streams[{i}] stream"),
+                _time(row[2], f"streams[{i}] busy_us"),
+                _time(row[3], f"streams[{i}] idle_us"),
+            )
+        )
+    peak, memory = None, []
+    if obj["memory"] is not None:
+        mem = _list(obj["memory"], "memory", 2, 2)
+        peak = _int(mem[0], "memory peak bytes")
+        for i, row in enumerate(_list(mem[1], "memory rows", 0, MAX_MEMORY_ROWS)):
+            row = _list(row, f"memory[{i}]", 3, 3)
+            memory.append(
+                MemoryRow(
+                    _name(row[0], f"memory[{i}]"),
+                    _int(row[1], f"memory[{i}] bytes"),
+                    _int(row[2], f"memory[{i}] count"),
+                )
+            )
     return RankSummary(
         rank=rank,
         window=window,
@@ -173,7 +253,27 @@ def _from_obj(obj: Any) -> RankSummary:
         dropped_rows=_int(dropped[0], "dropped rows"),
         dropped_us=_time(dropped[1], "dropped us"),
         step_us=step_us,
+        breakdown=Breakdown(
+            *(_time(v, f"breakdown {k}") for k, v in zip(_BREAKDOWN_FIELDS, brk, strict=True))
+        ),
+        streams=streams,
+        peak_bytes=peak,
+        memory=memory,
     )
+
+
+def _name(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS:
+        raise SummaryDecodeError(
+            f"summary {what} name must be a non-empty string of at most {MAX_NAME_CHARS} characters"
+        )
+    return value
+
+
+def _signed(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not -_MAX_INT < value < _MAX_INT:
+        raise SummaryDecodeError(f"summary {what} must be an int, got {value!r}")
+    return value
 
 
 def _list(value: Any, what: str, min_len: int, max_len: int) -> list:

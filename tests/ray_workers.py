@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from tests.torch_helpers import TinyMLP
+from trainers.workers import PolicyWorker
 from worker_ext import ProfilerWorkerMixin
 from worker_ext.rank_profiler import RankProfiler
 
@@ -47,10 +48,19 @@ class FaultyWorker(ToyWorker):
                 raise RuntimeError("injected: CUPTI_ERROR_NOT_INITIALIZED")
 
             torch.profiler.profile.start = broken_start
-        elif kind == "garbage_summary":
-            import worker_ext.rank_profiler as rp
+        elif kind == "garbage_summary":  # the helper answers with bytes that are not a summary
+            from concurrent.futures import Future
 
-            rp.encode_summary = lambda summary: b"\xc1garbage"
+            from worker_ext.trace_jobs import JobResult
+
+            def garbage_hand_off(self, job):
+                with self._cond:
+                    self._pending.add(job.window)
+                done = Future()
+                done.set_result(JobResult(window=job.window, pid=0, summary=b"\xc1garbage"))
+                self._job_done(job, done)
+
+            RankProfiler._hand_off = garbage_hand_off
         elif kind == "slow_step_1s":
             real_step = RankProfiler.step
 
@@ -77,3 +87,31 @@ def _node_id(self) -> str:
 
 
 ToyWorker.node_id = _node_id
+
+
+class ProfiledPolicyWorker(PolicyWorker):
+    """A reference-trainer rank that also profiles a window itself, to compare with key_averages."""
+
+    def profile_window(self, path: str, steps: int, with_stack: bool = False) -> dict:
+        """Profile ``steps`` SFT + RL steps; key_averages() of them (or why it failed)."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        from tests.trace_equality import key_averages_table
+        from trainers.model import ModelConfig, sft_batch, sft_corpus
+
+        corpus, seq = sft_corpus(), ModelConfig().seq_len
+        with profile(
+            activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=with_stack
+        ) as prof:
+            for step in range(steps):
+                rows = sft_batch(corpus, step, 8, seq, 0)
+                self.sft_step(rows)
+                adv = torch.linspace(-1, 1, rows.shape[0])
+                self.rl_step(rows, adv)
+                prof.step()
+        prof.export_chrome_trace(path)
+        try:
+            return key_averages_table(prof)
+        except UnicodeDecodeError as exc:  # torch 2.13 on some with_stack windows
+            return {"key_averages failed": str(exc)}

@@ -71,7 +71,7 @@ def test_stragglers_are_flagged_against_the_median():
         agg.add(summary(rank, [("k", kernel_us, 1)], steps_us=(step_us, step_us)))
     s = agg.stragglers(1.25)
     assert s["flagged"] == [2]
-    assert s["ranks"][2]["kernel_ratio"] == pytest.approx(300 / 110)
+    assert s["ranks"][2]["compute_ratio"] == pytest.approx(300 / 110)
     assert s["ranks"][2]["step_ratio"] == pytest.approx(1.5)
     assert s["ranks"][0]["flagged"] is False
 

@@ -1,6 +1,7 @@
 import glob
 import json
 import os
+import time
 import uuid
 
 import pytest
@@ -84,8 +85,20 @@ def test_end_to_end_windows_traces_and_aggregates(ray_session, make, tmp_path):
     assert c["worker_rpcs"] == 3 + 2 * 3 + 2 * 3 * 3 + late and late <= 3
     assert c["summaries"] == 2 * 3
     assert st["process"]["torch_loaded"] is False
+    # The summaries were built and pushed by one process per node, neither a rank nor this one.
+    helpers = {(r["summary_helper"]["kind"], r["summary_helper"]["pid"]) for r in st["ranks"]}
+    ((kind, helper_pid),) = helpers
+    assert kind == "node_agent" and c["summaries_pushed"] == 2 * 3
+    rank_pids = set(ray.get([w.pid.remote() for w in workers]))
+    assert helper_pid not in rank_pids | {os.getpid(), st["process"]["pid"]}
 
     ks = ray.get(coord.kernel_summary.remote(top_k=5))
+    brk = ks["breakdown"]["ranks"]
+    assert set(brk) == {0, 1, 2} and all(b["compute_share"] > 0 for b in brk.values())
+    assert all(
+        b["compute_us"] + b["memcpy_us"] + b["other_us"] == pytest.approx(b["window_us"])
+        for b in brk.values()
+    )
     assert ks["window"] == 1 and ks["steps"] == [6, 7] and ks["ranks"] == [0, 1, 2]
     assert ks["device"] == "cpu" and ks["unit"] == "us" and ks["pending_ranks"] == []
     assert len(ks["kernels"]) == 5 and set(ks["rank_totals"]) == {0, 1, 2}
@@ -371,3 +384,37 @@ def test_capture_and_schedule_in_one_run(ray_session, make, tmp_path):
     ]
     assert os.listdir(tmp_path / "run" / "window_0000_steps_3-4") == ["rank1.pt.trace.json"]
     assert st["counters"]["captures_requested"] == 1 and st["counters"]["captures_refused"] == 1
+
+
+def test_a_killed_node_agent_costs_one_window_and_comes_back(ray_session, make):
+    ray = ray_session
+    coord, workers = make(2, repeat=3)
+    ray.get(coord.register.remote("t", workers))
+    train(ray, coord, workers, steps=4, stop=False)  # window 0: steps 2-3
+    for _ in range(300):  # its summaries first, so that the kill costs window 1 only
+        if ray.get(coord.kernel_summary.remote(window=0))["ranks"] == [0, 1]:
+            break
+        time.sleep(0.1)
+    st = ray.get(coord.status.remote())
+    agent_pid = st["ranks"][0]["summary_helper"]["pid"]
+    node = ray.get(
+        workers[0].__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+    )
+    agent = ray.get_actor(f"agent-{node}", namespace="profiler_agents")
+    ray.kill(agent)
+    for k in range(4, 12):  # windows 1 (6-7) and 2 (10-11); training never notices
+        ray.get([w.train_step.remote() for w in workers])
+        ray.get(coord.step.remote("t", k))
+    ray.get(coord.stop.remote("t"))
+    st = ray.get(coord.status.remote())
+    assert {r["state"] for r in st["ranks"]} == {"ok"}
+    lost = ray.get(coord.kernel_summary.remote(window=1))
+    assert lost["ranks"] == [] and sorted(lost["bad_ranks"]) == [0, 1]
+    assert all("died or could not be reached" in why for why in lost["bad_ranks"].values())
+    assert st["counters"]["lost_summaries"] == 2
+    for r in st["ranks"]:
+        err = r["last_helper_error"]
+        assert err["window"] == 1 and os.path.exists(err["trace_path"])
+    assert ray.get(coord.kernel_summary.remote(window=0))["ranks"] == [0, 1]
+    assert ray.get(coord.kernel_summary.remote(window=2))["ranks"] == [0, 1]
+    assert {r["summary_helper"]["pid"] for r in st["ranks"]} != {agent_pid}

@@ -1,18 +1,22 @@
 """A fault anywhere disables that rank's profiling, says why, and never reaches training."""
 
 import gzip
+import os
 
 import pytest
 import torch
 
 from coordinator.config import ProfilerConfig
 from coordinator.schedule import Window
-from tests.torch_helpers import TinyMLP
+from coordinator.summary_codec import decode_summary
+from tests.torch_helpers import TinyMLP, summaries
 from worker_ext.mixin import ProfilerWorkerMixin
+from worker_ext.node_agent import LocalProcessHelper
 from worker_ext.rank_profiler import RankProfiler
+from worker_ext.trace_jobs import TraceJob, run_job
 
 
-def make(tmp_path, run=None, **kw):
+def make(tmp_path, run=None, helper=None, **kw):
     base = dict(
         enable=True,
         save_path=str(tmp_path),
@@ -21,7 +25,8 @@ def make(tmp_path, run=None, **kw):
         export_type="chrome_trace",
     )
     base.update(kw)
-    return RankProfiler(0, ProfilerConfig(**base).validate(), run or str(tmp_path / "run"))
+    cfg = ProfilerConfig(**base).validate()
+    return RankProfiler(0, cfg, run or str(tmp_path / "run"), helper=helper)
 
 
 def one_window(rp, model):
@@ -87,24 +92,78 @@ def test_unwritable_run_directory(tmp_path):
     assert st["reason"]["type"] in ("NotADirectoryError", "FileExistsError")
 
 
-def test_disk_full_while_compressing(tmp_path, monkeypatch):
+def test_disk_full_while_compressing_keeps_the_plain_trace(tmp_path, monkeypatch):
+    """The helper's own steps, run here so the fault can be injected."""
+    rp = make(tmp_path, export_type="chrome_trace")
+    one_window(rp, TinyMLP())
+    plain = rp.status()["last_trace_path"]
+
     def full(*a, **kw):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(gzip, "open", full)
+    job = TraceJob(0, 0, (1, 2), False, "cpu", 10, False, "chrome_trace_gz", plain, plain + ".gz")
+    res = run_job(job)
+    assert res.summary is not None and decode_summary(res.summary).steps == (1, 2)
+    assert [(e["where"], e["type"]) for e in res.errors] == [("compress", "OSError")]
+    assert res.trace_path == plain and os.path.exists(plain)
+    assert [p.name for p in (tmp_path / "run").rglob("*") if p.is_file()] == ["rank0.pt.trace.json"]
+
+
+def test_an_unreadable_trace_loses_that_windows_summary_only(tmp_path, monkeypatch):
+    real = torch.profiler.profile.export_chrome_trace
+
+    def truncated(self, path):
+        real(self, path)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", truncated)
     rp = make(tmp_path, export_type="chrome_trace_gz")
-    one_window(rp, TinyMLP())
-    assert_disabled(rp, "export", "OSError", "No space left")
-    leftovers = [p.name for p in (tmp_path / "run").rglob("*") if p.is_file()]
-    assert leftovers == []
-
-
-def test_failed_summary(tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.profiler.profile, "key_averages", raiser("parse failed"))
-    rp = make(tmp_path)
     statuses = one_window(rp, TinyMLP())
-    assert_disabled(rp, "summary", "RuntimeError", "parse failed")
+    st = rp.status()
+    assert st["state"] == "ok"  # profiling goes on
+    (failure,) = [f for s in statuses for f in s["summary_failures"]]
+    assert failure["window"] == 0 and failure["where"] == "summary"
+    assert "not a valid chrome trace" in failure["message"]
+    assert os.path.exists(failure["trace_path"])  # the raw trace stays for whoever looks
     assert not [b for s in statuses for b in s["summaries"]]
+    monkeypatch.undo()
+    assert [decode_summary(b).window for b in summaries(one_window(rp, TinyMLP()))] == [0]
+
+
+class _DyingHelper(LocalProcessHelper):
+    """A real helper process that dies on its next job (fault injection)."""
+
+    def submit(self, job):
+        return self._executor().submit(os._exit, 3)
+
+
+class _UnstartableHelper(LocalProcessHelper):
+    def prepare(self):
+        raise RuntimeError("no room for another process")
+
+    def submit(self, job):
+        raise RuntimeError("no room for another process")
+
+
+@pytest.mark.parametrize(
+    "helper,message",
+    [(_DyingHelper, "died or could not be reached"), (_UnstartableHelper, "no room")],
+    ids=["dies", "cannot_start"],
+)
+def test_a_dead_helper_costs_one_summary_and_never_training(tmp_path, helper, message):
+    rp = make(tmp_path, helper=helper(), export_type="chrome_trace_gz")
+    statuses = one_window(rp, TinyMLP())
+    st = rp.status()
+    assert st["state"] == "ok" and st["summary_pending"] == []
+    assert message in st["last_helper_error"]["message"]
+    (failure,) = [f for s in statuses for f in s["summary_failures"]]
+    assert failure["where"] == "helper" and failure["window"] == 0
+    assert failure["trace_path"].endswith("rank0.pt.trace.json") and os.path.exists(
+        failure["trace_path"]
+    )
+    assert not torch._C._autograd._profiler_enabled()
 
 
 def test_bad_window_from_the_coordinator(tmp_path):

@@ -191,16 +191,58 @@ def test_flops_and_stack_rows_are_normalised(tmp_path):
     assert all(line.rsplit(" ", 1)[1].isdigit() for line in lines)
 
 
-def test_key_averages_runs_off_the_training_thread(tmp_path, monkeypatch):
-    import threading
+def test_the_summary_is_built_from_the_trace_in_another_process(tmp_path, monkeypatch):
+    def never(self, *a, **kw):
+        raise AssertionError("key_averages() must not run")
 
-    seen = []
-    real = torch.profiler.profile.key_averages
+    monkeypatch.setattr(torch.profiler.profile, "key_averages", never)
+    monkeypatch.setattr(torch.profiler.profile, "export_stacks", never)
+    rp, statuses = run_profiled(cfg_for(tmp_path, wait=0, export_type="chrome_trace_gz"), steps=4)
+    (s,) = [decode_summary(b) for b in summaries(statuses)]
+    assert s.steps == (1, 2) and s.kernels
+    helper = rp.status()["summary_helper"]  # the node agent when this process is in Ray
+    assert helper["kind"] in ("local_process", "node_agent")
+    assert helper["pid"] is not None and helper["pid"] != os.getpid()
+    assert rp.status()["last_helper_error"] is None
 
-    def spy(self, *a, **kw):
-        seen.append(threading.current_thread().name)
-        return real(self, *a, **kw)
 
-    monkeypatch.setattr(torch.profiler.profile, "key_averages", spy)
-    run_profiled(cfg_for(tmp_path, wait=0), steps=4)
-    assert seen and all(name != threading.main_thread().name for name in seen)
+def test_export_none_summarises_a_temporary_trace_then_deletes_it(tmp_path):
+    cfg = cfg_for(tmp_path, wait=0, export_type="none")
+    _, statuses = run_profiled(cfg, steps=4)
+    assert len(summaries(statuses)) == 1
+    assert [p for p in (tmp_path / "run").rglob("*") if p.is_file()] == []
+
+
+def test_a_script_without_a_main_guard_is_not_run_again_by_the_helper(tmp_path):
+    """The local helper is a spawned child; it must not re-run the user's unguarded script."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "runs.txt"
+    script = tmp_path / "train.py"
+    script.write_text(
+        f"""
+import os, sys
+sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
+with open({str(marker)!r}, "a") as f:
+    f.write("ran\\n")
+from coordinator.config import ProfilerConfig
+from coordinator.schedule import Window
+from tests.torch_helpers import TinyMLP
+from worker_ext.rank_profiler import RankProfiler
+cfg = ProfilerConfig(enable=True, save_path={str(tmp_path)!r}, ranks="all", activities=["cpu"])
+rp = RankProfiler(0, cfg.validate(), {str(tmp_path / "run")!r})
+rp.begin_window(Window(0, 0, 1, 2), 0)
+m = TinyMLP()
+for k in range(3):
+    m.train_step()
+    rp.step(k)
+st = rp.wait_for_summaries(60)
+print(len(st["summaries"]), st["summary_helper"]["kind"], st["last_helper_error"])
+"""
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, check=True
+    )
+    assert out.stdout.split() == ["1", "local_process", "None"], out.stderr[-2000:]
+    assert marker.read_text() == "ran\n"

@@ -10,8 +10,11 @@ from hypothesis import strategies as st
 from coordinator.summary_codec import (
     MAX_NAME_CHARS,
     MAX_PAYLOAD_BYTES,
+    Breakdown,
     KernelRow,
+    MemoryRow,
     RankSummary,
+    StreamRow,
     SummaryDecodeError,
     decode_summary,
     encode_summary,
@@ -20,12 +23,16 @@ from coordinator.summary_codec import (
 times = st.floats(min_value=0, max_value=1e12, allow_nan=False, allow_infinity=False)
 ints = st.integers(0, 2**40)
 kernel_rows = st.builds(KernelRow, st.text(min_size=1, max_size=80), times, ints, ints)
+breakdowns = st.builds(Breakdown, times, times, times, times, times)
+stream_rows = st.builds(StreamRow, st.integers(-1, 16), st.integers(-(2**40), 2**40), times, times)
+memory_rows = st.builds(MemoryRow, st.text(min_size=1, max_size=40), ints, ints)
 
 
 @st.composite
 def summaries(draw):
     first = draw(st.integers(0, 10**9))
     last = first + draw(st.integers(0, 50))
+    peak = draw(st.none() | ints)
     return RankSummary(
         rank=draw(st.integers(0, 100_000)),
         window=draw(st.integers(0, 10_000)),
@@ -36,12 +43,16 @@ def summaries(draw):
         dropped_rows=draw(ints),
         dropped_us=draw(times),
         step_us=draw(st.lists(st.tuples(st.integers(0, 10**9), times), max_size=10)),
+        breakdown=draw(breakdowns),
+        streams=draw(st.lists(stream_rows, max_size=4)),
+        peak_bytes=peak,
+        memory=draw(st.lists(memory_rows, max_size=5)) if peak is not None else [],
     )
 
 
 def good_obj():
     return {
-        "v": 1,
+        "v": 2,
         "rank": 3,
         "window": 0,
         "steps": [4, 6],
@@ -51,6 +62,9 @@ def good_obj():
         "kernels": [["aten::mm", 12.5, 3, 0]],
         "dropped": [0, 0.0],
         "step_us": [[4, 100.0]],
+        "breakdown": [10.0, 2.0, 0.5, 7.5, 20.0],
+        "streams": [[0, 7, 12.0, 8.0]],
+        "memory": [4096, [["aten::empty", 4096, 2]]],
     }
 
 
@@ -69,6 +83,12 @@ def test_round_trip(summary):
 def test_good_payload_decodes():
     s = decode_summary(pack(good_obj()))
     assert s.kernels == [KernelRow("aten::mm", 12.5, 3, 0)] and s.steps == (4, 6)
+    assert s.breakdown == Breakdown(10.0, 2.0, 0.5, 7.5, 20.0)
+    assert s.breakdown.share("compute") == 0.5
+    assert s.streams == [StreamRow(0, 7, 12.0, 8.0)]
+    assert s.peak_bytes == 4096 and s.memory == [MemoryRow("aten::empty", 4096, 2)]
+    no_memory = good_obj() | {"memory": None}
+    assert decode_summary(pack(no_memory)).peak_bytes is None
 
 
 @settings(max_examples=2000, deadline=None)
@@ -105,6 +125,7 @@ def test_decoder_rejects_random_structures(obj):
 )
 def test_decoder_rejects_a_bad_value_in_any_field(key, bad):
     assume(not (key == "partial" and isinstance(bad, bool)))
+    assume(not (key == "memory" and bad is None))  # no memory data is a valid value
     obj = good_obj()
     obj[key] = bad
     with pytest.raises(SummaryDecodeError):
@@ -114,7 +135,16 @@ def test_decoder_rejects_a_bad_value_in_any_field(key, bad):
 @pytest.mark.parametrize(
     "mutate,pattern",
     [
-        (lambda o: o.update(v=2), "version 2 is not supported"),
+        (lambda o: o.update(v=1), "version 1 is not supported"),
+        (lambda o: o.update(v=3), "version 3 is not supported"),
+        (lambda o: o["breakdown"].pop(), "breakdown has 4 items"),
+        (lambda o: o["breakdown"].__setitem__(1, -2.0), "breakdown comm"),
+        (lambda o: o["streams"].append([0, 1, float("inf"), 0.0]), "busy_us must be finite"),
+        (lambda o: o["streams"].append([0, True, 1.0, 0.0]), "stream must be an int"),
+        (lambda o: o.update(memory=[-1, []]), "peak bytes must be a non-negative int"),
+        (lambda o: o["memory"][1].append(["", 1, 1]), "memory\\[1\\] name"),
+        (lambda o: o["memory"][1].append(["x", 1.5, 1]), "memory\\[1\\] bytes"),
+        (lambda o: o.update(memory=[1]), "memory has 1 items"),
         (lambda o: o.pop("rank"), "missing \\['rank'\\]"),
         (lambda o: o.update(extra=1), "unexpected \\['extra'\\]"),
         (lambda o: o.update(steps=[7, 6]), "first is after last"),

@@ -35,8 +35,8 @@ class ProfilerWorkerMixin:
     ) -> dict[str, Any]:
         """Set this actor's global rank, the config and the run directory.
 
-        ``report_to`` (``name``, ``namespace``, ``trainer_id``) names the coordinator that
-        summaries are pushed to as soon as they are built; without it they ride on replies.
+        ``report_to`` (``name``, ``namespace``, ``trainer_id``) names the coordinator that the
+        node agent pushes summaries to as soon as they are built; without it they ride on replies.
         """
         from worker_ext.rank_profiler import RankProfiler
 
@@ -48,9 +48,8 @@ class ProfilerWorkerMixin:
             refuse = _threaded_actor_reason()
         except Exception as exc:
             cfg, refuse = ProfilerConfig(enable=True, ranks="all"), f"bad config: {exc}"
-        publish = _summary_publisher(report_to, int(rank)) if report_to else None
         self._rank_profiler = RankProfiler(
-            int(rank), cfg, run_dir, warm_up=warm_up, refuse_reason=refuse, publish=publish
+            int(rank), cfg, run_dir, warm_up=warm_up, refuse_reason=refuse, report_to=report_to
         )
         return self._rank_profiler.status()
 
@@ -80,21 +79,6 @@ class ProfilerWorkerMixin:
         """The status with every ready summary; waits up to ``wait_s`` for pending ones."""
         rp = self._rank_profiler
         return _not_configured() if rp is None else rp.wait_for_summaries(wait_s)
-
-
-def _summary_publisher(report_to: dict[str, str], rank: int) -> Any:
-    """Push a summary to the coordinator from the rank's summary thread (not the training one)."""
-    handle: list[Any] = []
-
-    def publish(blob: bytes) -> bool:
-        import ray
-
-        if not handle:
-            handle.append(ray.get_actor(report_to["name"], namespace=report_to["namespace"]))
-        ref = handle[0].ingest_summary.remote(report_to["trainer_id"], rank, blob)
-        return bool(ray.get(ref, timeout=30))
-
-    return publish
 
 
 def _not_configured() -> dict[str, Any]:

@@ -7,19 +7,20 @@ Every guard from torch-profiler-facts.md lives here:
 - at most one profiler runs in the process, and never on top of someone else's.
 Any fault disables profiling on this rank for the rest of the run and is reported in
 ``status()``; it is never raised to the caller.
+
+Closing a window costs the training process torch's ``stop()`` and the raw chrome trace export,
+nothing else: the summary, compression, folded stacks and the push to the coordinator run in the
+node's helper process (``worker_ext.node_agent``), which reads the trace from disk.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
-import gzip
 import logging
 import os
-import queue
-import shutil
 import threading
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +30,9 @@ from torch.profiler import ProfilerActivity
 
 from coordinator.config import ProfilerConfig
 from coordinator.schedule import Window
-from coordinator.summary_codec import encode_summary
-from coordinator.trace_layout import trace_path, window_dir
-from worker_ext.summary_builder import build_summary, step_times
+from coordinator.trace_layout import contained, trace_path, window_dir
+from worker_ext.node_agent import TraceHelper, default_helper
+from worker_ext.trace_jobs import JobResult, TraceJob, reason
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +66,17 @@ class RankProfiler:
         *,
         warm_up: bool = True,
         refuse_reason: str | None = None,
-        publish: Callable[[bytes], bool] | None = None,
+        report_to: dict[str, str] | None = None,
+        helper: TraceHelper | None = None,
     ) -> None:
         self.rank = int(rank)
         self.config = config
         self.run_directory = run_directory
         self.selected = bool(config.enable and config.selects(self.rank))
-        self._publish = publish  # hands a summary to the coordinator; False: keep it for a reply
+        self.report_to = report_to  # the coordinator the helper pushes summaries to
+        self._helper = helper
+        self.helper_pid: int | None = None
+        self.last_helper_error: dict[str, Any] | None = None
         self.windows_captured = 0
         self.windows_skipped = 0
         self.last_trace_path: str | None = None
@@ -86,9 +91,9 @@ class RankProfiler:
         self._closed: dict[str, Any] | None = None
         self._abandoned: list[Any] = []  # torch objects we must never touch again
         self._ready: list[bytes] = []
+        self._failures: list[dict[str, Any]] = []  # windows whose summary is lost, and why
         self._pending: set[int] = set()
         self._cond = threading.Condition()
-        self._jobs: queue.Queue | None = None
         self.device, self.note = _pick_device(config)
         if not self.selected:
             return
@@ -98,8 +103,11 @@ class RankProfiler:
         if run_directory is None:
             self._disable("configure", ValueError("no run directory was given"))
             return
+        if self._helper is None:
+            self._helper = default_helper()
         if warm_up:
             self._guarded("warm_up", self._warm_up)
+        self._start_helper()
 
     # ----------------------------------------------------------------- commands
 
@@ -131,6 +139,7 @@ class RankProfiler:
         """A small, msgpack- and JSON-friendly status; drains ready summaries."""
         with self._cond:
             summaries, self._ready = self._ready, []
+            failures, self._failures = self._failures, []
             pending = sorted(self._pending)
         closed, self._closed = self._closed, None
         state = "not_selected" if not self.selected else "disabled" if self.fault else "ok"
@@ -148,7 +157,13 @@ class RankProfiler:
             "last_trace_path": self.last_trace_path,
             "closed": closed,
             "summaries": summaries,
+            "summary_failures": failures,
             "summary_pending": pending,
+            "summary_helper": {
+                "kind": self._helper.kind if self._helper is not None else None,
+                "pid": self.helper_pid,
+            },
+            "last_helper_error": self.last_helper_error,
         }
 
     # ------------------------------------------------------------------ guards
@@ -325,7 +340,7 @@ class RankProfiler:
                 self.last_trace_path = closing.trace_path
 
     def _on_trace_ready(self, prof: Any) -> None:
-        """Runs inside torch's step()/stop(). It must never raise."""
+        """Runs inside torch's step()/stop(): write the raw trace, hand it off. Never raises."""
         tmp = None
         try:
             closing = self._closing
@@ -333,107 +348,139 @@ class RankProfiler:
                 return
             w, (first, last) = closing.window, closing.steps
             export = self.config.export_type
-            final = None
-            job: dict[str, Any] = {"prof": prof, "closing": closing}
-            if export != "none":
+            assert self.run_directory is not None
+            if export == "none":  # summarised from a temporary trace, then deleted
+                os.makedirs(self.run_directory, exist_ok=True)
+                final = None
+                raw = contained(self.run_directory, f".rank{self.rank}.window{w.index:04d}.json")
+            else:
                 wdir = window_dir(self.run_directory, w.index, first, last)
                 os.makedirs(wdir, exist_ok=True)
                 final = trace_path(wdir, self.rank, export)
-                tmp = final + ".tmp"
-                if export == "chrome_trace":
-                    prof.export_chrome_trace(tmp)
-                    os.replace(tmp, final)
-                    tmp = None
-                elif export == "chrome_trace_gz":
-                    prof.export_chrome_trace(tmp)  # fast; gzip happens off the training thread
-                    job["gzip"] = (tmp, final)
-                    tmp = None
-                else:
-                    job["stacks"] = final
-                    tmp = None
+                # The helper compresses or folds this plain trace, then deletes it.
+                raw = trace_path(wdir, self.rank, "chrome_trace")
+            tmp = raw + ".tmp"
+            prof.export_chrome_trace(tmp)
+            os.replace(tmp, raw)  # a reader never sees half a trace
+            tmp = None
             closing.trace_path = final
-            with self._cond:
-                self._pending.add(w.index)
-            self._submit(job)
+            self._hand_off(
+                TraceJob(
+                    rank=self.rank,
+                    window=w.index,
+                    steps=(first, last),
+                    partial=closing.partial,
+                    device=self.device,
+                    top_k=self.config.top_k,
+                    with_flops=self.config.with_flops,
+                    export_type=export,
+                    raw_path=raw,
+                    final_path=final,
+                    report_to=self.report_to,
+                )
+            )
         except BaseException as exc:  # an exception escaping here segfaults the next stop()
             self._disable("export", exc)
             _remove_quietly(tmp)
 
-    # ------------------------------------------------------ background work
+    # ------------------------------------------------------ the node's helper
 
-    def _submit(self, job: dict[str, Any]) -> None:
-        if self._jobs is None:
-            self._jobs = queue.Queue()
-            threading.Thread(
-                target=self._run_jobs, name=f"rank{self.rank}-profiler-summary", daemon=True
-            ).start()
-        self._jobs.put(job)
+    def _start_helper(self) -> None:
+        """Start the helper process at configure time; a failure costs summaries, not profiling."""
+        assert self._helper is not None
+        try:
+            self.helper_pid = self._helper.prepare()
+        except BaseException as exc:
+            self._helper.forget()
+            self.last_helper_error = {
+                "window": None,
+                **reason("helper", exc),
+                "message": f"the {self._helper.kind} could not be started: {exc}"[:1000],
+                "trace_path": None,
+            }
+            log.warning("rank %d: %s", self.rank, self.last_helper_error["message"])
 
-    def _run_jobs(self) -> None:
-        while True:
-            job = self._jobs.get()
-            closing: _Closing = job["closing"]
-            job["stage"] = "export"
-            try:
-                self._finish(job)
-            except BaseException as exc:
-                self._disable(job.get("stage", "summary"), exc)
-            finally:
-                job.clear()  # drop the torch results promptly
-                with self._cond:
-                    self._pending.discard(closing.window.index)
-                    self._cond.notify_all()
-
-    def _finish(self, job: dict[str, Any]) -> None:
-        """Off the training thread: compress, export stacks, summarise."""
-        prof, closing = job["prof"], job["closing"]
-        if "gzip" in job:
-            tmp, final = job["gzip"]
-            try:
-                with (
-                    open(tmp, "rb") as src,
-                    gzip.open(final + ".part", "wb", compresslevel=6) as dst,
-                ):
-                    shutil.copyfileobj(src, dst, 1 << 20)
-                os.replace(final + ".part", final)
-            except BaseException:
-                _remove_quietly(final + ".part")
-                raise
-            finally:
-                _remove_quietly(tmp)
-        if "stacks" in job:
-            final = job["stacks"]
-            metric = "self_cuda_time_total" if self.device == "cuda" else "self_cpu_time_total"
-            try:
-                prof.export_stacks(final + ".part", metric)
-                os.replace(final + ".part", final)
-            except BaseException:
-                _remove_quietly(final + ".part")
-                raise
-        job["stage"] = "summary"
-        summary = build_summary(
-            prof.key_averages(),
-            step_us=step_times(prof.events()),
-            rank=self.rank,
-            window=closing.window.index,
-            steps=closing.steps,
-            partial=closing.partial,
-            device=self.device,
-            top_k=self.config.top_k,
-        )
-        data = encode_summary(summary)
-        if self._publish is not None and _published(self._publish, data):
-            return
+    def _hand_off(self, job: TraceJob) -> None:
+        """Queue the job on the helper; the training thread never waits for it."""
+        assert self._helper is not None
         with self._cond:
-            self._ready.append(data)
+            self._pending.add(job.window)
+        try:
+            fut = self._helper.submit(job)
+        except BaseException as exc:
+            self._helper.forget()
+            self._job_lost(job, exc)
+            return
+        fut.add_done_callback(lambda f: self._job_done(job, f))
+
+    def _job_done(self, job: TraceJob, fut: concurrent.futures.Future[JobResult]) -> None:
+        """On the future's thread (not the training thread): record what the helper did."""
+        try:
+            try:
+                res = fut.result()
+            except BaseException as exc:
+                assert self._helper is not None
+                self._helper.forget()
+                self._job_lost(job, exc)
+                return
+            self.helper_pid = res.pid
+            with self._cond:
+                if res.summary is not None:
+                    self._ready.append(res.summary)
+                for err in res.errors:
+                    self.last_helper_error = {
+                        "window": job.window,
+                        **err,
+                        "trace_path": res.trace_path,
+                    }
+                    if err["where"] == "summary":
+                        self._failures.append(self.last_helper_error)
+                if res.errors:
+                    log.warning("rank %d: %s", self.rank, self.last_helper_error)
+        except BaseException:  # a callback must never raise
+            log.debug("recording a helper result failed", exc_info=True)
+        finally:
+            with self._cond:
+                self._pending.discard(job.window)
+                self._cond.notify_all()
+
+    def _job_lost(self, job: TraceJob, exc: BaseException) -> None:
+        """The helper died or was unreachable: that window's summary is lost; the trace stays."""
+        assert self._helper is not None
+        err = {
+            "window": job.window,
+            **reason("helper", exc),
+            "message": (
+                f"the {self._helper.kind} died or could not be reached, so window {job.window}'s "
+                f"summary is lost; its raw trace stays at {job.raw_path}: {exc}"
+            )[:1000],
+            "trace_path": job.raw_path,
+        }
+        with self._cond:
+            self.last_helper_error = err
+            self._failures.append(err)
+            self._pending.discard(job.window)
+            self._cond.notify_all()
+        log.warning("rank %d: %s", self.rank, err["message"])
+        if self.report_to:
+            # Never call Ray from a future's callback: it may run on Ray's own I/O thread.
+            threading.Thread(
+                target=_notify_failure,
+                args=(self.report_to, self.rank, job.window, err),
+                name="profiler-notify",
+                daemon=True,
+            ).start()
 
 
-def _published(publish: Callable[[bytes], bool], data: bytes) -> bool:
+def _notify_failure(report_to: dict[str, str], rank: int, window: int, err: dict[str, Any]) -> None:
+    """Tell the coordinator at once (one call, not awaited); the reply path tells it again."""
     try:
-        return bool(publish(data))
+        import ray
+
+        handle = ray.get_actor(report_to["name"], namespace=report_to["namespace"])
+        handle.summary_failed.remote(report_to["trainer_id"], rank, window, err)
     except Exception:
-        log.debug("publishing a summary failed; it rides on the next reply", exc_info=True)
-        return False
+        log.debug("could not tell the coordinator about a lost summary", exc_info=True)
 
 
 def _pick_device(config: ProfilerConfig) -> tuple[str, str | None]:

@@ -1,0 +1,281 @@
+"""Summaries from the trace file: key_averages() numbers on CPU traces; GPU-shaped traces."""
+
+import gzip
+import json
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tests.torch_helpers import TinyMLP
+from tests.trace_equality import differences, key_averages_table, trace_table
+from worker_ext.trace_summary import TraceError, read_trace, summarise_trace
+
+
+class Nested(torch.nn.Module):
+    """Nested modules and a custom autograd path: deep op trees, forward and backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.GELU())
+            for _ in range(3)
+        )
+        self.opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def step(self) -> None:
+        x = torch.randn(8, 32)
+        for b in self.blocks:
+            with torch.profiler.record_function("block"):
+                x = x + b(x)
+        loss = torch.bmm(x.view(2, 4, 32), x.view(2, 32, 4)).pow(2).mean()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+
+
+def profiled_trace(tmp_path, steps=3, **kw):
+    model = Nested()
+    with profile(activities=[ProfilerActivity.CPU], **kw) as prof:
+        for _ in range(steps):
+            model.step()
+            TinyMLP().train_step()
+            prof.step()
+    path = str(tmp_path / "trace.json")
+    prof.export_chrome_trace(path)
+    return prof, path
+
+
+def test_cpu_self_times_and_counts_equal_key_averages(tmp_path):
+    prof, path = profiled_trace(tmp_path, record_shapes=True, with_flops=True)
+    expected = key_averages_table(prof)
+    got = trace_table(path, flops=True)
+    names = set(got)
+    # nested ops, backward nodes and optimizer ops are all there
+    assert {"aten::linear", "aten::addmm", "aten::bmm", "aten::layer_norm", "block"} <= names
+    assert any(n.startswith("autograd::engine::evaluate_function: AddmmBackward0") for n in names)
+    assert any(n.startswith("Optimizer.step#AdamW.step") for n in names)
+    assert differences(expected, got, flops=True) == []
+    assert got["aten::addmm"][2] > 0 and got["aten::bmm"][2] > 0
+
+
+def test_with_stack_python_frames_sit_in_the_same_tree(tmp_path):
+    prof, path = profiled_trace(tmp_path, with_stack=True)
+    got = trace_table(path)
+    assert any(".py(" in name for name in got)  # Python frames are rows too
+    assert differences(key_averages_table(prof), got) == []
+
+
+def test_chunked_reading_equals_whole_reading(tmp_path):
+    _, path = profiled_trace(tmp_path, record_shapes=True)
+    whole = read_trace(path, chunk_bytes=1 << 30)
+    for chunk in (4096, 65536, 1_000_003):
+        part = read_trace(path, chunk_bytes=chunk)
+        assert part.events == whole.events
+    assert trace_table(path) == trace_table(path)
+    with open(path, "rb") as f, gzip.open(str(path) + ".gz", "wb") as g:
+        g.write(f.read())
+    assert read_trace(path + ".gz", chunk_bytes=8192).events == whole.events
+
+
+def test_compact_json_is_decoded_whole(tmp_path):
+    _, path = profiled_trace(tmp_path)
+    with open(path) as f:
+        doc = json.load(f)
+    compact = tmp_path / "compact.json"
+    compact.write_text(json.dumps(doc, separators=(",", ":")))
+    assert trace_table(str(compact)) == trace_table(path)
+    with pytest.raises(TraceError, match="not in Kineto's layout"):
+        read_trace(str(compact), chunk_bytes=1024, max_unsplit_bytes=4096)
+
+
+def test_steps_memory_and_folded_stacks(tmp_path):
+    model = TinyMLP()
+    with profile(
+        activities=[ProfilerActivity.CPU],
+        profile_memory=True,
+        with_stack=True,
+        schedule=lambda _: torch.profiler.ProfilerAction.RECORD,  # step markers need a schedule
+    ) as prof:
+        prof.step_num = 10
+        for _ in range(3):
+            model.train_step()
+            prof.step()
+    path = str(tmp_path / "t.json")
+    prof.export_chrome_trace(path)
+    s, folded = summarise_trace(
+        path,
+        rank=2,
+        window=1,
+        steps=(11, 12),
+        partial=False,
+        device="cpu",
+        top_k=5,
+        stacks=True,
+    )
+    assert [st for st, _ in s.step_us] == [11, 12] and all(us > 0 for _, us in s.step_us)
+    assert s.peak_bytes and s.peak_bytes > 0
+    assert s.memory and s.memory[0].bytes >= s.memory[-1].bytes > 0
+    assert any(r.name in ("aten::empty", "aten::mm", "aten::addmm") for r in s.memory)
+    assert len(s.kernels) == 5 and s.dropped_rows > 0
+    b = s.breakdown
+    assert b.window_us > 0 and b.compute_us > 0 and b.comm_us == 0
+    assert b.compute_us + b.memcpy_us + b.other_us == pytest.approx(b.window_us, rel=1e-6)
+    assert folded and all(line.rsplit(" ", 1)[1].isdigit() for line in folded)
+    assert any("train_step" in line and ";aten::" in line for line in folded)
+    assert not [line for line in folded if "0x7" in line]
+
+
+@pytest.mark.parametrize(
+    "damage,reason",
+    [
+        (lambda b: b[: len(b) // 2], "not a valid chrome trace"),
+        (lambda b: b[:-40], "not a valid chrome trace"),
+        (lambda b: b"", "empty"),
+        (lambda b: b"\x00\xff garbage" * 100, "not a valid chrome trace"),
+        (lambda b: b'{"traceEvents": 5}', "not a valid chrome trace"),
+        (lambda b: b.replace(b'"ts":', b'"ts": "x",', 1), "not a valid chrome trace"),
+    ],
+    ids=["half", "tail_cut", "empty", "garbage", "not_a_list", "bad_type"],
+)
+def test_broken_traces_raise_a_clear_reason(tmp_path, damage, reason):
+    _, path = profiled_trace(tmp_path, steps=1)
+    with open(path, "rb") as f:
+        data = f.read()
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(damage(data))
+    with pytest.raises(TraceError, match=reason):
+        read_trace(str(bad), chunk_bytes=8192)
+    with pytest.raises(TraceError, match="cannot be read"):
+        read_trace(str(tmp_path / "missing.json"))
+
+
+# ---------------------------------------------------------------- GPU-shaped traces
+
+T0 = 1_000_000.0  # us
+
+
+def gpu_trace(tmp_path, with_nccl=True):
+    """A trace shaped like Kineto's CUDA output (schema from Kineto and torch-profiler-facts)."""
+    ev = []
+
+    def x(cat, name, ts, dur, tid=1, pid=100, **args):
+        ev.append(
+            {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": T0 + ts, "dur": dur}
+            | ({"args": args} if args else {})
+        )
+
+    # two steps on the CPU thread, 0-1000 and 1000-2000 us
+    x("user_annotation", "ProfilerStep#5", 0, 1000)
+    x("user_annotation", "ProfilerStep#6", 1000, 1000)
+    x("cpu_op", "aten::mm", 10, 50)
+    x("cuda_runtime", "cudaLaunchKernel", 20, 10, correlation=1)
+    x("cpu_op", "aten::mm", 1010, 50)
+    x("cuda_runtime", "cudaLaunchKernel", 1020, 10, correlation=2)
+    x("cpu_op", "c10d::allreduce_", 1100, 30)
+    # device activity: pid = device, tid = stream
+    x("kernel", "sm80_xmma_gemm", 100, 300, pid=0, tid=7, device=0, stream=7, correlation=1)
+    x("kernel", "sm80_xmma_gemm", 1100, 300, pid=0, tid=7, device=0, stream=7, correlation=2)
+    x("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 500, 100, pid=0, tid=7, device=0, stream=7)
+    x("gpu_memset", "Memset (Device)", 650, 50, pid=0, tid=7, device=0, stream=7)
+    if with_nccl:
+        x(
+            "kernel",
+            "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
+            1200,
+            400,
+            pid=0,
+            tid=13,
+            device=0,
+            stream=13,
+        )
+    # GPU-side annotation spans overlap their kernels: never counted
+    x("gpu_user_annotation", "ProfilerStep#5", 100, 900, pid=0, tid=7, device=0, stream=7)
+    ev.append({"ph": "f", "cat": "ac2g", "id": 1, "pid": 0, "tid": 7, "ts": T0 + 100})
+    ev.append(
+        {
+            "ph": "i",
+            "cat": "cpu_instant_event",
+            "name": "[memory]",
+            "pid": 100,
+            "tid": 1,
+            "ts": T0 + 15,
+            "s": "t",
+            "args": {"Bytes": 4096, "Total Allocated": 1 << 20, "Device Type": 1, "Device Id": 0},
+        }
+    )
+    doc = {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "H100"}], "traceEvents": ev}
+    path = tmp_path / "gpu.json"
+    # Kineto's layout: one event per "\n  {" block
+    body = ",".join("\n  " + json.dumps(e, indent=None).replace("{", "{\n", 1) for e in ev)
+    path.write_text('{\n  "schemaVersion": 1,\n  "traceEvents": [' + body + "\n  ]}\n")
+    assert json.loads(path.read_text())["traceEvents"] == doc["traceEvents"]
+    return str(path)
+
+
+def test_gpu_trace_kernels_streams_breakdown_and_memory(tmp_path):
+    path = gpu_trace(tmp_path)
+    s, _ = summarise_trace(
+        path, rank=1, window=0, steps=(5, 6), partial=False, device="cuda", top_k=10
+    )
+    rows = {k.name: (k.self_us, k.count) for k in s.kernels}
+    assert rows == {
+        "sm80_xmma_gemm": (600.0, 2),
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL": (400.0, 1),
+        "Memcpy HtoD (Pageable -> Device)": (100.0, 1),
+        "Memset (Device)": (50.0, 1),
+    }
+    assert not any(k.name.startswith(("ProfilerStep", "aten::", "cuda")) for k in s.kernels)
+    b = s.breakdown
+    assert (b.compute_us, b.comm_us, b.memcpy_us, b.window_us) == (600.0, 400.0, 150.0, 2000.0)
+    # idle: the window minus the union of all device activity (300 + 100 + 50 + 1100..1600)
+    assert b.other_us == pytest.approx(2000.0 - 950.0)
+    streams = {(r.device, r.stream): (r.busy_us, r.idle_us) for r in s.streams}
+    assert streams == {(0, 7): (750.0, 1250.0), (0, 13): (400.0, 1600.0)}
+    assert s.peak_bytes == 1 << 20
+    assert [(m.name, m.bytes, m.count) for m in s.memory] == [("aten::mm", 4096, 1)]
+    assert [st for st, _ in s.step_us] == [5, 6]
+
+
+def test_gpu_trace_on_a_cpu_rank_summarises_cpu_ops(tmp_path):
+    path = gpu_trace(tmp_path, with_nccl=False)
+    s, _ = summarise_trace(
+        path, rank=0, window=0, steps=(5, 6), partial=False, device="cpu", top_k=10
+    )
+    names = {k.name for k in s.kernels}
+    assert "aten::mm" in names and "sm80_xmma_gemm" not in names
+    assert s.breakdown.comm_us == 30.0  # c10d::allreduce_ on the CPU thread
+
+
+@pytest.mark.parametrize("with_stack", [False, True], ids=["plain", "with_stack"])
+def test_reference_trainer_windows_equal_key_averages(
+    ray_session, ray_actors, tmp_path, with_stack
+):
+    """Two gloo ranks of the reference policy worker: SFT and RL steps with all-reduce."""
+    import ray
+
+    from tests.ray_workers import ProfiledPolicyWorker
+
+    cls = ray.remote(num_cpus=0)(ProfiledPolicyWorker)
+    workers = [cls.remote(r, 2) for r in range(2)]
+    ray_actors.extend(workers)
+    host, port = ray.get(workers[0].address.remote())
+    ray.get([w.init_group.remote(host, port) for w in workers])
+    paths = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+    tables = ray.get(
+        [w.profile_window.remote(p, 3, with_stack) for w, p in zip(workers, paths, strict=True)]
+    )
+    for path, expected in zip(paths, tables, strict=True):
+        got = trace_table(path)
+        assert "c10d::allreduce_" in got and "aten::embedding" in got
+        if "key_averages failed" in expected:
+            # torch's own parser can fail on Python frame names of these windows (a
+            # UnicodeDecodeError in torch 2.13); the trace itself reads fine
+            assert with_stack and any(".py(" in name for name in got)
+        else:
+            assert differences(expected, got) == []
+        s, _ = summarise_trace(
+            path, rank=0, window=0, steps=(0, 9), partial=False, device="cpu", top_k=5
+        )
+        assert s.breakdown.comm_us > 0 and s.breakdown.compute_us > 0

@@ -1,0 +1,157 @@
+"""What happens to a window's trace after the rank wrote it, in a process other than the rank's.
+
+A rank's training process only stops the profiler and writes the raw chrome trace; it then hands
+a ``TraceJob`` to its node's helper (``worker_ext.node_agent``), which runs ``run_job``: build the
+summary from the trace, push it to the coordinator, then compress the trace, write folded stacks,
+or delete the temporary trace (``export_type: none``). Imports neither torch nor Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import os
+import shutil
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from coordinator.summary_codec import encode_summary
+from worker_ext.trace_summary import summarise_trace
+
+# report_to (name, namespace, trainer_id), rank, encoded summary -> whether the coordinator has it
+Publish = Callable[[dict[str, str], int, bytes], bool]
+# report_to, rank, window, reason -> None (best effort)
+Notify = Callable[[dict[str, str], int, int, dict[str, str]], None]
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    """One rank's closed window: where the raw trace is and what to make of it."""
+
+    rank: int
+    window: int
+    steps: tuple[int, int]
+    partial: bool
+    device: str
+    top_k: int
+    with_flops: bool
+    export_type: str
+    raw_path: str
+    """The chrome trace torch wrote (for ``chrome_trace`` it is already the final file)."""
+    final_path: str | None
+    """The file the window promises (``.json.gz``, ``.stacks.txt``); None for ``none``."""
+    report_to: dict[str, str] | None = None
+
+
+@dataclass
+class JobResult:
+    """What the helper did with a job; every field crosses processes."""
+
+    window: int
+    pid: int
+    seconds: float = 0.0
+    summary: bytes | None = None
+    """The encoded summary when it could not be pushed (it rides on the rank's next reply)."""
+    pushed: bool = False
+    trace_path: str | None = None
+    """Where the window's trace is now."""
+    errors: list[dict[str, str]] = field(default_factory=list)
+    """``where`` (summary, publish, compress, stacks, cleanup), ``type``, ``message``."""
+
+
+def run_job(
+    job: TraceJob, publish: Publish | None = None, notify: Notify | None = None
+) -> JobResult:
+    """Summarise, publish, then finish the trace file. Never raises: failures go in ``errors``."""
+    t0 = time.perf_counter()
+    res = JobResult(window=job.window, pid=os.getpid(), trace_path=job.raw_path)
+    folded = None
+    try:
+        summary, folded = summarise_trace(
+            job.raw_path,
+            rank=job.rank,
+            window=job.window,
+            steps=job.steps,
+            partial=job.partial,
+            device=job.device,
+            top_k=job.top_k,
+            stacks=job.export_type == "stacks",
+            flops=job.with_flops,
+        )
+        blob = encode_summary(summary)
+    except BaseException as exc:  # noqa: BLE001 - the reason goes to the rank's status
+        res.errors.append(reason("summary", exc))
+        if notify is not None and job.report_to:
+            with contextlib.suppress(Exception):
+                notify(job.report_to, job.rank, job.window, res.errors[-1])
+    else:
+        res.pushed = _publish(publish, job, blob, res)
+        if not res.pushed:
+            res.summary = blob
+    _finish_file(job, folded, res)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _publish(publish: Publish | None, job: TraceJob, blob: bytes, res: JobResult) -> bool:
+    if publish is None or not job.report_to:
+        return False
+    try:
+        return bool(publish(job.report_to, job.rank, blob))
+    except Exception as exc:
+        res.errors.append(reason("publish", exc))
+        return False
+
+
+def _finish_file(job: TraceJob, folded: list[str] | None, res: JobResult) -> None:
+    """Compress, write stacks or delete: whatever the export type asks of the raw trace."""
+    export, raw, final = job.export_type, job.raw_path, job.final_path
+    if res.errors and res.errors[0]["where"] == "summary" and export in ("stacks", "none"):
+        return  # the raw trace stays where it is, for whoever wants to look at it
+    try:
+        if export == "chrome_trace":
+            res.trace_path = raw
+        elif export == "chrome_trace_gz" and final:
+            _atomic(final, lambda tmp: _gzip(raw, tmp))
+            res.trace_path = final
+            os.unlink(raw)
+        elif export == "stacks" and final:
+            _atomic(final, lambda tmp: _write_lines(tmp, folded or []))
+            res.trace_path = final
+            os.unlink(raw)
+        elif export == "none":
+            res.trace_path = None
+            os.unlink(raw)
+    except BaseException as exc:  # noqa: BLE001
+        where = {"chrome_trace_gz": "compress", "stacks": "stacks"}.get(export, "cleanup")
+        res.errors.append(reason(where, exc))
+
+
+def _atomic(final: str, write: Callable[[str], None]) -> None:
+    tmp = final + ".part"
+    try:
+        write(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _gzip(src: str, dst: str) -> None:
+    with open(src, "rb") as fin, gzip.open(dst, "wb", compresslevel=6) as fout:
+        shutil.copyfileobj(fin, fout, 1 << 20)
+
+
+def _write_lines(path: str, lines: list[str]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(line + "\n")
+
+
+def reason(where: str, exc: BaseException) -> dict[str, str]:
+    """A fault as the statuses report it: ``where``, exception ``type``, ``message``."""
+    message = str(exc) or "".join(traceback.format_exception_only(exc)).strip()
+    return {"where": where, "type": type(exc).__name__, "message": message[:1000]}
