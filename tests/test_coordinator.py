@@ -9,6 +9,7 @@ import pytest
 from coordinator import connect, get_or_create_coordinator
 from tests.configs import profiler_config
 from tests.ray_workers import FaultyWorker, ToyWorker
+from worker_ext.node_agent import agent_name
 
 
 @pytest.fixture
@@ -400,7 +401,7 @@ def test_a_killed_node_agent_costs_one_window_and_comes_back(ray_session, make):
     node = ray.get(
         workers[0].__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
     )
-    agent = ray.get_actor(f"agent-{node}", namespace="profiler_agents")
+    agent = ray.get_actor(agent_name(node), namespace="profiler_agents")
     ray.kill(agent)
     for k in range(4, 12):  # windows 1 (6-7) and 2 (10-11); training never notices
         ray.get([w.train_step.remote() for w in workers])

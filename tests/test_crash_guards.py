@@ -202,7 +202,7 @@ def test_summaries_parse_while_the_next_window_records():
         """
         rp = make(export_type="chrome_trace_gz")
         got = []
-        for i in range(6):  # back-to-back windows: the summary thread overlaps the next one
+        for i in range(6):  # back-to-back windows: the helper works while the next one runs
             # every reply drains the summaries that are ready: collect them all
             got += rp.begin_window(Window(i, 2 * i, 2 * i, 2 * i + 1), 2 * i)["summaries"]
             for k in (2 * i, 2 * i + 1):

@@ -267,8 +267,8 @@ class TraceDigest:
         kept, dropped = ordered[:top_k], ordered[top_k:]
         busy = brk[COMPUTE] + brk[COMM] + brk[MEMCPY]
         other = max(0, window_ns - busy) if device != "cuda" or not self.device else dev.idle_ns
-        mem_key = (1 if device == "cuda" else 0, None)
-        peaks = [v for (dt, _), v in self.peak_allocated.items() if dt == mem_key[0]]
+        device_type = 1 if device == "cuda" else 0  # [memory] events' "Device Type"
+        peaks = [v for (dt, _), v in self.peak_allocated.items() if dt == device_type]
         memory = None
         if peaks or cpu.allocations:
             top_alloc = sorted(cpu.allocations.items(), key=lambda kv: (-kv[1][0], kv[0]))
