@@ -338,6 +338,20 @@ class _Coordinator:
         reason = {str(k): str(v)[:1000] for k, v in list(reason.items())[:8]}
         return self.state.summary_failed(key, window, reason)
 
+    async def trace_stored(
+        self, trainer_id: str, rank: int, window: int, path: str | None, error: Any = None
+    ) -> bool:
+        """The node agent finished a rank's trace of ``window``: its final ``path``, or why not."""
+        key = (trainer_id, rank)
+        if key not in self.state.ranks or not (path is None or isinstance(path, str)):
+            self.state.counters["unexpected_trace_reports"] += 1
+            return False
+        if error is not None:
+            if not isinstance(error, dict):
+                error = {"message": str(error)}
+            error = {str(k): str(v)[:1000] for k, v in list(error.items())[:8]}
+        return self.state.trace_stored(key, window, path and path[:4096], error)
+
     async def get_config(self) -> dict[str, Any]:
         return self.config.to_dict()
 

@@ -118,3 +118,15 @@ class StepClient:
         if isinstance(reply.get("plan_version"), int):
             self.plan_version = reply["plan_version"]
         return reply
+
+
+def wait_for_traces(coordinator: Any, timeout_s: float = 60.0) -> list[int]:
+    """Wait until the node agents have finished every closed window's traces (compressed,
+    folded or cleaned up); returns the windows still pending when ``timeout_s`` ran out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        windows = ray.get(coordinator.status.remote())["windows"]
+        pending = [w["index"] for w in windows if w["traces_pending"]]
+        if not pending or time.monotonic() >= deadline:
+            return pending
+        time.sleep(0.1)

@@ -86,6 +86,10 @@ class WindowRecord:
     trace_dirs: dict[str, str] = field(default_factory=dict)
     aggregates: dict[str, WindowAggregate] = field(default_factory=dict)
     pending: set[tuple[str, int]] = field(default_factory=set)
+    # Where each rank's trace is once the node agent has finished it: {"path", "error"}.
+    # A rank whose trace was written but not yet finished is in ``traces_pending``.
+    traces: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    traces_pending: set[tuple[str, int]] = field(default_factory=set)
     threshold: float = 1.25  # straggler threshold
 
     def aggregate(self, trainer_id: str) -> WindowAggregate:
@@ -111,6 +115,10 @@ class WindowRecord:
             "trace_dir": next(iter(self.trace_dirs.values()), None),
             "trace_dirs": dict(self.trace_dirs),
             "summaries_pending": sorted(r for _, r in self.pending),
+            "traces_pending": sorted(r for _, r in self.traces_pending),
+            "trace_errors": {
+                r: t["error"] for (_, r), t in sorted(self.traces.items()) if t.get("error")
+            },
             "kind": self.window.kind,
             "stragglers": sorted(
                 {
@@ -230,6 +238,8 @@ class CoordinatorState:
             path = closed.get("trace_path")
             if path:
                 w.trace_dirs.setdefault(key[0], os.path.dirname(path))
+                if key not in w.traces:  # (the agent can report it before the closing reply)
+                    w.traces_pending.add(key)
         w.partial = w.partial or bool(closed.get("partial"))
         if closed.get("summary_pending") and not w.has_summary(key):
             w.pending.add(key)  # (a pushed summary can arrive before the closing reply)
@@ -257,6 +267,22 @@ class CoordinatorState:
             self.counters["duplicate_summaries"] += 1
         w.pending.discard(key)
 
+    def trace_stored(self, key: tuple[str, int], window: Any, path: Any, error: Any) -> bool:
+        """The node agent finished a rank's trace of ``window``: where it is, or why not.
+
+        False (and nothing changes) for a window or rank this run does not know.
+        """
+        w = self.windows.get(window) if isinstance(window, int) else None
+        if w is None or key not in w.participants:
+            self.counters["unexpected_trace_reports"] += 1
+            return False
+        w.traces[key] = {"path": path, "error": error}
+        w.traces_pending.discard(key)
+        if error:
+            self.counters["trace_failures"] += 1
+            self.ranks[key].last_helper_error = {"window": window, **error, "trace_path": path}
+        return True
+
     def summary_failed(self, key: tuple[str, int], window: Any, reason: Any) -> bool:
         """A rank's summary for ``window`` is lost (its helper failed): mark it bad, stop waiting.
 
@@ -275,6 +301,16 @@ class CoordinatorState:
             self.counters["lost_summaries"] += 1
         w.aggregate(key[0]).mark_bad(key[1], message[:2000])
         w.pending.discard(key)
+        if isinstance(reason, dict) and reason.get("where") == "helper":
+            # The helper died: nobody will finish this trace; it stays where the rank wrote it.
+            w.traces_pending.discard(key)
+            w.traces.setdefault(
+                key,
+                {
+                    "path": reason.get("trace_path"),
+                    "error": {"where": "helper", "message": message[:1000]},
+                },
+            )
         return True
 
     def rank_failed(self, key: tuple[str, int], state: str, reason: Any) -> None:

@@ -147,6 +147,7 @@ def test_second_driver_reads_the_coordinator_after_the_trainer_exits(head, tmp_p
     st, ks = out["status"], out["kernels"]
     assert st["name"] == "profiler" and st["namespace"] == "profiler"
     assert st["global_step"] == 3 and [w["steps"] for w in st["windows"]] == [[1, 2]]
+    assert st["windows"][0]["traces_pending"] == [] and st["windows"][0]["trace_errors"] == {}
     assert [t["trainer_id"] for t in st["trainers"]] == ["sft"]
     assert st["metrics"]["exported"] and st["metrics"]["values"]["profiler_global_step"] == 3
     assert ks["window"] == 0 and ks["ranks"] == [0, 1] and len(ks["kernels"]) == 5

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker_ext.trace_summary import normalise_name, read_trace
+from worker_ext.trace_reader import read_trace
+from worker_ext.trace_summary import normalise_name, summarise
 
 
 def key_averages_table(prof: Any) -> dict[str, tuple[float, int, int]]:
@@ -22,7 +23,8 @@ def key_averages_table(prof: Any) -> dict[str, tuple[float, int, int]]:
 
 def trace_table(path: str, flops: bool = False) -> dict[str, tuple[float, int, int]]:
     """The same table from the trace file, every row kept."""
-    summary, _ = read_trace(path, flops=flops).summary(
+    summary, _ = summarise(
+        read_trace(path, flops=flops),
         rank=0,
         window=0,
         steps=(0, 2**62),

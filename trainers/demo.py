@@ -151,6 +151,11 @@ def run(args: argparse.Namespace) -> int:
         f"wall {time.perf_counter() - t_start:.1f} s"
     )
     if hooks.coordinator is not None:
+        from coordinator.client import wait_for_traces
+
+        late = wait_for_traces(hooks.coordinator, timeout_s=60)
+        if late:
+            print(f"windows {late}: traces still being finished by the node agent")
         print_report(
             ray.get(hooks.coordinator.status.remote()),
             ray.get(hooks.coordinator.kernel_summary.remote(top_k=args.top_k)),

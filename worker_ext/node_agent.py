@@ -1,20 +1,26 @@
 """Where a rank's closed trace goes: one helper process per node, never the training process.
 
-In a Ray cluster the helper is the node agent: a Ray actor with ``num_cpus=0``, one per node,
-named ``agent-<node id>`` in namespace ``profiler_agents``, pinned to its node with
+In a Ray cluster the helper is the node agent: a detached Ray actor with ``num_cpus=0``, one per
+node, named ``agent-<version>-<node id>`` in namespace ``profiler_agents``, pinned to its node with
 ``NodeAffinitySchedulingStrategy`` and created on demand by the first rank there that needs it.
-It builds the summaries (``trace_jobs.run_job``) and pushes them to the coordinator. It is not
-detached: it lives as long as the rank (or driver) that created it, and the next rank that needs
-it after that creates it again. Outside Ray (a ``RankProfiler`` in a plain process) the helper is
-one spawned child process per training process. Either way the training process only submits a
-small ``TraceJob`` and gets a ``JobResult`` back through a ``concurrent.futures.Future``.
+Being detached, it outlives every rank (a killed rank does not cost the other ranks of its node
+their summaries) and it stops with the cluster (or ``stop_node_agents``). It is an asyncio actor
+with two lanes: summaries (built one at a time, then pushed to the coordinator) and file work
+(compression, folded stacks, clean-up) on one thread of the lowest CPU priority, so every
+pending summary goes before any compression, and the file work yields the CPU to training.
+
+Outside Ray (a ``RankProfiler`` in a plain process) the helper is one spawned child process per
+training process. Either way the training process only submits a small ``TraceJob`` and gets a
+``JobResult`` back through a ``concurrent.futures.Future``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import multiprocessing
+import os
 import sys
 import threading
 import types
@@ -22,9 +28,11 @@ from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Protocol
 
-from worker_ext.trace_jobs import JobResult, TraceJob, run_job
+from worker_ext.trace_jobs import JobResult, TraceJob, finish_trace, reason, run_job, summarise_job
 
 AGENT_NAMESPACE = "profiler_agents"
+# Part of the agent's name: a cluster that still runs an agent of an older protocol gets a new one.
+AGENT_VERSION = "v2"
 PUBLISH_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 120.0
 
@@ -52,44 +60,93 @@ class NodeAgent:
 
     def __init__(self) -> None:
         self._coordinators: dict[tuple[str, str], Any] = {}
+        # Summaries hold the GIL while they parse: one at a time is as fast as several.
+        self._summaries = concurrent.futures.ThreadPoolExecutor(1, "profiler-summary")
+        self._files = concurrent.futures.ThreadPoolExecutor(
+            1, "profiler-files", initializer=lowest_cpu_priority
+        )
+        self._jobs = 0
 
-    def ping(self) -> int:
+    async def ping(self) -> int:
         """The agent's pid."""
-        import os
-
         return os.getpid()
 
-    def process(self, job: TraceJob) -> JobResult:
-        """Summarise, push and finish one trace (``trace_jobs.run_job``)."""
-        return run_job(job, self._publish, self._notify)
+    async def jobs_in_flight(self) -> int:
+        """Jobs accepted and not yet finished (their trace files included)."""
+        return self._jobs
 
-    def _coordinator(self, report_to: dict[str, str]) -> Any:
+    async def process(self, job: TraceJob) -> JobResult:
+        """Summarise and push, then finish the trace file; never raises (see ``run_job``)."""
+        loop = asyncio.get_running_loop()
+        self._jobs += 1
+        try:
+            res, blob, folded = await loop.run_in_executor(self._summaries, summarise_job, job)
+            if blob is not None:
+                res.pushed = await self._publish(job, blob, res)
+                if not res.pushed:
+                    res.summary = blob  # it rides on the rank's next reply
+            elif job.report_to:
+                await self._notify(job, res.errors[-1])
+            await loop.run_in_executor(self._files, finish_trace, job, folded, res)
+            if job.report_to and job.final_path is not None:
+                await self._stored(job, res)
+            return res
+        finally:
+            self._jobs -= 1
+
+    async def _call(self, report_to: dict[str, str], method: str, *args: Any) -> Any:
+        """Call the coordinator ``report_to`` names; a handle that has gone stale (the
+        coordinator was killed, restarted or replaced by a new run) is looked up once more."""
         import ray
 
         key = (report_to["namespace"], report_to["name"])
-        handle = self._coordinators.get(key)
-        if handle is None:
-            handle = self._coordinators[key] = ray.get_actor(key[1], namespace=key[0])
-        return handle
+        for attempt in (1, 2):
+            handle = self._coordinators.get(key)
+            try:
+                if handle is None:
+                    handle = self._coordinators[key] = ray.get_actor(key[1], namespace=key[0])
+                ref = getattr(handle, method).remote(report_to["trainer_id"], *args)
+                return await asyncio.wait_for(ref, PUBLISH_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ValueError):
+                self._coordinators.pop(key, None)
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
-    def _publish(self, report_to: dict[str, str], rank: int, blob: bytes) -> bool:
-        import ray
-
+    async def _publish(self, job: TraceJob, blob: bytes, res: JobResult) -> bool:
+        if not job.report_to:
+            return False
         try:
-            ref = self._coordinator(report_to).ingest_summary.remote(
-                report_to["trainer_id"], rank, blob
-            )
-            return bool(ray.get(ref, timeout=PUBLISH_TIMEOUT_S))
-        except Exception:
-            self._coordinators.clear()  # a restarted coordinator is found again next time
-            raise
+            return bool(await self._call(job.report_to, "ingest_summary", job.rank, blob))
+        except Exception as exc:
+            res.errors.append(reason("publish", exc))
+            return False
 
-    def _notify(
-        self, report_to: dict[str, str], rank: int, window: int, reason: dict[str, str]
-    ) -> None:
-        self._coordinator(report_to).summary_failed.remote(
-            report_to["trainer_id"], rank, window, reason
-        )
+    async def _stored(self, job: TraceJob, res: JobResult) -> None:
+        """Tell the coordinator where the trace is now, or why it is not."""
+        assert job.report_to is not None
+        files = [e for e in res.errors if e["where"] not in ("summary", "publish")]
+        with contextlib.suppress(Exception):
+            await self._call(
+                job.report_to,
+                "trace_stored",
+                job.rank,
+                job.window,
+                res.trace_path,
+                files[-1] if files else None,
+            )
+
+    async def _notify(self, job: TraceJob, why: dict[str, str]) -> None:
+        """Tell the coordinator at once that this summary is lost."""
+        assert job.report_to is not None
+        with contextlib.suppress(Exception):
+            await self._call(job.report_to, "summary_failed", job.rank, job.window, why)
+
+
+def lowest_cpu_priority() -> None:
+    """Give the calling thread the lowest CPU priority (Linux: nice is per thread)."""
+    with contextlib.suppress(Exception):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 _ACTOR: Any = None
@@ -100,13 +157,27 @@ def _agent_actor() -> Any:
     if _ACTOR is None:
         import ray
 
-        # Threads: one job compresses (zlib lets go of the GIL) while the next is summarised.
-        _ACTOR = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(NodeAgent)
+        _ACTOR = ray.remote(num_cpus=0, max_restarts=0)(NodeAgent)
     return _ACTOR
 
 
 def agent_name(node_id: str) -> str:
-    return f"agent-{node_id}"
+    """The node agent's actor name on the node with this Ray node id."""
+    return f"agent-{AGENT_VERSION}-{node_id}"
+
+
+def stop_node_agents() -> list[str]:
+    """Kill every node agent of this version on the cluster (they are detached); their names."""
+    import ray
+
+    killed = []
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        name = a.get("name", "")
+        if a.get("namespace") == AGENT_NAMESPACE and name.startswith(f"agent-{AGENT_VERSION}-"):
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(name, namespace=AGENT_NAMESPACE))
+                killed.append(name)
+    return killed
 
 
 class RayNodeAgentHelper:
@@ -130,6 +201,7 @@ class RayNodeAgentHelper:
                     .options(
                         name=agent_name(node),
                         namespace=AGENT_NAMESPACE,
+                        lifetime="detached",
                         get_if_exists=True,
                         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                     )
@@ -210,8 +282,7 @@ _HELPERS: dict[str, TraceHelper] = {}
 def default_helper() -> TraceHelper:
     """The node agent when this process is part of a Ray cluster, else a local child process.
 
-    One per process: a Ray actor lives while its creator holds a handle, so the process that
-    created the node agent keeps its handle for as long as it lives.
+    One per process, so every rank profiler in it shares one handle (and one child process).
     """
     ray = sys.modules.get("ray")
     in_ray = ray is not None and ray.is_initialized()

@@ -451,8 +451,9 @@ class RankProfiler:
             "window": job.window,
             **reason("helper", exc),
             "message": (
-                f"the {self._helper.kind} died or could not be reached, so window {job.window}'s "
-                f"summary is lost; its raw trace stays at {job.raw_path}: {exc}"
+                f"the {self._helper.kind} died or could not be reached before it finished "
+                f"window {job.window} (its summary is lost unless it had been pushed); the raw "
+                f"trace stays at {job.raw_path}: {exc}"
             )[:1000],
             "trace_path": job.raw_path,
         }

@@ -66,8 +66,23 @@ def run_job(
 ) -> JobResult:
     """Summarise, publish, then finish the trace file. Never raises: failures go in ``errors``."""
     t0 = time.perf_counter()
+    res, blob, folded = summarise_job(job)
+    if blob is not None:
+        res.pushed = _publish(publish, job, blob, res)
+        if not res.pushed:
+            res.summary = blob
+    elif notify is not None and job.report_to:
+        with contextlib.suppress(Exception):
+            notify(job.report_to, job.rank, job.window, res.errors[-1])
+    finish_trace(job, folded, res)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def summarise_job(job: TraceJob) -> tuple[JobResult, bytes | None, list[str] | None]:
+    """The encoded summary of ``job``'s trace (None on failure, with the reason in ``errors``)
+    and its folded stacks when the export type asks for them. Never raises."""
     res = JobResult(window=job.window, pid=os.getpid(), trace_path=job.raw_path)
-    folded = None
     try:
         summary, folded = summarise_trace(
             job.raw_path,
@@ -80,19 +95,10 @@ def run_job(
             stacks=job.export_type == "stacks",
             flops=job.with_flops,
         )
-        blob = encode_summary(summary)
+        return res, encode_summary(summary), folded
     except BaseException as exc:  # noqa: BLE001 - the reason goes to the rank's status
         res.errors.append(reason("summary", exc))
-        if notify is not None and job.report_to:
-            with contextlib.suppress(Exception):
-                notify(job.report_to, job.rank, job.window, res.errors[-1])
-    else:
-        res.pushed = _publish(publish, job, blob, res)
-        if not res.pushed:
-            res.summary = blob
-    _finish_file(job, folded, res)
-    res.seconds = time.perf_counter() - t0
-    return res
+        return res, None, None
 
 
 def _publish(publish: Publish | None, job: TraceJob, blob: bytes, res: JobResult) -> bool:
@@ -105,8 +111,11 @@ def _publish(publish: Publish | None, job: TraceJob, blob: bytes, res: JobResult
         return False
 
 
-def _finish_file(job: TraceJob, folded: list[str] | None, res: JobResult) -> None:
-    """Compress, write stacks or delete: whatever the export type asks of the raw trace."""
+def finish_trace(job: TraceJob, folded: list[str] | None, res: JobResult) -> None:
+    """Compress, write stacks or delete: whatever the export type asks of the raw trace.
+
+    Sets ``res.trace_path`` to where the trace is now; a failure goes in ``res.errors``.
+    """
     export, raw, final = job.export_type, job.raw_path, job.final_path
     if res.errors and res.errors[0]["where"] == "summary" and export in ("stacks", "none"):
         return  # the raw trace stays where it is, for whoever wants to look at it

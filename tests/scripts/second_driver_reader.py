@@ -2,6 +2,7 @@
 
 import json
 import sys
+import time
 
 import ray
 
@@ -9,10 +10,13 @@ import ray
 def main(kill: bool) -> None:
     ray.init(address="auto", namespace="profiler", log_to_driver=False)
     h = ray.get_actor("profiler")
-    out = {
-        "status": ray.get(h.status.remote()),
-        "kernels": ray.get(h.kernel_summary.remote(top_k=5)),
-    }
+    deadline = time.monotonic() + 60  # the node agent may still be compressing the traces
+    while True:
+        status = ray.get(h.status.remote())
+        if time.monotonic() > deadline or not any(w["traces_pending"] for w in status["windows"]):
+            break
+        time.sleep(0.2)
+    out = {"status": status, "kernels": ray.get(h.kernel_summary.remote(top_k=5))}
     if kill:
         ray.kill(h)
     print("RESULT " + json.dumps(out))

@@ -1,0 +1,351 @@
+"""One streaming pass over a chrome trace into a few columns of integers: no torch, no Ray.
+
+The file is read ``chunk_bytes`` at a time and split at Kineto's event boundaries; each piece is
+decoded with msgspec into structs that keep only ``ph, cat, name, ts, dur, pid, tid`` and leave
+``args`` undecoded (``msgspec.Raw``). Arguments are decoded only for the few events that need
+them: device activity (stream, device), ``[memory]`` events, and the matrix products whose input
+shapes give flops. Each batch then becomes numpy columns in a handful of list comprehensions, so
+memory grows with the number of events (about 40 bytes each), not with the file.
+"""
+
+from __future__ import annotations
+
+import gc
+import gzip
+import math
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import msgspec
+import numpy as np
+
+CHUNK_BYTES = 8 << 20
+MAX_UNSPLIT_BYTES = 256 << 20
+
+# Kineto writes each top-level event as "\n  {\n ... }," at an indent of two; a raw newline
+# never occurs inside a JSON string, so this marks event starts and nothing else.
+_BOUNDARY = b"\n  {\n"
+STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
+
+# CPU event kinds, as stored in ``CpuColumns.kind``.
+OP, ANNOTATION, PYTHON, RUNTIME = 0, 1, 2, 3
+_CPU_KINDS = {
+    "cpu_op": OP,
+    "user_annotation": ANNOTATION,
+    "python_function": PYTHON,
+    "cuda_runtime": RUNTIME,
+    "cuda_driver": RUNTIME,
+}
+# Device activity kinds: kernels, and memory copies / sets.
+KERNEL, COPY = 0, 1
+_DEVICE_KINDS = {"kernel": KERNEL, "gpu_memcpy": COPY, "gpu_memset": COPY}
+
+
+class TraceError(ValueError):
+    """The trace cannot be summarised: not JSON, truncated, or in an unusable layout."""
+
+
+class _Event(msgspec.Struct, gc=False):
+    ph: str = ""
+    cat: str = ""
+    name: str = ""
+    ts: float = 0.0
+    dur: float = 0.0
+    pid: int | str = 0
+    tid: int | str = 0
+    args: msgspec.Raw = msgspec.Raw()
+
+
+class _Doc(msgspec.Struct):
+    traceEvents: list[_Event] = []  # noqa: N815 - the trace's own key
+
+
+class _DeviceArgs(msgspec.Struct, gc=False):
+    stream: Any = None
+    device: Any = None
+
+
+class _MemoryArgs(msgspec.Struct, gc=False):
+    bytes: Any = msgspec.field(default=None, name="Bytes")
+    total_allocated: Any = msgspec.field(default=None, name="Total Allocated")
+    device_type: Any = msgspec.field(default=None, name="Device Type")
+    device_id: Any = msgspec.field(default=None, name="Device Id")
+
+
+class _ShapeArgs(msgspec.Struct, gc=False):
+    input_dims: Any = msgspec.field(default=None, name="Input Dims")
+
+
+_DOC = msgspec.json.Decoder(_Doc)
+_EVENTS = msgspec.json.Decoder(list[_Event])
+_DEVICE_ARGS = msgspec.json.Decoder(_DeviceArgs)
+_MEMORY_ARGS = msgspec.json.Decoder(_MemoryArgs)
+_SHAPE_ARGS = msgspec.json.Decoder(_ShapeArgs)
+
+
+FLOP_OPS = frozenset(
+    {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::add", "aten::mul"}
+)
+
+
+def op_flops(name: str, args: Any) -> int:
+    """Flops from an op's input shapes, as ``with_flops`` counts them; 0 for other ops.
+
+    torch also counts ``aten::conv2d`` from its strides and padding; the trace does not give
+    those in a usable form, so convolutions count 0 here.
+    """
+    dims = getattr(args, "input_dims", None)
+    try:
+        if name == "aten::mm":
+            (n, k), (_, m) = dims[0], dims[1]
+            return 2 * n * k * m
+        if name == "aten::addmm":
+            (n, k), (_, m) = dims[1], dims[2]
+            return 2 * n * k * m
+        if name == "aten::bmm":
+            (b, n, k), (_, _, m) = dims[0], dims[1]
+            return 2 * b * n * k * m
+        if name == "aten::baddbmm":
+            (b, n, k), (_, _, m) = dims[1], dims[2]
+            return 2 * b * n * k * m
+        if name in ("aten::add", "aten::mul") and dims[0]:
+            return math.prod(dims[0])  # one flop per element of the first input
+    except (TypeError, ValueError, IndexError):
+        return 0
+    return 0
+
+
+@dataclass
+class CpuColumns:
+    """Every CPU event (``X`` events of the CPU categories), one array per field."""
+
+    thread: np.ndarray  # int32: index into ``TraceDigest.threads``
+    start: np.ndarray  # int64 ns from the trace's first timestamp
+    end: np.ndarray  # int64 ns
+    name: np.ndarray  # int32: index into ``TraceDigest.names``
+    kind: np.ndarray  # int8: OP, ANNOTATION, PYTHON or RUNTIME
+    flops: np.ndarray  # int64: from input shapes when flops were asked for, else 0
+
+
+@dataclass
+class TraceDigest:
+    """What one pass over a trace collected; ``trace_summary`` turns it into a summary."""
+
+    names: list[str] = field(default_factory=list)
+    threads: list[tuple[Any, Any]] = field(default_factory=list)  # (pid, tid)
+    # device activity: start ns, end ns, name id, KERNEL or COPY, device, stream
+    device: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
+    steps: list[tuple[int, int, int]] = field(default_factory=list)  # step, start ns, end ns
+    peak_allocated: dict[tuple[int, int], int] = field(default_factory=dict)
+    # [memory] allocations (frees left out): thread, ts ns, bytes
+    allocations: list[tuple[int, int, int]] = field(default_factory=list)
+    events: int = 0
+    _ids: dict[str, int] = field(default_factory=dict)
+    _thread_ids: dict[tuple[Any, Any], int] = field(default_factory=dict)
+    _chunks: list[CpuColumns] = field(default_factory=list)
+    _base: float | None = None
+
+    def cpu(self) -> CpuColumns:
+        """All CPU events collected so far, in file order."""
+        if len(self._chunks) != 1:
+            cols = [np.concatenate([getattr(c, f) for c in self._chunks]) for f in _CPU_FIELDS]
+            self._chunks = [CpuColumns(*cols)] if self._chunks else [_empty_cpu()]
+        return self._chunks[0]
+
+    def add(self, events: list[_Event], flops: bool = False) -> None:
+        """Fold a batch of decoded events in."""
+        self.events += len(events)
+        if not events:
+            return
+        if self._base is None:
+            self._base = float(int(events[0].ts))
+        cpu = [e for e in events if e.ph == "X" and e.cat in _CPU_KINDS]
+        if cpu:
+            self._add_cpu(cpu, flops)
+        for e in events:
+            if e.ph == "X":
+                kind = _DEVICE_KINDS.get(e.cat)
+                if kind is not None:
+                    self._add_device(e, kind)
+            elif e.ph == "i" and e.name == "[memory]" and e.args:
+                self._add_memory(e)
+
+    def _add_cpu(self, cpu: list[_Event], flops: bool) -> None:
+        ids, tids = self._ids, self._thread_ids
+        first_new = len(ids)
+        name = np.array([ids.setdefault(e.name, len(ids)) for e in cpu], dtype=np.int32)
+        self.names.extend(list(ids)[first_new:])
+        pids = {e.pid for e in cpu}
+        if len(pids) == 1:  # one process (a rank's trace): threads by tid, no tuple per event
+            (pid,) = pids
+            keys = {tid: (pid, tid) for tid in {e.tid for e in cpu}}
+            for key in keys.values():
+                tids.setdefault(key, len(tids))
+            local = {tid: tids[key] for tid, key in keys.items()}
+            thread = np.array([local[e.tid] for e in cpu], dtype=np.int32)
+        else:
+            thread = np.array(
+                [tids.setdefault((e.pid, e.tid), len(tids)) for e in cpu], dtype=np.int32
+            )
+        if len(tids) > len(self.threads):
+            self.threads.extend(list(tids)[len(self.threads) :])
+        kind = np.array([_CPU_KINDS[e.cat] for e in cpu], dtype=np.int8)
+        start = self._ns(np.array([e.ts for e in cpu]))
+        end = start + np.rint(np.array([e.dur for e in cpu]) * 1000.0).astype(np.int64)
+        value = np.zeros(len(cpu), dtype=np.int64)
+        if flops:
+            for i, e in enumerate(cpu):
+                if e.name in FLOP_OPS and e.args:
+                    value[i] = min(op_flops(e.name, _decode_or_none(_SHAPE_ARGS, e.args)), 2**62)
+        for i in np.flatnonzero(kind == ANNOTATION).tolist():
+            m = STEP_NAME.match(cpu[i].name)
+            if m:
+                self.steps.append((int(m.group(1)), int(start[i]), int(end[i])))
+        self._chunks.append(CpuColumns(thread, start, end, name, kind, value))
+
+    def _add_device(self, e: _Event, kind: int) -> None:
+        a = _decode_or_none(_DEVICE_ARGS, e.args)
+        start = self._ns1(e.ts)
+        self.device.append(
+            (
+                start,
+                start + round(e.dur * 1000.0),
+                self._id(e.name),
+                kind,
+                _int_or(a.device if a else None, _int_or(e.pid, 0)),
+                _int_or(a.stream if a else None, _int_or(e.tid, 0)),
+            )
+        )
+
+    def _add_memory(self, e: _Event) -> None:
+        a = _decode_or_none(_MEMORY_ARGS, e.args)
+        if a is None:
+            return
+        key = (_int_or(a.device_type, 0), _int_or(a.device_id, -1))
+        total = a.total_allocated
+        if type(total) is int and total > self.peak_allocated.get(key, -1):
+            self.peak_allocated[key] = total
+        nbytes = a.bytes
+        if type(nbytes) is int and nbytes > 0:
+            tids = self._thread_ids
+            thread = tids.setdefault((e.pid, e.tid), len(tids))
+            if thread == len(self.threads):
+                self.threads.append((e.pid, e.tid))
+            self.allocations.append((thread, self._ns1(e.ts), nbytes))
+
+    def _id(self, name: str) -> int:
+        i = self._ids.get(name)
+        if i is None:
+            i = self._ids[name] = len(self.names)
+            self.names.append(name)
+        return i
+
+    def _ns(self, ts: np.ndarray) -> np.ndarray:
+        assert self._base is not None
+        return np.rint((ts - self._base) * 1000.0).astype(np.int64)
+
+    def _ns1(self, ts: float) -> int:
+        assert self._base is not None
+        return round((ts - self._base) * 1000.0)  # exact: ts - base is small and exact
+
+
+_CPU_FIELDS = ("thread", "start", "end", "name", "kind", "flops")
+
+
+def _empty_cpu() -> CpuColumns:
+    i32, i64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
+    return CpuColumns(i32, i64, i64, i32, np.zeros(0, np.int8), i64)
+
+
+def _decode_or_none(decoder: msgspec.json.Decoder, raw: msgspec.Raw) -> Any:
+    try:
+        return decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None  # an event's odd args cost that event's extra fields, not the trace
+
+
+def _int_or(value: Any, default: int) -> int:
+    return value if type(value) is int else default
+
+
+def read_trace(
+    path: str,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    max_unsplit_bytes: int = MAX_UNSPLIT_BYTES,
+    flops: bool = False,
+) -> TraceDigest:
+    """One streaming pass over a chrome trace (``.json`` or ``.json.gz``).
+
+    Raises ``TraceError`` with the reason for a file that is not JSON, truncated, or unusable.
+    """
+    digest = TraceDigest()
+    gc_was_on = gc.isenabled()
+    gc.disable()  # a million small objects, no cycles: collections only cost time
+    opener: Callable[..., IO[bytes]] = gzip.open if path.endswith(".gz") else open  # type: ignore[assignment]
+    try:
+        with opener(path, "rb") as f:
+            for batch in _event_batches(f, chunk_bytes, max_unsplit_bytes):
+                digest.add(batch, flops)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise TraceError(f"{path} is not a valid chrome trace (truncated?): {exc}") from None
+    except (OSError, EOFError) as exc:
+        raise TraceError(f"{path} cannot be read: {exc}") from None
+    finally:
+        if gc_was_on:
+            gc.enable()
+    return digest
+
+
+def _event_batches(
+    f: IO[bytes], chunk_bytes: int, max_unsplit_bytes: int
+) -> Iterator[list[_Event]]:
+    """Decoded events, a chunk at a time. Each piece is decoded from its own ``bytes``, which
+    the undecoded ``args`` of its events point into, so the read buffer can move on."""
+    buf = bytearray()
+    in_events = False
+    while True:
+        data = f.read(chunk_bytes)
+        buf += data
+        if not in_events:
+            i = buf.find(_BOUNDARY)
+            if i < 0:
+                if not data:  # not Kineto's layout, and small enough: decode it whole
+                    if not buf.strip():
+                        raise TraceError("the trace file is empty")
+                    yield _DOC.decode(bytes(buf)).traceEvents
+                    return
+                if len(buf) > max_unsplit_bytes:
+                    raise TraceError(
+                        f"no event boundary in the first {len(buf) >> 20} MB: the trace is not "
+                        "in Kineto's layout and is too large to decode whole"
+                    )
+                continue
+            head = bytes(buf[:i]).rstrip()
+            if not head.endswith(b"["):
+                raise TraceError("the trace does not start with a traceEvents list")
+            yield _DOC.decode(head + b"]}").traceEvents
+            del buf[:i]
+            in_events = True
+        if not data:  # the last event, then the closing "]" and the trailing keys
+            yield _DOC.decode(b'{"traceEvents":[' + bytes(buf)).traceEvents
+            return
+        j = buf.rfind(_BOUNDARY)
+        if j > 0:
+            yield _EVENTS.decode(_as_list(buf, j))
+            del buf[:j]
+
+
+def _as_list(buf: bytearray, j: int) -> bytes:
+    """``buf[:j]``, a run of ``\n  {...},`` events, as one JSON list in a single copy."""
+    a, b = 0, j
+    while a < b and buf[a] in b" \t\r\n":
+        a += 1
+    while b > a and buf[b - 1] in b" \t\r\n":
+        b -= 1
+    if b > a and buf[b - 1] == 0x2C:  # the comma before the next event
+        b -= 1
+    with memoryview(buf) as view:
+        return b"".join((b"[", view[a:b], b"]"))
