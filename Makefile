@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 format: venv
 	$(VENV)/bin/ruff format .
@@ -31,6 +32,7 @@ format: venv
 test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q
 
 demo: venv
@@ -43,4 +45,4 @@ bench: venv
 	$(PY) bench/summary_memory.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -3,7 +3,8 @@
 Part 1 (real Ray, this machine): time per training step outside windows with
   (a) no profiling, (b) this coordinator through StepClient, and (c) the pattern it replaces,
   a blocking ray.get of profile_step on every rank on every step; plus the trainer-side latency
-  of a window's first and last step.
+  of a window's first and last step; and how long an operator's request_capture waits for its
+  answer while a StepClient trainer steps (the request waits for the trainer's next report).
 Part 2 (in process): ingest and query of 1,024 ranks x 2,000 kernels.
 
 Run: .venv/bin/python bench/coordinator_overhead.py [--ranks 2 4 8] [--steps 200]
@@ -16,6 +17,7 @@ import os
 import random
 import statistics
 import tempfile
+import threading
 import time
 import tracemalloc
 
@@ -123,6 +125,47 @@ def bench_ranks(n: int, steps: int, rounds: int) -> dict[str, float]:
     return out
 
 
+def capture_latency(n: int, requests: int, step_s: float) -> dict[str, float]:
+    """Seconds request_capture takes to answer while a StepClient trainer keeps stepping."""
+    tmp = tempfile.mkdtemp(prefix="bench-capture-")
+    cfg = ProfilerConfig(
+        enable=True, save_path=tmp, ranks="all", activities=["cpu"], on_demand_only=True
+    )
+    Worker = ray.remote(num_cpus=0)(BenchWorker)
+    workers = [Worker.remote() for _ in range(n)]
+    coord = get_or_create_coordinator(cfg, name=f"bench-capture-{n}", namespace="bench")
+    ray.get(coord.register.remote("t", workers))
+    client = StepClient(coord, "t")
+    client.start(0)
+    done = threading.Event()
+
+    def train() -> None:
+        k = 0
+        while not done.is_set():
+            ray.get([w.train_step.remote() for w in workers])
+            time.sleep(step_s)
+            client.step(k)
+            k += 1
+        client.stop()
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    waits = []
+    try:
+        while len(waits) < requests:
+            time.sleep(random.uniform(0.05, 0.3))
+            t0 = time.perf_counter()
+            answer = ray.get(coord.request_capture.remote(active=1, warmup=0))
+            if answer["accepted"]:
+                waits.append(time.perf_counter() - t0)
+    finally:
+        done.set()
+        trainer.join()
+    for h in (coord, *workers):
+        ray.kill(h)
+    return {"median": statistics.median(waits), "max": max(waits)}
+
+
 def bench_aggregation(ranks: int, kernels: int, top: int) -> dict[str, float]:
     rng = random.Random(0)
     names = [f"void gemm_kernel_{i}<float, 128, 64>(Params)" for i in range(kernels)]
@@ -194,6 +237,13 @@ def main() -> None:
             f"{n:>5} {r['a'] * 1e3:>9.3f} {r['b'] * 1e3:>10.3f} {r['c'] * 1e3:>12.3f} "
             f"{ba * 1e3:>7.3f} {ca * 1e3:>7.3f} {ratio:>12.3f} "
             f"{r['first'] * 1e3:>7.1f} {r['last'] * 1e3:>7.1f}"
+        )
+    for step_s in (0.01, 0.3):
+        lat = capture_latency(max(args.ranks), 10, step_s)
+        print(
+            f"request_capture answered in {lat['median'] * 1e3:.0f} ms median, "
+            f"{lat['max'] * 1e3:.0f} ms max ({max(args.ranks)} ranks, steps of "
+            f"{step_s * 1e3:.0f} ms + the ranks' work, StepClient reporting every 0.1 s)"
         )
     ray.shutdown()
     agg = bench_aggregation(args.agg_ranks, args.agg_kernels, 20)

@@ -18,6 +18,7 @@ Run: RAY_AUTH_MODE=disabled .venv/bin/python bench/summary_cost.py  (or `make be
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -102,7 +103,10 @@ class BenchWorker(DispatchBound, ProfilerWorkerMixin):
             self.train_step()
             prof.step()
         stop_export = timed(lambda: (prof.stop(), prof.export_chrome_trace(path)))
-        return {"stop_export": stop_export, "key_averages": timed(prof.key_averages)}
+        out = {"stop_export": stop_export, "key_averages": timed(prof.key_averages)}
+        prof = None
+        gc.collect()  # free the window's events here, not while the next round is being timed
+        return out
 
 
 def timed(fn) -> float:

@@ -9,7 +9,7 @@ from typing import Any
 from coordinator.config import ProfilerConfig
 from coordinator.schedule import ProfilerAction, Schedule, Window
 
-_ACTOR_NAMES = ("ProfilerCoordinator", "get_or_create_coordinator", "connect")
+_ACTOR_NAMES = ("ProfilerCoordinator", "attach_coordinator", "get_or_create_coordinator", "connect")
 
 __all__ = ["ProfilerAction", "ProfilerConfig", "Schedule", "Window", *_ACTOR_NAMES]
 

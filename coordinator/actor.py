@@ -1,27 +1,44 @@
 """ProfilerCoordinator: the named, detached Ray actor that owns the schedule and the global step.
 
-A thin shell: it asks ``WindowDriver`` what the ranks must do, fans the calls out to the selected
-ranks only, waits for their acknowledgements, and hands every reply to ``CoordinatorState``.
-It never imports torch and never raises a rank's fault to a trainer.
+A thin shell around the pure core: each ``Run`` (``coordinator.run``) holds its config, its
+window plan (``WindowDriver``) and its bookkeeping (``CoordinatorState``); the actor receives
+calls, asks the run what they mean, fans the rank calls out (``coordinator.rank_calls``) and
+answers with the types of ``coordinator.replies``. It never imports torch and never raises a
+rank's fault to a trainer. A refused call is answered, never raised: its boolean is False and
+``reason`` says why (``_refuse``, the one way the coordinator says no).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import re
 import sys
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from coordinator.config import ProfilerConfig
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.schedule import Schedule
-from coordinator.state import CoordinatorState, RankRecord, TrainerRecord, WindowRecord
-from coordinator.trace_layout import contained, default_run_name
-from coordinator.window_driver import Begin, End, Ignored, Step, WindowDriver
+from coordinator.rank_calls import any_alive, fan_out, run_commands
+from coordinator.replies import (
+    CancelAnswer,
+    CaptureAnswer,
+    KernelSummary,
+    Phase,
+    Registration,
+    RunInfo,
+    Status,
+    StepReply,
+)
+from coordinator.run import Run, attach_decision, new_run
+from coordinator.state import RankRecord, TrainerRecord
+from coordinator.trace_layout import contained
+from coordinator.window_driver import Ignored
 from coordinator.worker_handles import install_worker_handle_stubs
 
 log = logging.getLogger(__name__)
@@ -31,7 +48,23 @@ DEFAULT_NAMESPACE = "profiler"
 _TRAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # Configuring a rank warms Kineto up, which took up to 41 s on a loaded 2-core machine.
 CONFIGURE_TIMEOUT_S = 120.0
-_LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)
+# How long request_capture waits for the trainer's next report before it says no.
+CAPTURE_REPORT_TIMEOUT_S = 30.0
+PREVIOUS_RUNS = 8
+Key = tuple[str, int]
+
+
+@dataclass
+class _CaptureRequest:
+    """A capture waiting for the trainer's next report, which tells where the trainer is."""
+
+    active: int
+    warmup: int
+    ranks: list[int] | None
+    start_step: int | None
+    answer: asyncio.Future[CaptureAnswer] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
 
 class _Coordinator:
@@ -39,16 +72,96 @@ class _Coordinator:
 
     def __init__(self, config: dict[str, Any], name: str, namespace: str) -> None:
         self._stubs = install_worker_handle_stubs()  # before any worker handle arrives
-        self.config = ProfilerConfig.from_dict(config, check_paths=False)
         self.name, self.namespace = name, namespace
-        cfg = self.config
-        self.run_name = cfg.run_name or default_run_name()
-        self.run_dir = contained(cfg.save_path, self.run_name) if cfg.save_path else None
-        self.driver = WindowDriver(Schedule(cfg))
-        self.state = CoordinatorState(cfg.max_windows, cfg.detail_windows, cfg.straggler_threshold)
+        self.run = new_run(ProfilerConfig.from_dict(config, check_paths=False), set())
+        self.previous: collections.deque[Run] = collections.deque(maxlen=PREVIOUS_RUNS)
         self._lock = asyncio.Lock()
-        self._capture_ranks: dict[int, list[tuple[str, int]]] = {}
         self._metrics = CoordinatorMetrics(name)
+        self._requests: list[_CaptureRequest] = []
+        self._throttled = False  # the stepping trainer waits only on the steps it is told to
+        self._next_report_waits = False  # the trainer will wait for its next report's answer
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------ runs
+
+    async def open_run(self, config: dict[str, Any], trainer_id: str | None = None) -> RunInfo:
+        """Attach to this coordinator: join or resume its run, or begin a fresh one.
+
+        A run that stopped cleanly (or never had a trainer) gives way to a fresh run with
+        ``config``; the stepping trainer re-attaching (a restarted driver) resumes its run; a
+        run that is still active keeps its config, and another config is a ValueError.
+        """
+        cfg = ProfilerConfig.from_dict(config, check_paths=False)
+        if trainer_id is not None and not isinstance(trainer_id, str):
+            raise ValueError(f"trainer_id must be a string or None, got {trainer_id!r}")
+        async with self._lock:
+            run = self.run
+            stepping = run.state.stepping_trainer
+            alive = True
+            if run.active and stepping is not None and trainer_id != stepping:
+                alive = await any_alive(list(run.state.trainers[stepping].handles.values()))
+            decision, diff = attach_decision(run, cfg.to_dict(), trainer_id, alive)
+            if decision == "conflict":
+                raise ValueError(
+                    f"profiler coordinator {self.namespace}/{self.name} is serving run "
+                    f"{run.name!r} (stepping trainer {stepping!r}, global step "
+                    f"{run.state.global_step}), which has not stopped, with another config "
+                    f"(fields that differ: {', '.join(diff)}). Give this job its own "
+                    "coordinator (ProfilingHooks.attach(..., name='profiler-<job>') or "
+                    "get_or_create_coordinator(config, name=...)), or stop that run first"
+                )
+            if decision == "fresh":
+                why = "its stepping trainer is gone without a stop" if run.active else "stopped"
+                await self._begin_run(cfg, f"replaced by a new run ({why})")
+            elif diff:
+                key = f"{self.run.name}:{trainer_id}:{','.join(diff)}"
+                if key not in self._warned:
+                    self._warned.add(key)
+                    log.warning(
+                        "trainer %r attached to run %s with another config; the run keeps its "
+                        "own (fields that differ: %s)",
+                        trainer_id,
+                        self.run.name,
+                        ", ".join(diff),
+                    )
+            return {
+                "run": self.run.name,
+                "run_dir": self.run.run_dir,
+                "decision": decision,
+                "config": self.run.config.to_dict(),
+                "mismatch": diff if decision != "fresh" else [],
+            }
+
+    async def _begin_run(self, cfg: ProfilerConfig, why: str, carry: bool = False) -> None:
+        """End the current run (kept for reading unless it is empty) and begin a fresh one.
+
+        ``carry``: register the current run's trainers in the new one (a trainer that starts
+        again after it stopped).
+        """
+        old = self.run
+        self._end_requests(f"the run {old.name} ended: {why}")
+        taken = {r.name for r in self.previous}
+        empty = old.phase == "configured" and not old.state.trainers and not old.state.windows
+        if not empty:
+            if old.phase in ("configured", "running"):
+                old.phase, old.ended_at, old.ended_reason = "abandoned", time.time(), why
+            for w in old.state.windows.values():
+                for agg in w.aggregates.values():
+                    agg.drop_detail()
+            self.previous.append(old)
+            taken.add(old.name)
+        self.run = new_run(cfg, taken)
+        self._throttled = self._next_report_waits = False
+        if carry:
+            for t in old.state.trainers.values():
+                await self._register(
+                    t.trainer_id, t.handles, t.role, t.trainer_id == old.state.stepping_trainer
+                )
+
+    def _find_run(self, name: str | None) -> Run | None:
+        if name is None or name == self.run.name:
+            return self.run
+        return next((r for r in self.previous if r.name == name), None)
 
     # ------------------------------------------------------------ trainer API
 
@@ -58,7 +171,7 @@ class _Coordinator:
         workers: list[Any] | dict[int, Any],
         role: str = "policy",
         advances_step: bool | None = None,
-    ) -> dict[str, Any]:
+    ) -> Registration:
         """Register a trainer's workers (a list in rank order, or {rank: handle}).
 
         The first trainer advances the global step unless another registers with
@@ -66,128 +179,387 @@ class _Coordinator:
         the global step and the window history. Raises ValueError for a bad registration.
         """
         async with self._lock:
-            handles = _rank_handles(trainer_id, workers)
-            if not isinstance(trainer_id, str) or not _TRAINER_ID.match(trainer_id):
-                raise ValueError(
-                    f"trainer_id {trainer_id!r} must be 1-64 letters, digits, '.', '_' or '-'"
-                )
-            world = sorted(handles)
-            cfg = self.config
-            if cfg.ranks != "all":
-                outside = [r for r in cfg.ranks if r not in handles]
-                if outside:
-                    raise ValueError(
-                        f"profiler config selects ranks {outside}, which trainer {trainer_id!r} "
-                        f"does not have (its ranks: {_span(world)})"
-                    )
-            st = self.state
-            first = not st.trainers
-            run_dir = self.run_dir
-            existing = st.trainers.get(trainer_id)
-            if existing is not None:
-                run_dir = existing.run_dir
-            elif not first and self.run_dir is not None:
-                run_dir = contained(self.run_dir, trainer_id)  # a second trainer: own directory
-            st.trainers[trainer_id] = TrainerRecord(trainer_id, role, world, handles, run_dir)
-            if advances_step or st.stepping_trainer is None:
-                st.stepping_trainer = trainer_id
-            for key in [k for k in st.ranks if k[0] == trainer_id]:
-                del st.ranks[key]
-            keys = []
-            for r in world:
-                selected = cfg.enable and cfg.selects(r)
-                st.ranks[(trainer_id, r)] = RankRecord(trainer_id, r, selected)
-                if selected:
-                    keys.append((trainer_id, r))
-            st.counters["registrations"] += 1
-            cfg_dict = cfg.to_dict()
-            report_to = {"name": self.name, "namespace": self.namespace, "trainer_id": trainer_id}
-            await self._fan_out(
-                keys,
-                "configure_profiler",
-                lambda key: (key[1], cfg_dict, run_dir, True, report_to),
-                timeout=max(CONFIGURE_TIMEOUT_S, cfg.worker_timeout_s),
+            return await self._register(trainer_id, workers, role, advances_step)
+
+    async def _register(
+        self, trainer_id: str, workers: Any, role: str, advances_step: bool | None
+    ) -> Registration:
+        handles = _rank_handles(trainer_id, workers)
+        if not isinstance(trainer_id, str) or not _TRAINER_ID.match(trainer_id):
+            raise ValueError(
+                f"trainer_id {trainer_id!r} must be 1-64 letters, digits, '.', '_' or '-'"
             )
-            await self._join_open_window(keys)
-            return {
-                "trainer_id": trainer_id,
-                "advances_step": st.stepping_trainer == trainer_id,
-                "world_size": len(world),
-                "selected_ranks": [r for _, r in keys],
-                "run_dir": run_dir,
-            }
+        if not isinstance(role, str) or len(role) > 64:
+            raise ValueError(f"role must be a short string, got {role!r}")
+        run, world = self.run, sorted(handles)
+        cfg, st = run.config, run.state
+        if cfg.ranks != "all":
+            outside = [r for r in cfg.ranks if r not in handles]
+            if outside:
+                raise ValueError(
+                    f"profiler config selects ranks {outside}, which trainer {trainer_id!r} "
+                    f"does not have (its ranks: {_span(world)})"
+                )
+        existing = st.trainers.get(trainer_id)
+        run_dir = run.run_dir
+        if existing is not None:
+            run_dir = existing.run_dir
+        elif st.trainers and run.run_dir is not None:
+            run_dir = contained(run.run_dir, trainer_id)  # a second trainer: its own directory
+        st.trainers[trainer_id] = TrainerRecord(trainer_id, role, world, handles, run_dir)
+        if advances_step or st.stepping_trainer is None:
+            st.stepping_trainer = trainer_id
+        for key in [k for k in st.ranks if k[0] == trainer_id]:
+            del st.ranks[key]
+        keys = []
+        for r in world:
+            selected = cfg.enable and cfg.selects(r)
+            st.ranks[(trainer_id, r)] = RankRecord(trainer_id, r, selected)
+            if selected:
+                keys.append((trainer_id, r))
+        st.counters["registrations"] += 1
+        cfg_dict, report_to = cfg.to_dict(), self._report_to(trainer_id)
+        await fan_out(
+            run,
+            keys,
+            "configure_profiler",
+            lambda key: (key[1], cfg_dict, run_dir, True, report_to),
+            timeout=max(CONFIGURE_TIMEOUT_S, cfg.worker_timeout_s),
+        )
+        await self._join_open_window(keys)
+        return {
+            "trainer_id": trainer_id,
+            "advances_step": st.stepping_trainer == trainer_id,
+            "world_size": len(world),
+            "selected_ranks": [r for _, r in keys],
+            "run": run.name,
+            "run_dir": run_dir,
+        }
 
-    async def start(self, trainer_id: str, first_step: int = 0) -> dict[str, Any]:
-        """Before the loop: the next step to run is ``first_step`` (the loaded step on resume)."""
+    async def start(
+        self, trainer_id: str, first_step: int = 0, throttled: bool = False
+    ) -> StepReply:
+        """Before the loop: the next step to run is ``first_step`` (the loaded step on resume).
+
+        ``throttled``: the trainer waits only for the reports of the steps it is told to
+        (``next_sync_step`` and on), as ``StepClient`` does; otherwise it waits for every one.
+        A start after the run stopped begins a fresh run with the same config and trainers.
+        """
         async with self._lock:
-            rejected = self._reject(trainer_id, "start")
-            if rejected:
-                return rejected
-            if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
-                return self._refuse("start", f"first_step must be an int >= 0, got {first_step!r}")
-            st = self.state
+            no = self._not_the_stepping_trainer(trainer_id, "start")
+            if no:
+                return self._step_reply(False, no)
+            if not _is_step(first_step):
+                return self._step_reply(
+                    False,
+                    self._refuse("start", f"first_step must be an int >= 0, got {first_step!r}"),
+                )
+            if self.run.phase == "stopped":
+                await self._begin_run(self.run.config, "started again after it stopped", carry=True)
+            run = self.run
+            run.phase, run.started_at = "running", run.started_at or time.time()
+            st = run.state
             st.global_step = first_step - 1 if first_step > 0 else st.global_step
-            await self._run(self.driver.start(first_step))
-            return self._step_reply(True)
+            self._throttled = bool(throttled)
+            await run_commands(run, run.driver.start(first_step))
+            reply = self._step_reply(True)
+            ns = reply["next_sync_step"]
+            self._next_report_waits = not self._throttled or (ns is not None and ns <= first_step)
+            return reply
 
-    async def step(
-        self, trainer_id: str, k: int, plan_version: int | None = None
-    ) -> dict[str, Any]:
+    async def step(self, trainer_id: str, k: int, waiting: bool = True) -> StepReply:
         """Global step ``k`` has finished. Returns once the ranks that act are ready for k+1.
 
-        ``plan_version``: the latest one the trainer saw in a reply (``StepClient`` sends it);
-        a capture it had not seen yet does not open on this report.
+        ``waiting``: the trainer waits for this answer before it runs step k+1 (``StepClient``
+        sends reports of idle steps without waiting, and says so).
         """
         async with self._lock:
-            rejected = self._reject(trainer_id, "step")
-            if rejected:
-                return rejected
-            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-                return self._refuse("step", f"step must be an int >= 0, got {k!r}")
-            if plan_version is not None and (
-                isinstance(plan_version, bool) or not isinstance(plan_version, int)
-            ):
-                return self._refuse("step", f"plan_version must be an int, got {plan_version!r}")
-            result = self.driver.step(k, plan_version)
+            no = self._not_the_stepping_trainer(trainer_id, "step")
+            if no:
+                return self._step_reply(False, no)
+            if not _is_step(k):
+                return self._step_reply(
+                    False, self._refuse("step", f"step must be an int >= 0, got {k!r}")
+                )
+            run = self.run
+            if run.phase == "stopped":
+                return self._step_reply(
+                    False,
+                    self._refuse(
+                        "step", f"the run {run.name} stopped; start() begins a new run first"
+                    ),
+                )
+            drv = run.driver
+            fresh = drv.last_step is None or k > drv.last_step
+            if waiting and fresh and self._requests:
+                await self._plan_requests()  # the trainer waits: it runs k+1 only after this
+            result = drv.step(k)
             if isinstance(result, Ignored):
-                self.state.counters["ignored_steps"] += 1
-                self.state.counters[f"ignored_steps_{result.reason}"] += 1
-                return {**self._step_reply(False), "ignored": result.reason}
-            self.state.global_step = k
-            await self._run(result)
-            return self._step_reply(True)
+                run.state.counters["ignored_steps"] += 1
+                run.state.counters[f"ignored_steps_{result.reason}"] += 1
+                return self._step_reply(False, ignored=result.reason)
+            if run.phase == "configured":
+                run.phase, run.started_at = "running", time.time()
+            run.state.global_step = k
+            await run_commands(run, result)
+            reply = self._step_reply(True)
+            ns = reply["next_sync_step"]
+            self._next_report_waits = not self._throttled or (
+                bool(waiting) and ns is not None and ns <= k + 1
+            )
+            return reply
 
-    async def stop(self, trainer_id: str) -> dict[str, Any]:
-        """After the loop: close an open window (partial) and collect what is pending.
-
-        Safe to call twice, without start, and after a failure.
-        """
+    async def stop(self, trainer_id: str) -> StepReply:
+        """After the loop: close an open window (partial), end the captures that never opened,
+        collect the summaries still pending, and end the run. Safe to call twice, without
+        start, and after a failure."""
         async with self._lock:
-            rejected = self._reject(trainer_id, "stop")
-            if rejected:
-                return rejected
-            await self._run(self.driver.stop())
-            pending = {k for w in self.state.windows.values() for k in w.pending}
+            no = self._not_the_stepping_trainer(trainer_id, "stop")
+            if no:
+                return self._step_reply(False, no)
+            run = self.run
+            if run.phase != "running":
+                return self._step_reply(True)  # nothing started, or stopped already
+            st = run.state
+            await run_commands(run, run.driver.stop())
+            why = f"the run stopped at step {st.global_step}"
+            for w in run.driver.drop_captures():
+                st.never_opened(w, f"{why} before the window opened")
+                run.capture_ranks.pop(w.index, None)
+            self._end_requests(why)
+            pending = sorted({k for w in st.windows.values() for k in w.pending})
             if pending:
-                wait_s = min(30.0, self.config.worker_timeout_s / 2)
-                await self._fan_out(sorted(pending), "dump_profiler_summary", lambda _: (wait_s,))
+                wait_s = min(30.0, run.config.worker_timeout_s / 2)
+                await fan_out(run, pending, "dump_profiler_summary", lambda _: (wait_s,))
+            run.phase, run.ended_at, run.ended_reason = "stopped", time.time(), why
             return self._step_reply(True)
+
+    # ------------------------------------------------------------ captures
+
+    async def request_capture(
+        self,
+        active: int = 1,
+        warmup: int = 1,
+        ranks: list[int] | None = None,
+        start_step: int | None = None,
+        wait_s: float = CAPTURE_REPORT_TIMEOUT_S,
+    ) -> CaptureAnswer:
+        """Profile ``active`` steps from ``start_step`` (default: as soon as possible).
+
+        The answer names exactly the steps every selected rank records. To promise them, the
+        coordinator must know where the trainer is: if the trainer will wait for its next
+        report's answer, the capture is planned at once; otherwise this waits (at most
+        ``wait_s``) for the trainer's next report, which it tells to wait. ``ranks=None``
+        means the configured ranks.
+        """
+        for name, value, low in (("active", active, 1), ("warmup", warmup, 0)):
+            if not _is_int(value) or value < low:
+                return self._capture_no(f"{name} must be an int >= {low}, got {value!r}")
+        if start_step is not None and not _is_step(start_step):
+            return self._capture_no(f"start_step must be an int >= 0 or None, got {start_step!r}")
+        if ranks is not None and (
+            not isinstance(ranks, (list, tuple)) or not all(_is_int(r) for r in ranks)
+        ):
+            return self._capture_no(f"ranks must be a list of ints or None, got {ranks!r}")
+        if not _is_number(wait_s) or not 0 < wait_s <= 3600:
+            return self._capture_no(f"wait_s must be a number in (0, 3600], got {wait_s!r}")
+        req = _CaptureRequest(active, warmup, None if ranks is None else list(ranks), start_step)
+        async with self._lock:
+            no = self._capture_refusal(req)
+            if no:
+                return self._capture_no(no)
+            if self._next_report_waits:
+                return await self._plan(req)
+            self._requests.append(req)
+        try:
+            return await asyncio.wait_for(asyncio.shield(req.answer), wait_s)
+        except asyncio.TimeoutError:
+            async with self._lock:
+                if req.answer.done():
+                    return req.answer.result()
+                self._requests.remove(req)
+            return self._capture_no(
+                f"the trainer reported no step within {wait_s:g} s, so no steps can be promised "
+                "(is it in a long step, or stalled?); ask again"
+            )
+
+    def _capture_refusal(self, req: _CaptureRequest) -> str | None:
+        """Why ``req`` cannot be planned now, or None."""
+        run, st = self.run, self.run.state
+        tid = st.stepping_trainer
+        if tid is None:
+            return "no trainer is registered with the coordinator"
+        if not run.config.enable:
+            return "profiling is disabled in this coordinator's config"
+        if run.phase == "stopped":
+            return f"no trainer is running: {run.ended_reason}"
+        if run.phase != "running":
+            return f"no trainer is running: trainer {tid!r} has not started"
+        world = st.trainers[tid].ranks
+        if req.ranks is not None:
+            unknown = sorted(set(req.ranks) - set(world))
+            if unknown:
+                return f"unknown ranks {unknown}: trainer {tid!r} has ranks {_span(world)}"
+        keys = self._capture_keys(req)
+        down = [r for (t, r) in keys if st.ranks[(t, r)].selected and not st.ranks[(t, r)].active]
+        if down:
+            return f"ranks {down} cannot profile: " + "; ".join(
+                f"rank {r} is {st.ranks[(tid, r)].state}" for r in down
+            )
+        return None
+
+    def _capture_keys(self, req: _CaptureRequest) -> list[Key]:
+        st = self.run.state
+        tid = st.stepping_trainer
+        assert tid is not None
+        world = st.trainers[tid].ranks
+        wanted = (
+            [r for r in world if self.run.config.selects(r)]
+            if req.ranks is None
+            else sorted(set(req.ranks))
+        )
+        return [(tid, r) for r in wanted]
+
+    async def _plan(self, req: _CaptureRequest) -> CaptureAnswer:
+        """Plan ``req`` now: the trainer learns of it before it runs another step."""
+        run = self.run
+        no = self._capture_refusal(req)
+        if no:
+            return self._capture_no(no)
+        planned = run.driver.request_capture(req.warmup, req.active, req.start_step)
+        if isinstance(planned, str):
+            return self._capture_no(planned)
+        keys = self._capture_keys(req)
+        await self._configure_for_capture(keys)
+        run.capture_ranks[planned.index] = keys
+        run.state.counters["captures_requested"] += 1
+        return {
+            "accepted": True,
+            "reason": None,
+            "run": run.name,
+            "window": planned.index,
+            "steps": [planned.first, planned.last],
+            "warmup_start": planned.warmup_start,
+            "ranks": [r for _, r in keys],
+        }
+
+    async def _plan_requests(self) -> None:
+        requests, self._requests = self._requests, []
+        for req in requests:
+            if not req.answer.done():
+                req.answer.set_result(await self._plan(req))
+
+    def _end_requests(self, why: str) -> None:
+        requests, self._requests = self._requests, []
+        for req in requests:
+            if not req.answer.done():
+                req.answer.set_result(self._capture_no(f"no steps can be promised: {why}"))
+
+    async def cancel_capture(self, window: int) -> CancelAnswer:
+        """Drop a requested capture that has not opened yet."""
+        async with self._lock:
+            if not _is_int(window):
+                return {
+                    "cancelled": False,
+                    "reason": self._refuse("cancel", f"window must be an int, got {window!r}"),
+                    "window": -1,
+                }
+            why = self.run.driver.cancel_capture(window)
+            if why is not None:
+                return {"cancelled": False, "reason": self._refuse("cancel", why), "window": window}
+            self.run.capture_ranks.pop(window, None)
+            self.run.state.counters["captures_cancelled"] += 1
+            return {"cancelled": True, "reason": None, "window": window}
+
+    async def _configure_for_capture(self, keys: list[Key]) -> None:
+        """Ranks the config does not select are configured for this capture only."""
+        run = self.run
+        st = run.state
+        fresh = [k for k in keys if not st.ranks[k].selected]
+        if not fresh:
+            return
+        for key in fresh:
+            st.ranks[key].selected = True
+        tid = fresh[0][0]
+        report_to, run_dir = self._report_to(tid), st.trainers[tid].run_dir
+        base = run.config.to_dict()
+        await fan_out(
+            run,
+            fresh,
+            "configure_profiler",
+            lambda key: (key[1], {**base, "ranks": [key[1]]}, run_dir, False, report_to),
+            timeout=max(CONFIGURE_TIMEOUT_S, run.config.worker_timeout_s),
+        )
+
+    # ------------------------------------------------------------ node agents report here
+
+    async def ingest_summary(
+        self, trainer_id: str, rank: int, blob: bytes, run: str | None = None
+    ) -> bool:
+        """A rank's summary, pushed by its node agent as soon as it is built."""
+        target = self._find_run(run)
+        key = (trainer_id, rank)
+        if target is None or key not in target.state.ranks:
+            self.run.state.counters["unexpected_summaries"] += 1
+            return True  # nobody will ever want it: do not make the rank keep it
+        target.state.counters["summaries_pushed"] += 1
+        target.state.ingest_summary(key, blob)
+        self._metrics.export(self.run.state)
+        return True
+
+    async def summary_failed(
+        self, trainer_id: str, rank: int, window: int, reason: Any, run: str | None = None
+    ) -> bool:
+        """A rank's node agent could not build its summary of ``window`` (or died): say why."""
+        target = self._find_run(run)
+        key = (trainer_id, rank)
+        if target is None or key not in target.state.ranks or not isinstance(reason, dict):
+            self.run.state.counters["unexpected_summaries"] += 1
+            return False
+        reason = {str(k): str(v)[:1000] for k, v in list(reason.items())[:8]}
+        return target.state.summary_failed(key, window, reason)
+
+    async def trace_stored(
+        self,
+        trainer_id: str,
+        rank: int,
+        window: int,
+        path: object,
+        error: Any = None,
+        run: str | None = None,
+    ) -> bool:
+        """The node agent finished a rank's trace of ``window``: its final ``path``, or why not."""
+        target = self._find_run(run)
+        key = (trainer_id, rank)
+        if target is None or key not in target.state.ranks:
+            self.run.state.counters["unexpected_trace_reports"] += 1
+            return False
+        if path is not None and not isinstance(path, str):
+            target.state.counters["unexpected_trace_reports"] += 1
+            return False
+        if error is not None:
+            if not isinstance(error, dict):
+                error = {"message": str(error)}
+            error = {str(k): str(v)[:1000] for k, v in list(error.items())[:8]}
+        return target.state.trace_stored(key, window, path and path[:4096], error)
 
     # ------------------------------------------------------------ readers
 
-    async def status(self) -> dict[str, Any]:
-        """Everything about the run, JSON-serialisable; the README documents every key."""
-        st, drv = self.state, self.driver
-        cur = drv.current
+    async def status(self) -> Status:
+        """Everything about the run, JSON-serialisable; ``coordinator.replies.Status``."""
+        run = self.run
+        st, drv = run.state, run.driver
+        cur, nxt = drv.current, drv.next_window()
         return {
             "name": self.name,
             "namespace": self.namespace,
+            "run": run.info(),  # type: ignore[typeddict-item]
             "phase": self._phase(),
-            "config": self.config.to_dict(),
-            "run_dir": self.run_dir,
+            "config": run.config.to_dict(),
+            "run_dir": run.run_dir,
             "global_step": st.global_step,
-            "current_window": cur.to_dict() if cur else None,
-            "next_window": (drv.next_window().to_dict() if drv.next_window() else None),
+            "current_window": cur.to_dict() if cur else None,  # type: ignore[typeddict-item]
+            "next_window": nxt.to_dict() if nxt else None,  # type: ignore[typeddict-item]
             "windows": [w.to_dict() for w in st.closed_windows()],
             "trainers": [
                 t.to_dict(t.trainer_id == st.stepping_trainer) for t in st.trainers.values()
@@ -196,7 +568,6 @@ class _Coordinator:
             "counters": {
                 "worker_rpcs": 0,
                 "ignored_steps": 0,
-                "rejected_steps": 0,
                 "skipped_windows": drv.skipped_windows,
                 **dict(st.counters),
             },
@@ -206,6 +577,14 @@ class _Coordinator:
                 "torch_loaded": "torch" in sys.modules,
                 "worker_handle_stubs": self._stubs,
             },
+            "previous_runs": [
+                {
+                    "run": r.info(),  # type: ignore[typeddict-item]
+                    "config": r.config.to_dict(),
+                    "windows": [w.to_dict() for w in r.state.closed_windows()],
+                }
+                for r in self.previous
+            ],
         }
 
     async def kernel_summary(
@@ -214,160 +593,51 @@ class _Coordinator:
         top_k: int = 20,
         trainer_id: str | None = None,
         per_rank: bool = False,
-    ) -> dict[str, Any]:
+        run: str | None = None,
+    ) -> KernelSummary:
         """Cross-rank kernel table for the latest closed window, or for ``window``.
 
-        ``per_rank=True`` adds each top kernel's self time on every rank (recent windows only).
+        ``per_rank=True`` adds each top kernel's self time on every rank (recent windows only);
+        ``run`` names an earlier run of this coordinator (``status()["previous_runs"]``).
         """
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        if not _is_int(top_k) or top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
-        return self.state.kernel_summary(window, top_k, trainer_id, per_rank)
-
-    async def request_capture(
-        self,
-        active: int = 1,
-        warmup: int = 1,
-        ranks: list[int] | None = None,
-        start_step: int | None = None,
-    ) -> dict[str, Any]:
-        """Profile ``active`` steps from ``start_step`` (default: as soon as possible).
-
-        Answers at once: ``{"accepted": True, "window", "steps": [first, last], "ranks"}`` or
-        ``{"accepted": False, "reason"}``. ``ranks=None`` means the configured ranks.
-        """
-        async with self._lock:
-            for name, value, low in (("active", active, 1), ("warmup", warmup, 0)):
-                if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                    return _refused(f"{name} must be an int >= {low}, got {value!r}")
-            if start_step is not None and (
-                isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0
-            ):
-                return _refused(f"start_step must be an int >= 0 or None, got {start_step!r}")
-            st = self.state
-            tid = st.stepping_trainer
-            if tid is None:
-                return _refused("no trainer is registered with the coordinator")
-            if not self.config.enable:
-                return _refused("profiling is disabled in this coordinator's config")
-            world = st.trainers[tid].ranks
-            if ranks is None:
-                wanted = [r for r in world if self.config.selects(r)]
-            else:
-                if not isinstance(ranks, (list, tuple)) or not all(
-                    isinstance(r, int) and not isinstance(r, bool) for r in ranks
-                ):
-                    return _refused(f"ranks must be a list of ints or None, got {ranks!r}")
-                unknown = sorted(set(ranks) - set(world))
-                if unknown:
-                    return _refused(
-                        f"unknown ranks {unknown}: trainer {tid!r} has ranks {_span(world)}"
-                    )
-                wanted = sorted(set(ranks))
-            keys = [(tid, r) for r in wanted]
-            down = [
-                r for (t, r) in keys if st.ranks[(t, r)].selected and not st.ranks[(t, r)].active
-            ]
-            if down:
-                return _refused(
-                    f"ranks {down} cannot profile: "
-                    + "; ".join(f"rank {r} is {st.ranks[(tid, r)].state}" for r in down)
-                )
-            planned = self.driver.request_capture(warmup, active, start_step)
-            if isinstance(planned, str):
-                st.counters["captures_refused"] += 1
-                return _refused(planned)
-            await self._configure_for_capture(keys)
-            self._capture_ranks[planned.index] = keys
-            st.counters["captures_requested"] += 1
-            return {
-                "accepted": True,
-                "window": planned.index,
-                "steps": [planned.first, planned.last],
-                "warmup_start": planned.warmup_start,
-                "ranks": wanted,
-            }
-
-    async def cancel_capture(self, window: int) -> dict[str, Any]:
-        """Drop a requested capture that has not opened yet."""
-        async with self._lock:
-            why = self.driver.cancel_capture(window)
-            if why is not None:
-                return {"cancelled": False, "reason": why}
-            self._capture_ranks.pop(window, None)
-            self.state.counters["captures_cancelled"] += 1
-            return {"cancelled": True, "window": window}
-
-    async def _configure_for_capture(self, keys: list[tuple[str, int]]) -> None:
-        """Ranks the config does not select are configured for this capture only."""
-        st = self.state
-        fresh = [k for k in keys if not st.ranks[k].selected]
-        if not fresh:
-            return
-        for key in fresh:
-            st.ranks[key].selected = True
-        tid = fresh[0][0]
-        report_to = {"name": self.name, "namespace": self.namespace, "trainer_id": tid}
-        run_dir = st.trainers[tid].run_dir
-        base = self.config.to_dict()
-        await self._fan_out(
-            fresh,
-            "configure_profiler",
-            lambda key: (key[1], {**base, "ranks": [key[1]]}, run_dir, False, report_to),
-            timeout=max(CONFIGURE_TIMEOUT_S, self.config.worker_timeout_s),
-        )
-
-    async def ingest_summary(self, trainer_id: str, rank: int, blob: bytes) -> bool:
-        """A rank pushes its summary here as soon as it is built (off its training thread)."""
-        key = (trainer_id, rank)
-        if key not in self.state.ranks:
-            self.state.counters["unexpected_summaries"] += 1
-            return True  # nobody will ever want it: do not make the rank keep it
-        self.state.counters["summaries_pushed"] += 1
-        self.state.ingest_summary(key, blob)
-        self._metrics.export(self.state)
-        return True
-
-    async def summary_failed(
-        self, trainer_id: str, rank: int, window: int, reason: dict[str, Any]
-    ) -> bool:
-        """A rank's node agent could not build its summary of ``window`` (or died): say why."""
-        key = (trainer_id, rank)
-        if key not in self.state.ranks or not isinstance(reason, dict):
-            self.state.counters["unexpected_summaries"] += 1
-            return False
-        reason = {str(k): str(v)[:1000] for k, v in list(reason.items())[:8]}
-        return self.state.summary_failed(key, window, reason)
-
-    async def trace_stored(
-        self, trainer_id: str, rank: int, window: int, path: str | None, error: Any = None
-    ) -> bool:
-        """The node agent finished a rank's trace of ``window``: its final ``path``, or why not."""
-        key = (trainer_id, rank)
-        if key not in self.state.ranks or not (path is None or isinstance(path, str)):
-            self.state.counters["unexpected_trace_reports"] += 1
-            return False
-        if error is not None:
-            if not isinstance(error, dict):
-                error = {"message": str(error)}
-            error = {str(k): str(v)[:1000] for k, v in list(error.items())[:8]}
-        return self.state.trace_stored(key, window, path and path[:4096], error)
+        if window is not None and not _is_int(window):
+            raise ValueError(f"window must be an int or None, got {window!r}")
+        target = self._find_run(run)
+        if target is None:
+            known = [self.run.name, *(r.name for r in self.previous)]
+            raise ValueError(f"no run {run!r}: this coordinator keeps {known}")
+        out = target.state.kernel_summary(window, top_k, trainer_id, bool(per_rank))
+        out["run"] = target.name
+        return out
 
     async def get_config(self) -> dict[str, Any]:
-        return self.config.to_dict()
+        return self.run.config.to_dict()
 
     # ------------------------------------------------------------ internals
 
-    async def _join_open_window(self, keys: list[tuple[str, int]]) -> None:
+    def _report_to(self, trainer_id: str) -> dict[str, str]:
+        """Where a rank's node agent sends that rank's summaries and trace reports."""
+        return {
+            "name": self.name,
+            "namespace": self.namespace,
+            "trainer_id": trainer_id,
+            "run": self.run.name,
+        }
+
+    async def _join_open_window(self, keys: list[Key]) -> None:
         """Ranks registered while a window is open (a restarted driver) join it now."""
-        rec, cur = self.state.current_window(), self.driver.current
-        if rec is None or cur is None or self.driver.last_step is None:
+        run = self.run
+        rec, cur = run.state.current_window(), run.driver.current
+        if rec is None or cur is None or run.driver.last_step is None:
             return
         rec.participants.update(keys)
-        w, nxt = cur.to_dict(), self.driver.last_step + 1
-        await self._fan_out(keys, "start_profile", lambda _: (w, nxt))
+        w, nxt = cur.to_dict(), run.driver.last_step + 1
+        await fan_out(run, keys, "start_profile", lambda _: (w, nxt))
 
-    def _reject(self, trainer_id: str, what: str) -> dict[str, Any] | None:
-        st = self.state
+    def _not_the_stepping_trainer(self, trainer_id: str, what: str) -> str | None:
+        st = self.run.state
         if trainer_id == st.stepping_trainer:
             return None
         if st.stepping_trainer is None:
@@ -377,136 +647,79 @@ class _Coordinator:
                 f"trainer {trainer_id!r} does not advance the global step; "
                 f"{st.stepping_trainer!r} does (register with advances_step=True to take over)"
             )
-        st.counters["rejected_steps" if what == "step" else f"rejected_{what}"] += 1
-        if st.counters[f"warned_{trainer_id}"] == 0:
-            log.warning("%s rejected: %s", what, why)
-            st.counters[f"warned_{trainer_id}"] += 1
-        return {**self._step_reply(False), "rejected": why}
+        return self._refuse(what, why)
 
-    def _refuse(self, what: str, why: str) -> dict[str, Any]:
-        self.state.counters[f"refused_{what}"] += 1
-        return {**self._step_reply(False), "rejected": why}
+    def _refuse(self, what: str, why: str) -> str:
+        """The one way the coordinator says no: count it, log the first of its kind, and
+        return the reason for the caller's reply."""
+        counters = self.run.state.counters
+        counters[f"refused_{what}"] += 1
+        if counters[f"refused_{what}"] == 1:
+            log.warning("%s refused: %s", what, why)
+        return why
 
-    def _step_reply(self, applied: bool) -> dict[str, Any]:
-        self._metrics.export(self.state)
-        cur = self.driver.current
+    def _capture_no(self, why: str) -> CaptureAnswer:
+        return {
+            "accepted": False,
+            "reason": self._refuse("capture", why),
+            "run": self.run.name,
+            "window": None,
+            "steps": None,
+            "warmup_start": None,
+            "ranks": None,
+        }
+
+    def _step_reply(
+        self, applied: bool, reason: str | None = None, ignored: str | None = None
+    ) -> StepReply:
+        self._metrics.export(self.run.state)
+        cur = self.run.driver.current
         return {
             "applied": applied,
-            "global_step": self.state.global_step,
+            "reason": reason,
+            "ignored": ignored,  # type: ignore[typeddict-item]
+            "run": self.run.name,
+            "global_step": self.run.state.global_step,
             "phase": self._phase(),
             "window": cur.index if cur else None,
             "next_sync_step": self._next_sync_step(),
-            "plan_version": self.driver.plan_version,
         }
 
     def _next_sync_step(self) -> int | None:
         """The first step k whose ``step(k)`` makes ranks act, so the trainer must wait for it.
 
         Reports of earlier steps change no rank's state, and a client may send them without
-        waiting (``coordinator.client.StepClient`` does). None: no window is planned.
+        waiting (``coordinator.client.StepClient`` does). While a capture request waits to be
+        planned, that is the next step. None: no window is planned.
         """
-        drv = self.driver
+        drv = self.run.driver
         nxt = (drv.last_step + 1) if drv.last_step is not None else 0
-        if drv.current is not None:
+        if drv.current is not None or self._requests:
             return nxt
         upcoming = drv.next_window()
         if upcoming is None:
             return None
         return max(nxt, upcoming.warmup_start - 1)
 
-    def _phase(self) -> str:
-        cur = self.driver.current
+    def _phase(self) -> Phase:
+        drv = self.run.driver
+        cur = drv.current
         if cur is None:
             return "idle"
-        nxt = (self.driver.last_step + 1) if self.driver.last_step is not None else 0
+        nxt = (drv.last_step + 1) if drv.last_step is not None else 0
         return "warmup" if nxt < cur.first else "recording"
 
-    async def _run(self, commands: list) -> None:
-        """Send each command to the ranks of the open window, in order, and record replies."""
-        st = self.state
-        for cmd in commands:
-            if isinstance(cmd, Begin):
-                keys = self._capture_ranks.pop(cmd.window.index, None)
-                if keys is None:  # a scheduled window: the ranks the config selects
-                    keys = [
-                        k for k, r in st.ranks.items() if r.active and self.config.selects(k[1])
-                    ]
-                keys = [k for k in keys if st.ranks[k].active]
-                rec = st.open_window(cmd.window, keys)
-                w = cmd.window.to_dict()
-                await self._fan_out(keys, "start_profile", lambda _, w=w, s=cmd.step: (w, s))
-                continue
-            rec = st.current_window()
-            if rec is None:
-                continue
-            keys = sorted(rec.participants)
-            if isinstance(cmd, Step):
-                await self._fan_out(keys, "profile_step", lambda _, k=cmd.step: (k,))
-                if cmd.closes:
-                    self._closed(rec)
-            elif isinstance(cmd, End):
-                await self._fan_out(keys, "stop_profile", lambda _: ())
-                self._closed(rec)
 
-    def _closed(self, rec: WindowRecord) -> None:
-        self.state.close_window(rec)
-
-    async def _fan_out(
-        self,
-        keys: list[tuple[str, int]],
-        method: str,
-        args_for: Any,
-        timeout: float | None = None,
-    ) -> None:
-        """Call ``method`` on every active rank in ``keys``; wait up to the worker timeout."""
-        st = self.state
-        tasks: dict[tuple[str, int], asyncio.Future] = {}
-        for key in keys:
-            if not st.ranks[key].active:
-                continue
-            handle = st.trainers[key[0]].handles[key[1]]
-            try:
-                ref = getattr(handle, method).remote(*args_for(key))
-            except Exception as exc:
-                st.rank_failed(key, "disabled", _reason("coordinator", exc))
-                continue
-            st.counters["worker_rpcs"] += 1
-            st.counters[f"worker_rpcs_{method}"] += 1
-            tasks[key] = asyncio.ensure_future(_await(ref))
-        if not tasks:
-            return
-        timeout = timeout or self.config.worker_timeout_s
-        _, late = await asyncio.wait(tasks.values(), timeout=timeout)
-        for key, task in tasks.items():
-            if task in late:
-                task.cancel()
-                st.rank_failed(
-                    key,
-                    "unresponsive",
-                    {
-                        "where": method,
-                        "type": "Timeout",
-                        "message": f"no answer to {method} within {timeout:g} s",
-                    },
-                )
-            elif task.exception() is not None:
-                exc = task.exception()
-                state = "lost" if isinstance(exc, _LOST) else "disabled"
-                st.rank_failed(key, state, _reason(method, exc))
-            else:
-                st.apply_reply(key, task.result())
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _refused(reason: str) -> dict[str, Any]:
-    return {"accepted": False, "reason": reason}
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
-async def _await(ref: Any) -> Any:
-    return await ref
-
-
-def _reason(where: str, exc: BaseException) -> dict[str, str]:
-    return {"where": where, "type": type(exc).__name__, "message": str(exc)[:1000]}
+def _is_step(value: Any) -> bool:
+    return _is_int(value) and value >= 0
 
 
 def _span(ranks: list[int]) -> str:
@@ -519,7 +732,7 @@ def _rank_handles(trainer_id: str, workers: Any) -> dict[int, Any]:
     if isinstance(workers, dict):
         handles = {}
         for r, h in workers.items():
-            if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            if not _is_int(r) or r < 0:
                 raise ValueError(f"trainer {trainer_id!r}: worker rank {r!r} is not an int >= 0")
             handles[r] = h
     elif isinstance(workers, (list, tuple)):
@@ -535,16 +748,21 @@ def _rank_handles(trainer_id: str, workers: Any) -> dict[int, Any]:
 
 
 ProfilerCoordinator = ray.remote(num_cpus=0)(_Coordinator)
+_WARNED: set[tuple[str, str, str]] = set()
 
 
-def get_or_create_coordinator(
+def attach_coordinator(
     config: ProfilerConfig | dict[str, Any],
     name: str = DEFAULT_NAME,
     namespace: str = DEFAULT_NAMESPACE,
-) -> Any:
-    """The named, detached coordinator, created if it does not exist (Ray must be initialised).
+    trainer_id: str | None = None,
+) -> tuple[Any, RunInfo]:
+    """The named, detached coordinator (created if it does not exist), attached to a run.
 
-    An existing coordinator keeps its own config; a different one passed here is logged.
+    Returns the handle and the ``RunInfo``: a coordinator whose run stopped begins a fresh run
+    with ``config``; a running one keeps its config (``mismatch`` names the fields that differ,
+    logged once); ValueError when another active run has another config. Ray must be
+    initialised.
     """
     cfg = config if isinstance(config, ProfilerConfig) else ProfilerConfig.from_dict(config)
     cfg.validate()
@@ -553,14 +771,29 @@ def get_or_create_coordinator(
     handle = ProfilerCoordinator.options(
         name=name, namespace=namespace, lifetime="detached", get_if_exists=True
     ).remote(cfg.to_dict(), name, namespace)
-    existing = ray.get(handle.get_config.remote())
-    if existing != cfg.to_dict():
+    info: RunInfo = ray.get(handle.open_run.remote(cfg.to_dict(), trainer_id))
+    key = (namespace, name, info["run"])
+    if info["mismatch"] and key not in _WARNED:
+        _WARNED.add(key)
         log.warning(
-            "profiler coordinator %s/%s already exists with another config; it keeps its own",
+            "profiler coordinator %s/%s keeps the config of its running run %s "
+            "(fields that differ from yours: %s)",
             namespace,
             name,
+            info["run"],
+            ", ".join(info["mismatch"]),
         )
-    return handle
+    return handle, info
+
+
+def get_or_create_coordinator(
+    config: ProfilerConfig | dict[str, Any],
+    name: str = DEFAULT_NAME,
+    namespace: str = DEFAULT_NAMESPACE,
+    trainer_id: str | None = None,
+) -> Any:
+    """The named, detached coordinator, attached to a run (see ``attach_coordinator``)."""
+    return attach_coordinator(config, name, namespace, trainer_id)[0]
 
 
 def connect(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE) -> Any:
@@ -579,6 +812,7 @@ __all__ = [
     "DEFAULT_NAME",
     "DEFAULT_NAMESPACE",
     "ProfilerCoordinator",
+    "attach_coordinator",
     "connect",
     "get_or_create_coordinator",
 ]

@@ -12,8 +12,17 @@ import heapq
 import math
 import statistics
 from array import array
-from typing import Any
+from typing import Any, cast
 
+from coordinator.replies import (
+    BreakdownTable,
+    KernelStats,
+    KernelSummary,
+    MemoryStats,
+    MemoryTable,
+    RankStraggler,
+    Stragglers,
+)
 from coordinator.summary_codec import (
     BREAKDOWN_KEYS,
     UNIT,
@@ -37,7 +46,7 @@ class _Table:
         self.present: list[int] = []
         self.count: list[int] = []
 
-    def add(self, rank: int, rows: list[tuple[str, float, int]]) -> array:
+    def add(self, rank: int, rows: list[tuple[str, float, int]]) -> array[float]:
         """Fold one rank's ``(name, value, count)`` rows in; returns its values by row id."""
         ids, names = self.ids, self.names
         row = array("f")
@@ -112,7 +121,7 @@ class WindowAggregate:
         self.peak_bytes: dict[int, int] = {}
         self._kernels = _Table()
         self._memory = _Table()
-        self._detail: dict[int, array] | None = {}  # rank -> self time by kernel id
+        self._detail: dict[int, array[float]] | None = {}  # rank -> self time by kernel id
 
     @property
     def ranks(self) -> list[int]:
@@ -161,7 +170,7 @@ class WindowAggregate:
             }
         return out
 
-    def stragglers(self, threshold: float) -> dict[str, Any]:
+    def stragglers(self, threshold: float) -> Stragglers:
         """Each rank's mean step time and compute time relative to the median over ranks.
 
         In a collective the fast ranks wait for the slow one, so communication time marks the
@@ -176,7 +185,7 @@ class WindowAggregate:
         compute_ms = {r: self._compute_us(r) / 1e3 for r in self.rank_totals}
         med_step = statistics.median(step_ms.values()) if step_ms else 0.0
         med_compute = statistics.median(compute_ms.values()) if compute_ms else 0.0
-        ranks = {}
+        ranks: dict[int, RankStraggler] = {}
         for r in sorted(compute_ms):
             s = step_ms.get(r)
             s_ratio = s / med_step if s is not None and med_step > 0 else None
@@ -220,7 +229,7 @@ class WindowAggregate:
         """The ``k`` kernels with the largest total self time over ranks."""
         return self._kernels.top(k, len(self.rank_totals), sum(self.rank_totals.values()), "us")
 
-    def breakdown(self) -> dict[str, Any]:
+    def breakdown(self) -> BreakdownTable:
         """Per rank and on average: compute, comm, memcpy and other time, and shares."""
         ranks = {r: _breakdown_row(b) for r, b in sorted(self.breakdowns.items())}
         n = len(ranks)
@@ -231,7 +240,7 @@ class WindowAggregate:
         )
         return {"ranks": ranks, "mean": mean}
 
-    def memory(self, k: int) -> dict[str, Any] | None:
+    def memory(self, k: int) -> MemoryTable | None:
         """Peak allocated bytes per rank and the top allocating ops across ranks."""
         if not self.peak_bytes:
             return None
@@ -241,19 +250,23 @@ class WindowAggregate:
             "peak_bytes": dict(sorted(self.peak_bytes.items())),
             "max_peak_bytes": max(self.peak_bytes.values()),
             "max_peak_rank": max(self.peak_bytes, key=self.peak_bytes.__getitem__),
-            "ops": self._memory.top(k, n, grand, "bytes"),
+            "ops": cast(list[MemoryStats], self._memory.top(k, n, grand, "bytes")),
         }
 
     def to_dict(
         self, top_k: int, straggler_threshold: float = 1.25, per_rank: bool = False
-    ) -> dict[str, Any]:
-        """The ``kernel_summary`` answer for this window."""
-        kernels = self.top(top_k)
-        out = {
+    ) -> KernelSummary:
+        """The ``kernel_summary`` answer for this window (the caller fills in ``run``,
+        ``closed``, ``pending_ranks`` and ``trainer_id``)."""
+        kernels = cast(list[KernelStats], self.top(top_k))
+        return {
+            "run": "",
             "window": self.window,
             "steps": list(self.steps) if self.steps else [],
             "partial": self.partial,
+            "closed": False,
             "ranks": self.ranks,
+            "pending_ranks": [],
             "bad_ranks": {int(r): why for r, why in sorted(self.bad_ranks.items())},
             "device": self.device,
             "unit": UNIT,
@@ -261,35 +274,45 @@ class WindowAggregate:
             "rank_totals": {int(r): t for r, t in sorted(self.rank_totals.items())},
             "dropped": {"rows": self.dropped_rows, "us": self.dropped_us},
             "stragglers": self.stragglers(straggler_threshold),
+            "breakdown": self.breakdown(),
+            "streams": {
+                int(r): [dataclasses.asdict(row) for row in rows]
+                for r, rows in sorted(self.streams.items())
+            },
+            "memory": self.memory(top_k),
+            "per_rank": self.per_rank([k["name"] for k in kernels]) if per_rank else None,
+            "trainer_id": None,
         }
-        out["breakdown"] = self.breakdown()
-        out["streams"] = {
-            int(r): [dataclasses.asdict(row) for row in rows]
-            for r, rows in sorted(self.streams.items())
-        }
-        out["memory"] = self.memory(top_k)
-        if per_rank:
-            out["per_rank"] = self.per_rank([k["name"] for k in kernels])
-        return out
 
 
-def empty_summary() -> dict[str, Any]:
+def empty_summary() -> KernelSummary:
     """The ``kernel_summary`` answer before any window has closed."""
     return {
+        "run": "",
         "window": None,
         "steps": [],
         "partial": False,
+        "closed": False,
         "ranks": [],
+        "pending_ranks": [],
         "bad_ranks": {},
         "device": None,
         "unit": UNIT,
         "kernels": [],
         "rank_totals": {},
         "dropped": {"rows": 0, "us": 0.0},
-        "stragglers": {"threshold": None, "ranks": {}, "flagged": []},
+        "stragglers": {
+            "threshold": None,
+            "median_step_ms": 0.0,
+            "median_compute_ms": 0.0,
+            "ranks": {},
+            "flagged": [],
+        },
         "breakdown": {"ranks": {}, "mean": {}},
         "streams": {},
         "memory": None,
+        "per_rank": None,
+        "trainer_id": None,
     }
 
 

@@ -7,7 +7,9 @@
     ray-profiler stragglers
     ray-profiler watch --interval 2
 
-Tables for people; ``--json`` for scripts. Errors are one line on stderr, exit status 1.
+Tables for people; ``--json`` for scripts. The global options (``--address``, ``--namespace``,
+``--name``, ``--json``) go before or after the command. Exit status: 0 ok, 1 error (one line on
+stderr), 2 usage.
 """
 
 from __future__ import annotations
@@ -21,39 +23,88 @@ import sys
 import time
 from typing import Any
 
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+_EXAMPLES = {
+    "status": "ray-profiler status --address auto\n  ray-profiler status --json | jq .windows",
+    "top": "ray-profiler top --window 3 --k 20\n  ray-profiler top --run run_20261201-120000",
+    "capture": (
+        "ray-profiler capture --active 3 --warmup 1 --wait\n"
+        "  ray-profiler capture --active 2 --start-step 5000 --ranks 0 1"
+    ),
+    "cancel": "ray-profiler cancel 8",
+    "stragglers": "ray-profiler stragglers --window 3",
+    "watch": "ray-profiler watch --interval 2\n  ray-profiler watch --count 10 > status.log",
+}
+
 
 class CliError(Exception):
     """A failure to report as one line."""
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="ray-profiler", description=__doc__.split("\n\n")[0])
-    ap.add_argument(
+def _global_options(parser: argparse.ArgumentParser, top: bool) -> None:
+    """The options every command takes, before or after the command's name.
+
+    On the subcommands they default to ``SUPPRESS``, so a value given before the command is
+    not overwritten by the subcommand's default.
+    """
+
+    def default(value: Any) -> Any:
+        return value if top else argparse.SUPPRESS
+
+    parser.add_argument(
         "--address",
-        default=os.environ.get("RAY_ADDRESS", "auto"),
-        help="Ray cluster address (default: $RAY_ADDRESS or auto)",
+        default=default(os.environ.get("RAY_ADDRESS") or "auto"),
+        help="Ray cluster address, HOST:PORT or auto (default: $RAY_ADDRESS, else auto)",
     )
-    ap.add_argument("--namespace", default="profiler")
-    ap.add_argument("--name", default="profiler", help="the coordinator actor's name")
-    ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("status", help="phase, step, windows, ranks, counters")
-    top = sub.add_parser("top", help="cross-rank top kernels of a window")
+    parser.add_argument(
+        "--namespace", default=default("profiler"), help="the coordinator's namespace"
+    )
+    parser.add_argument("--name", default=default("profiler"), help="the coordinator's name")
+    parser.add_argument(
+        "--json", action="store_true", default=default(False), help="print JSON, not tables"
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; exits with status 2 (usage) on a bad one, as argparse does."""
+    ap = argparse.ArgumentParser(
+        prog="ray-profiler",
+        description=__doc__.split("\n\n")[0],
+        epilog="exit status: 0 ok, 1 error, 2 usage. Run 'ray-profiler COMMAND --help' for "
+        "a command's options and an example.",
+    )
+    _global_options(ap, top=True)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog=f"example:\n  {_EXAMPLES[name]}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        _global_options(p, top=False)
+        return p
+
+    command("status", "phase, step, windows, ranks, counters")
+    top = command("top", "cross-rank top kernels of a window")
     top.add_argument("--window", type=int, default=None, help="default: the latest closed")
     top.add_argument("--k", type=int, default=20)
-    cap = sub.add_parser("capture", help="profile the next steps of the running job")
-    cap.add_argument("--active", type=int, required=True)
+    top.add_argument("--run", default=None, help="an earlier run (status shows previous_runs)")
+    cap = command("capture", "profile the next steps of the running job")
+    cap.add_argument("--active", type=int, required=True, help="steps to record")
     cap.add_argument("--warmup", type=int, default=1)
     cap.add_argument("--ranks", type=int, nargs="+", default=None)
     cap.add_argument("--start-step", type=int, default=None)
     cap.add_argument("--wait", action="store_true", help="wait for the window, print its kernels")
     cap.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits")
     cap.add_argument("--k", type=int, default=20)
-    cancel = sub.add_parser("cancel", help="drop a capture that has not started")
+    cancel = command("cancel", "drop a capture that has not started")
     cancel.add_argument("window", type=int)
-    strag = sub.add_parser("stragglers", help="ranks slower than the median in a window")
+    strag = command("stragglers", "ranks slower than the median in a window")
     strag.add_argument("--window", type=int, default=None)
-    watch = sub.add_parser("watch", help="a refreshing status view")
+    watch = command("watch", "a refreshing status view")
     watch.add_argument("--interval", type=float, default=2.0)
     watch.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
     return ap.parse_args(argv)
@@ -108,6 +159,8 @@ def call(handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         return ray.get(getattr(handle, method).remote(*args, **kwargs), timeout=60)
     except ray.exceptions.RayActorError as exc:
         raise CliError(f"the coordinator died: {exc}") from None
+    except ray.exceptions.GetTimeoutError:
+        raise CliError(f"the coordinator did not answer {method} within 60 s") from None
     except ValueError as exc:  # e.g. an unknown window
         raise CliError(str(exc).strip().splitlines()[-1]) from None
 
@@ -118,13 +171,14 @@ def call(handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
 def render_status(st: dict[str, Any]) -> str:
     c = st["counters"]
     cur, nxt = st["current_window"], st["next_window"]
+    run = st["run"]
     lines = [
-        f"coordinator {st['namespace']}/{st['name']}: phase {st['phase']}, "
-        f"global step {st['global_step']}",
+        f"coordinator {st['namespace']}/{st['name']}: run {run['name']} ({run['phase']}), "
+        f"phase {st['phase']}, global step {st['global_step']}",
         f"current window: {_window(cur)}; next window: {_window(nxt)}",
         f"trace dir: {st['run_dir']}",
         f"worker RPCs {c.get('worker_rpcs', 0)}, ignored steps {c.get('ignored_steps', 0)}, "
-        f"rejected steps {c.get('rejected_steps', 0)}, windows closed {c.get('windows_closed', 0)}",
+        f"refused steps {c.get('refused_step', 0)}, windows closed {c.get('windows_closed', 0)}",
         "",
         f"{'trainer':<12} {'rank':>4} {'state':<13} {'windows':>7}  reason / note",
     ]
@@ -140,9 +194,18 @@ def render_status(st: dict[str, Any]) -> str:
             steps = "-".join(map(str, w["steps"])) if w["steps"] else "(none)"
             flag = " partial" if w["partial"] else ""
             strag = f"stragglers {w['stragglers']} " if w.get("stragglers") else ""
+            broken = f"NOT AS PLANNED: {w['reason']} " if not w["kept"] else ""
             lines.append(
                 f"{w['index']:>6} {w.get('kind', ''):<9} {steps + flag:<12} "
-                f"{str(w['ranks']):<16} {strag}{w['trace_dir'] or ''}"
+                f"{str(w['ranks']):<16} {broken}{strag}{w['trace_dir'] or ''}"
+            )
+    if st["previous_runs"]:
+        lines += ["", "earlier runs (ray-profiler top --run NAME):"]
+        for p in st["previous_runs"]:
+            r = p["run"]
+            lines.append(
+                f"  {r['name']}: {r['phase']} ({r['ended_reason']}), "
+                f"{len(p['windows'])} windows, {r['run_dir']}"
             )
     return "\n".join(lines)
 
@@ -251,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
         st = call(h, "status")
         out(json.dumps(st) if args.json else render_status(st))
     elif args.command == "top":
-        ks = call(h, "kernel_summary", window=args.window, top_k=args.k)
+        ks = call(h, "kernel_summary", window=args.window, top_k=args.k, run=args.run)
         out(json.dumps(ks) if args.json else render_top(ks))
     elif args.command == "stragglers":
         ks = call(h, "kernel_summary", window=args.window, top_k=0)
@@ -271,18 +334,29 @@ def run(args: argparse.Namespace) -> int:
     elif args.command == "capture":
         return capture(h, args)
     elif args.command == "watch":
-        n = 0
-        while True:
-            st = call(h, "status")
-            if args.json:
-                out(json.dumps(st), flush=True)
-            else:
-                out("\033[2J\033[H" + time.strftime("%H:%M:%S  ") + render_status(st), flush=True)
-            n += 1
-            if args.count and n >= args.count:
-                break
-            time.sleep(args.interval)
-    return 0
+        watch(h, args)
+    return EXIT_OK
+
+
+def watch(h: Any, args: argparse.Namespace) -> None:
+    """Refresh the status every ``interval`` s. On a terminal the view is redrawn in place
+    (cursor home, clear below: the scrollback keeps what was there); into a pipe or a file,
+    each refresh is appended as plain text, without escape codes."""
+    tty = sys.stdout.isatty()
+    n = 0
+    while True:
+        st = call(h, "status")
+        if args.json:
+            print(json.dumps(st), flush=True)
+        elif tty:
+            frame = time.strftime("%H:%M:%S  ") + render_status(st)
+            print("\033[H\033[J" + frame, flush=True)
+        else:
+            print(f"--- {time.strftime('%H:%M:%S')}\n{render_status(st)}\n", flush=True)
+        n += 1
+        if args.count and n >= args.count:
+            break
+        time.sleep(args.interval)
 
 
 def capture(h: Any, args: argparse.Namespace) -> int:
@@ -296,6 +370,7 @@ def capture(h: Any, args: argparse.Namespace) -> int:
     )
     if not res["accepted"]:
         raise CliError(f"capture refused: {res['reason']}")
+    assert res["window"] is not None and res["steps"] is not None
     if not args.wait:
         print(
             json.dumps(res)
@@ -310,21 +385,40 @@ def capture(h: Any, args: argparse.Namespace) -> int:
             f"{res['steps'][1]}, ranks {res['ranks']}; waiting for it to close...",
             flush=True,
         )
-    deadline = time.monotonic() + args.timeout
+    entry = wait_for_window(h, res["run"], res["window"], args.timeout)
+    if entry["steps"] is None:
+        raise CliError(f"capture {res['window']} recorded nothing: {entry['reason']}")
+    ks = call(h, "kernel_summary", window=res["window"], top_k=args.k, run=res["run"])
+    print(json.dumps(ks) if args.json else render_top(ks), flush=True)
+    if not entry["kept"]:
+        raise CliError(
+            f"capture {res['window']} did not record the steps promised: {entry['reason']}"
+        )
+    return EXIT_OK
+
+
+def wait_for_window(h: Any, run: str, window: int, timeout: float) -> dict[str, Any]:
+    """The status entry of ``window`` of ``run`` once it closed with its summaries in, or once
+    the run ended without it (an entry whose ``reason`` says why); CliError on timeout."""
+    deadline = time.monotonic() + timeout
     while True:
         st = call(h, "status")
-        done = [w for w in st["windows"] if w["index"] == res["window"]]
-        if done and not done[0]["summaries_pending"]:
-            break
+        runs = [{"run": st["run"], "windows": st["windows"]}, *st["previous_runs"]]
+        mine = next((r for r in runs if r["run"]["name"] == run), None)
+        if mine is None:
+            raise CliError(f"run {run} is no longer kept by the coordinator")
+        entry = next((w for w in mine["windows"] if w["index"] == window), None)
+        if entry is not None and (entry["steps"] is None or not entry["summaries_pending"]):
+            return dict(entry)
+        if entry is None and mine["run"]["phase"] in ("stopped", "abandoned"):
+            why = mine["run"]["ended_reason"] or mine["run"]["phase"]
+            return {"index": window, "steps": None, "kept": False, "reason": why}
         if time.monotonic() > deadline:
             raise CliError(
-                f"window {res['window']} did not close within {args.timeout:g} s "
+                f"window {window} did not close within {timeout:g} s "
                 f"(global step {st['global_step']})"
             )
-        time.sleep(0.5)
-    ks = call(h, "kernel_summary", window=res["window"], top_k=args.k)
-    print(json.dumps(ks) if args.json else render_top(ks))
-    return 0
+        time.sleep(0.25)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except CliError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
 

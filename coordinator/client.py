@@ -4,8 +4,11 @@ Every coordinator reply names ``next_sync_step``, the first step whose report ma
 From that step on the client reports every step and waits for the acknowledgement, so the
 ranks' profilers are in the right state before the next training step starts. Before it, a
 report changes nothing on any rank: the client sends one at most every ``report_interval_s``
-without waiting (Ray keeps one caller's calls to an actor in order), so the coordinator's
-``global_step`` trails by at most that long, and ``stop()`` reports the last step.
+without waiting, and says so (``waiting=False``; Ray keeps one caller's calls to an actor in
+order), so the coordinator's ``global_step`` trails by at most that long, and ``stop()``
+reports the last step. A capture requested at run time makes the coordinator answer the next
+report with ``next_sync_step`` = the next step: the client then waits, and the coordinator
+plans the capture while it does, so the promised steps are the recorded ones.
 """
 
 from __future__ import annotations
@@ -30,24 +33,25 @@ class StepClient:
         self._in_flight: list[Any] = []
         self._last_sent = 0.0
         self._unreported: int | None = None
-        self.plan_version: int | None = None  # the latest plan this trainer has seen
 
     def start(self, first_step: int) -> dict[str, Any]:
         """Blocking: the coordinator prepares the ranks for ``first_step``."""
-        return self._absorb(ray.get(self.coordinator.start.remote(self.trainer_id, first_step)))
+        return self._absorb(
+            ray.get(self.coordinator.start.remote(self.trainer_id, first_step, throttled=True))
+        )
 
     def step(self, k: int) -> dict[str, Any] | None:
         """Report that global step ``k`` finished; waits only when ranks must act."""
         if self._in_flight:  # learn of new captures as soon as a reply is back
             self.drain(block=False)
         if self.next_sync_step is not None and k >= self.next_sync_step:
-            ref = self._send(k)
+            ref = self._send(k, waiting=True)
             self.drain(block=True)
             return self._absorb(ray.get(ref))
         if time.monotonic() - self._last_sent < self.report_interval_s:
             self._unreported = k
             return None
-        self._in_flight.append(self._send(k))
+        self._in_flight.append(self._send(k, waiting=False))
         if len(self._in_flight) > _MAX_IN_FLIGHT:
             self.drain(block=True)
         return None
@@ -55,33 +59,35 @@ class StepClient:
     def stop(self) -> dict[str, Any]:
         """Blocking: report the last step, close an open window, collect pending summaries."""
         if self._unreported is not None:
-            self._in_flight.append(self._send(self._unreported))
+            self._in_flight.append(self._send(self._unreported, waiting=False))
         self.drain(block=True)
         return self._absorb(ray.get(self.coordinator.stop.remote(self.trainer_id)))
 
     # The asyncio forms: the same protocol, awaiting instead of blocking the event loop.
 
     async def astart(self, first_step: int) -> dict[str, Any]:
-        return self._absorb(await self.coordinator.start.remote(self.trainer_id, first_step))
+        return self._absorb(
+            await self.coordinator.start.remote(self.trainer_id, first_step, throttled=True)
+        )
 
     async def astep(self, k: int) -> dict[str, Any] | None:
         if self._in_flight:
             self.drain(block=False)  # ray.wait with timeout 0 does not block the loop
         if self.next_sync_step is not None and k >= self.next_sync_step:
-            ref = self._send(k)
+            ref = self._send(k, waiting=True)
             await self.adrain()
             return self._absorb(await ref)
         if time.monotonic() - self._last_sent < self.report_interval_s:
             self._unreported = k
             return None
-        self._in_flight.append(self._send(k))
+        self._in_flight.append(self._send(k, waiting=False))
         if len(self._in_flight) > _MAX_IN_FLIGHT:
             await self.adrain()
         return None
 
     async def astop(self) -> dict[str, Any]:
         if self._unreported is not None:
-            self._in_flight.append(self._send(self._unreported))
+            self._in_flight.append(self._send(self._unreported, waiting=False))
         await self.adrain()
         return self._absorb(await self.coordinator.stop.remote(self.trainer_id))
 
@@ -90,10 +96,10 @@ class StepClient:
         for ref in refs:
             self._absorb(await ref)
 
-    def _send(self, k: int) -> Any:
+    def _send(self, k: int, waiting: bool) -> Any:
         self._last_sent = time.monotonic()
         self._unreported = None
-        return self.coordinator.step.remote(self.trainer_id, k, self.plan_version)
+        return self.coordinator.step.remote(self.trainer_id, k, waiting)
 
     def drain(self, block: bool = False) -> None:
         """Absorb replies of unacknowledged reports (raises what ``ray.get`` raises)."""
@@ -115,8 +121,6 @@ class StepClient:
         self.last_reply = reply
         if "next_sync_step" in reply:
             self.next_sync_step = reply["next_sync_step"]
-        if isinstance(reply.get("plan_version"), int):
-            self.plan_version = reply["plan_version"]
         return reply
 
 

@@ -154,10 +154,10 @@ class ProfilerConfig:
                 raise ValueError(f"profiler config: 'ranks' holds a non-int rank {r!r}")
             if r < 0:
                 raise ValueError(f"profiler config: 'ranks' holds a negative rank {r}")
-        self.ranks = sorted(set(ranks))
+        self.ranks = sorted({int(r) for r in ranks})
 
     def _validate_activities(self) -> None:
-        acts = self.activities
+        acts: Any = self.activities  # whatever a YAML file held
         if acts is None or isinstance(acts, str) or not isinstance(acts, Sequence):
             raise ValueError(
                 f"profiler config: 'activities' must be a list drawn from {list(ACTIVITIES)}, "

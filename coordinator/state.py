@@ -9,13 +9,15 @@ from __future__ import annotations
 import collections
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from coordinator.aggregate import WindowAggregate, empty_summary
+from coordinator.replies import KernelSummary, RankEntry, TrainerEntry, WindowEntry
 from coordinator.schedule import Window
 from coordinator.summary_codec import SummaryDecodeError, decode_summary
 
-RANK_STATES = ("ok", "disabled", "lost", "unresponsive", "not_selected")
+RankState = Literal["ok", "disabled", "lost", "unresponsive", "not_selected"]
+RANK_STATES: tuple[RankState, ...] = ("ok", "disabled", "lost", "unresponsive", "not_selected")
 
 
 @dataclass
@@ -25,7 +27,7 @@ class RankRecord:
     trainer_id: str
     rank: int
     selected: bool
-    state: str = "ok"
+    state: RankState = "ok"
     reason: Any = None
     device: str | None = None
     note: str | None = None
@@ -39,7 +41,7 @@ class RankRecord:
         """Whether RPCs still go to this rank."""
         return self.selected and self.state == "ok"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> RankEntry:
         return {
             "trainer_id": self.trainer_id,
             "rank": self.rank,
@@ -60,9 +62,9 @@ class TrainerRecord:
     role: str
     ranks: list[int]
     handles: dict[int, Any]
-    run_dir: str
+    run_dir: str | None
 
-    def to_dict(self, stepping: bool) -> dict[str, Any]:
+    def to_dict(self, stepping: bool) -> TrainerEntry:
         return {
             "trainer_id": self.trainer_id,
             "role": self.role,
@@ -78,6 +80,7 @@ class WindowRecord:
     """One window the run opened; closed once every participating rank acknowledged."""
 
     window: Window
+    planned: Window | None = None  # as planned, when the window opened moved (see kept)
     participants: set[tuple[str, int]] = field(default_factory=set)
     acked: set[tuple[str, int]] = field(default_factory=set)
     steps: tuple[int, int] | None = None
@@ -91,6 +94,8 @@ class WindowRecord:
     traces: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     traces_pending: set[tuple[str, int]] = field(default_factory=set)
     threshold: float = 1.25  # straggler threshold
+    unopened: str | None = None  # why a planned window never opened (the run stopped first)
+    stopped_at: int | None = None  # the last step when stop() cut the window short
 
     def aggregate(self, trainer_id: str) -> WindowAggregate:
         agg = self.aggregates.get(trainer_id)
@@ -102,14 +107,38 @@ class WindowRecord:
         agg = self.aggregates.get(key[0])
         return agg is not None and (key[1] in agg.rank_totals or key[1] in agg.bad_ranks)
 
-    def to_dict(self) -> dict[str, Any]:
+    def promise(self) -> tuple[bool, str | None]:
+        """Whether the window recorded exactly the steps planned for it, and if not, why."""
+        plan = self.planned or self.window
+        want = f"{plan.first}-{plan.last}"
+        if self.unopened:
+            return False, self.unopened
+        if self.steps == (plan.first, plan.last) and not self.partial:
+            return True, None
+        got = f"{self.steps[0]}-{self.steps[1]}" if self.steps else "nothing"
+        if self.partial:
+            return False, (
+                f"the run stopped at step {self.stopped_at} inside the window: "
+                f"recorded {got} of {want}"
+            )
+        return (
+            False,
+            f"the trainer skipped past the planned steps: recorded {got} instead of {want}",
+        )
+
+    def to_dict(self) -> WindowEntry:
         captured = sorted(
             (t, r) for (t, r) in self.acked if (t, r) in self.participants and self.steps
         )
+        plan = self.planned or self.window
+        kept, why = self.promise()
         return {
             "index": self.window.index,
-            "planned": [self.window.first, self.window.last],
+            "kind": self.window.kind,  # type: ignore[typeddict-item]
+            "planned": [plan.first, plan.last],
             "steps": list(self.steps) if self.steps else None,
+            "kept": kept,
+            "reason": why,
             "partial": self.partial,
             "ranks": sorted({r for _, r in captured}),
             "trace_dir": next(iter(self.trace_dirs.values()), None),
@@ -119,7 +148,6 @@ class WindowRecord:
             "trace_errors": {
                 r: t["error"] for (_, r), t in sorted(self.traces.items()) if t.get("error")
             },
-            "kind": self.window.kind,
             "stragglers": sorted(
                 {
                     r
@@ -148,13 +176,28 @@ class CoordinatorState:
 
     # ----------------------------------------------------------- windows
 
-    def open_window(self, window: Window, participants: list[tuple[str, int]]) -> WindowRecord:
+    def open_window(
+        self,
+        window: Window,
+        participants: list[tuple[str, int]],
+        planned: Window | None = None,
+    ) -> WindowRecord:
         rec = WindowRecord(
-            window, participants=set(participants), threshold=self.straggler_threshold
+            window,
+            planned=planned,
+            participants=set(participants),
+            threshold=self.straggler_threshold,
         )
         self.windows[window.index] = rec
         self.counters["windows_opened"] += 1
         return rec
+
+    def never_opened(self, window: Window, reason: str) -> None:
+        """A planned window the run ended before: listed with its reason, nothing recorded."""
+        rec = WindowRecord(window, closed=True, unopened=reason)
+        self.windows[window.index] = rec
+        self.windows = collections.OrderedDict(sorted(self.windows.items()))
+        self.counters["windows_never_opened"] += 1
 
     def current_window(self) -> WindowRecord | None:
         for rec in reversed(self.windows.values()):
@@ -224,7 +267,8 @@ class CoordinatorState:
                 w.pending.discard(key)
 
     def _apply_closed(self, key: tuple[str, int], closed: dict[str, Any]) -> None:
-        w = self.windows.get(closed.get("window"))
+        index = closed.get("window")
+        w = self.windows.get(index) if isinstance(index, int) else None
         if w is None:
             return
         w.acked.add(key)
@@ -257,15 +301,15 @@ class CoordinatorState:
                     w.pending.discard(key)
                     break
             return
-        w = self.windows.get(s.window)
-        if w is None or key not in w.participants or s.rank != rank:
+        found = self.windows.get(s.window)
+        if found is None or key not in found.participants or s.rank != rank:
             self.counters["unexpected_summaries"] += 1
             return
-        if w.aggregate(trainer_id).add(s):
+        if found.aggregate(trainer_id).add(s):
             self.counters["summaries"] += 1
         else:
             self.counters["duplicate_summaries"] += 1
-        w.pending.discard(key)
+        found.pending.discard(key)
 
     def trace_stored(self, key: tuple[str, int], window: Any, path: Any, error: Any) -> bool:
         """The node agent finished a rank's trace of ``window``: where it is, or why not.
@@ -313,7 +357,7 @@ class CoordinatorState:
             )
         return True
 
-    def rank_failed(self, key: tuple[str, int], state: str, reason: Any) -> None:
+    def rank_failed(self, key: tuple[str, int], state: RankState, reason: Any) -> None:
         rec = self.ranks[key]
         if rec.state == "ok":
             rec.state, rec.reason = state, reason
@@ -325,7 +369,7 @@ class CoordinatorState:
 
     def kernel_summary(
         self, window: int | None, top_k: int, trainer_id: str | None, per_rank: bool = False
-    ) -> dict[str, Any]:
+    ) -> KernelSummary:
         tid = trainer_id or self.stepping_trainer
         if window is None:
             closed = self.closed_windows()
@@ -333,18 +377,20 @@ class CoordinatorState:
                 return empty_summary()
             rec = closed[-1]
         else:
-            rec = self.windows.get(window)
-            if rec is None:
+            found = self.windows.get(window)
+            if found is None:
                 known = [w.window.index for w in self.closed_windows()]
                 raise ValueError(
                     f"no window {window}: the closed windows kept are {known} "
                     f"(history holds the last {self.max_windows})"
                 )
+            rec = found
         agg = rec.aggregates.get(tid) if tid else None
         if agg is not None:
             out = agg.to_dict(top_k, self.straggler_threshold, per_rank)
         else:
-            out = {**empty_summary(), "window": rec.window.index}
+            out = empty_summary()
+            out["window"] = rec.window.index
         out["steps"] = list(rec.steps) if rec.steps else out["steps"]
         out["partial"] = rec.partial
         out["closed"] = rec.closed

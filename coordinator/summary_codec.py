@@ -145,7 +145,7 @@ def encode_summary(summary: RankSummary) -> bytes:
         else [summary.peak_bytes, [[r.name, r.bytes, r.count] for r in summary.memory]],
     }
     try:
-        data = msgpack.packb(payload, use_bin_type=True)
+        data = bytes(msgpack.packb(payload, use_bin_type=True))
     except (TypeError, OverflowError, ValueError) as exc:
         raise ValueError(f"summary cannot be encoded: {exc}") from exc
     decode_summary(data)  # never send what the receiver would refuse
@@ -276,7 +276,7 @@ def _signed(value: Any, what: str) -> int:
     return value
 
 
-def _list(value: Any, what: str, min_len: int, max_len: int) -> list:
+def _list(value: Any, what: str, min_len: int, max_len: int) -> list[Any]:
     if not isinstance(value, list):
         raise SummaryDecodeError(f"summary {what} must be a list, got {type(value).__name__}")
     if not min_len <= len(value) <= max_len:

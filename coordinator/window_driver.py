@@ -5,24 +5,29 @@ finished, and ``stop()`` after the loop. The driver answers with the commands th
 must run before the next training step, and nothing at all on steps outside a window.
 
 One plan holds the scheduled windows and the captures requested at run time, never overlapping.
-``plan_version`` counts changes to the captures: a capture opens only on a report from a trainer
-that knew of it (its report carries that version), so it had waited for the acknowledgement;
-otherwise the capture moves to the next step boundary.
+A capture is planned while the trainer waits for the answer to a report, so it learns of the
+plan before it runs another step (see ``request_capture``); the steps planned are the steps
+recorded, unless the trainer skips past them or stops first (``Begin.planned`` keeps the promise).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.schedule import Schedule, Window
 
 
 @dataclass(frozen=True)
 class Begin:
-    """Open ``window``; the next training step to run is ``step``."""
+    """Open ``window``; the next training step to run is ``step``.
+
+    ``planned`` is the window as it was planned (a capture's promise, the schedule's steps) when
+    the trainer skipped past its start and ``window`` was moved; else None.
+    """
 
     window: Window
     step: int
+    planned: Window | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,7 @@ class WindowDriver:
         self._cursor: Window | None = None  # next scheduled window not yet opened or skipped
         self._started = False
         self.captures: list[Window] = []  # requested, not yet opened; sorted by warm-up start
-        self.plan_version = 0
-        self._capture_versions: dict[int, int] = {}
+        self.promised: dict[int, Window] = {}  # captures as first planned, until they open
 
     @property
     def started(self) -> bool:
@@ -83,9 +87,12 @@ class WindowDriver:
 
     def request_capture(self, warmup: int, active: int, start_step: int | None) -> Window | str:
         """Plan a capture recording ``active`` steps from ``start_step`` (default: the earliest
-        step whose warm-up can still begin at a boundary the trainer has not reached).
+        step whose warm-up can begin at a boundary the trainer has not reached).
 
-        Returns the planned window, or the reason it was refused.
+        Call it while the trainer waits for the answer to its report of step ``next_boundary``
+        (before ``step`` applies that report), or right after the answer to a report it waited
+        for, when it will wait for its next one too: either way it learns of the plan before it
+        runs another step. Returns the planned window, or the reason it was refused.
         """
         if warmup < 0 or active < 1:
             return f"need warmup >= 0 and active >= 1, got warmup={warmup} active={active}"
@@ -113,8 +120,7 @@ class WindowDriver:
             return f"steps {w.warmup_start}-{w.last} overlap {clash}"
         self.next_index += 1
         self.captures = sorted([*self.captures, w], key=lambda c: c.warmup_start)
-        self.plan_version += 1
-        self._capture_versions[w.index] = self.plan_version
+        self.promised[w.index] = w
         return w
 
     def cancel_capture(self, index: int) -> str | None:
@@ -125,7 +131,7 @@ class WindowDriver:
         if len(kept) == len(self.captures):
             return f"no pending capture {index}"
         self.captures = kept
-        self.plan_version += 1
+        self.promised.pop(index, None)
         return None
 
     def _clash(self, w: Window) -> str | None:
@@ -163,11 +169,8 @@ class WindowDriver:
         commands += self._maybe_begin(first_step, resumed=True)
         return commands
 
-    def step(self, k: int, known_version: int | None = None) -> list[Command] | Ignored:
-        """Global step ``k`` finished. Returns commands, or ``Ignored`` for a stale report.
-
-        ``known_version`` is the ``plan_version`` the reporting trainer had seen (None: all).
-        """
+    def step(self, k: int) -> list[Command] | Ignored:
+        """Global step ``k`` finished. Returns commands, or ``Ignored`` for a stale report."""
         if k < 0:
             raise ValueError(f"step must be >= 0, got {k}")
         if not self._started:  # no start(): behave as if the loop began after step k
@@ -182,7 +185,7 @@ class WindowDriver:
             if not closes:
                 return commands
             self.current = None
-        return commands + self._maybe_begin(k + 1, resumed=False, known_version=known_version)
+        return commands + self._maybe_begin(k + 1, resumed=False)
 
     def stop(self) -> list[Command]:
         """After the loop: close an open window (partial). Safe to call repeatedly."""
@@ -191,9 +194,15 @@ class WindowDriver:
         self.current = None
         return [End()]
 
-    def _maybe_begin(
-        self, step: int, resumed: bool, known_version: int | None = None
-    ) -> list[Command]:
+    def drop_captures(self) -> list[Window]:
+        """The run is over: forget the captures that never opened; returns them as promised."""
+        dropped = [self.promised.get(c.index, c) for c in self.captures]
+        self.captures = []
+        for c in dropped:
+            self.promised.pop(c.index, None)
+        return dropped
+
+    def _maybe_begin(self, step: int, resumed: bool) -> list[Command]:
         """Open the window whose warm-up should have begun by ``step``, if any."""
         cap = self.captures[0] if self.captures else None
         sched = self._cursor
@@ -204,18 +213,15 @@ class WindowDriver:
                 sched is None or cap.warmup_start <= sched.warmup_start or sched.warmup_start > step
             )
         ):
-            if known_version is not None and known_version < self._capture_versions[cap.index]:
-                # The trainer did not wait for this report: it may already run `step`.
-                self.captures[0] = cap.shifted_to(step + 1)
-                return []
             self.captures.pop(0)
+            planned = self.promised.pop(cap.index, cap)
             w = cap if step <= cap.first else cap.shifted_to(step)
         elif sched is not None and sched.warmup_start <= step:
-            w = sched
+            planned = sched.renumbered(self.next_index)
+            w = planned
             if step > w.first and not resumed:
                 # The trainer skipped past this window's start: it opens now, at full length.
                 w = w.shifted_to(step)
-            w = w.renumbered(self.next_index)
             self.next_index += 1
         else:
             return []
@@ -224,7 +230,7 @@ class WindowDriver:
         # Captures that the opened window now covers move to just after it.
         moved = [c.shifted_to(w.last + 1) if c.warmup_start <= w.last else c for c in self.captures]
         self.captures = sorted(moved, key=lambda c: c.warmup_start)
-        return [Begin(w, step)]
+        return [Begin(w, step, planned if planned != w else None)]
 
     def _advance_cursor(self, after: int) -> None:
         if self._cursor is not None and self._cursor.warmup_start > after:

@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)
 class ProfilerWorkerStub(ProfilerWorkerMixin):
     """Stands in for any worker class inside the coordinator process."""
 
+    def __ray_ready__(self) -> bool:  # every Ray actor has it; the liveness check calls it
+        return True
+
 
 def install_worker_handle_stubs() -> bool:
     """Make handles deserialised in this process use ``ProfilerWorkerStub``; True on success."""

@@ -220,11 +220,36 @@ def test_capture_requested_from_another_process_while_training(head, tmp_path):
         assert strag.returncode == 0 and "x median" in strag.stdout
         watch = cli(head, "watch", "--count", "2", "--interval", "0.2")
         assert watch.returncode == 0 and watch.stdout.count("global step") == 2
+        assert "\x1b" not in watch.stdout  # into a pipe: plain text, no escape codes
         human = cli(head, "status")
         assert human.returncode == 0 and "phase" in human.stdout and "capture" in human.stdout
+        # options after the command, and --address auto (Ray reads RAY_ADDRESS for it)
+        after = cli(head, "status", "--json", "--address", "auto", "--namespace", "profiler")
+        assert after.returncode == 0 and json.loads(after.stdout)["run"]["phase"] == "running"
+        assert cli(head, "status", "--bogus").returncode == 2
+
+        # A capture the run ends before: `capture --wait` says so as soon as the trainer stops.
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "capture", "--active", "1"]
+            + ["--start-step", "900000", "--wait", "--timeout", "300"],
+            cwd=ROOT,
+            env=head["env"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 60
+        while "900000" not in json.dumps(json.loads(cli(head, "--json", "status").stdout)):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
     finally:
         stop_file.write_text("")
         out, err = trainer.communicate(timeout=120)
+    stopped_at = time.monotonic()
+    w_out, w_err = waiting.communicate(timeout=60)
+    assert time.monotonic() - stopped_at < 5, "capture --wait kept waiting after the run stopped"
+    assert waiting.returncode == 1, (w_out, w_err)
+    assert "recorded nothing: the run stopped at step" in w_err and "before the window" in w_err
     assert trainer.returncode == 0, err[-4000:]
     run = tmp_path / "run"
     (window_dir,) = [d for d in os.listdir(run) if d.startswith(f"window_{ks['window']:04d}")]
@@ -262,6 +287,27 @@ def test_demo_joins_a_cluster_and_leaves_the_coordinator_for_a_notebook(head, tm
     out = result_of(py(head, "tests.scripts.second_driver_reader", "--kill"))
     assert out["status"]["global_step"] == 7 and out["kernels"]["ranks"] == [0, 1]
     assert out["status"]["run_dir"] == str(tmp_path / "joined")
+
+
+def test_the_demo_run_twice_against_one_cluster_gives_two_runs_never_mixed(head, tmp_path):
+    args = ["trainers.demo", "--trainer", "sft", "--steps", "8", "--address"]
+    args += [head["env"]["RAY_ADDRESS"], "--save-path", str(tmp_path), "--run-name", "twice"]
+    first = py(head, *args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = py(head, *args, "--active", "1")  # another config, same run name
+    assert second.returncode == 0, second.stderr[-3000:]
+    out = result_of(py(head, "tests.scripts.second_driver_reader", "--kill"))
+    st = out["status"]
+    assert st["run"]["name"] == "twice.2" and st["run_dir"] == str(tmp_path / "twice.2")
+    assert st["config"]["active"] == 1 and st["windows"][0]["index"] == 0
+    assert [p["run"]["name"] for p in st["previous_runs"]] == ["twice"]
+    assert st["previous_runs"][0]["config"]["active"] == 2
+    first_dirs = sorted(os.listdir(tmp_path / "twice"))
+    second_dirs = sorted(os.listdir(tmp_path / "twice.2"))
+    assert first_dirs[0].startswith("window_0000_") and second_dirs[0].startswith("window_0000_")
+    recorded = [w for w in st["previous_runs"][0]["windows"] if w["steps"]]
+    assert len(first_dirs) == len(recorded)
+    assert len(second_dirs) == len([w for w in st["windows"] if w["steps"]])
 
 
 def test_cli_errors_are_one_line(head):

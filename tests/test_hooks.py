@@ -79,7 +79,7 @@ def test_unreachable_coordinator_at_attach_switches_profiling_off(tmp_path, capl
     def unreachable(*a, **kw):
         raise ConnectionError("no cluster")
 
-    monkeypatch.setattr(actor, "get_or_create_coordinator", unreachable)
+    monkeypatch.setattr(actor, "attach_coordinator", unreachable)
     caplog.set_level(logging.WARNING, logger="trainers.hooks")
     cfg = {"enable": True, "save_path": str(tmp_path), "activities": ["cpu"]}
     hooks = ProfilingHooks.attach(cfg, workers=[])

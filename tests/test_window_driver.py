@@ -116,23 +116,29 @@ def test_capture_defaults_to_the_earliest_boundary_the_trainer_cannot_have_passe
     # last report: step 5; the trainer may already run step 6, so warm-up starts at 7
     assert w == Window(0, 7, 8, 9, "capture")
     assert d.next_window() == w
-    assert d.step(6, known_version=d.plan_version) == [Begin(w, 7)]
+    assert d.step(6) == [Begin(w, 7)]
     assert d.step(7) == [Step(7, False)]
     assert d.step(8) == [Step(8, False)]
     assert d.step(9) == [Step(9, True)]
 
 
-def test_capture_waits_for_a_report_from_a_trainer_that_knew_of_it():
+def test_a_capture_the_trainer_skipped_past_opens_late_and_keeps_its_promise():
     d = driver(on_demand_only=True)
     d.start(0)
     d.step(0)
-    stale = d.plan_version
-    w = d.request_capture(warmup=1, active=1, start_step=None)  # warm-up at 2
-    assert d.step(1, known_version=stale) == []  # the trainer did not wait: it may run step 2
-    assert d.next_window() == Window(w.index, 3, 4, 4, "capture")
-    assert d.step(2, known_version=d.plan_version) == [
-        Begin(Window(w.index, 3, 4, 4, "capture"), 3)
-    ]
+    w = d.request_capture(warmup=1, active=2, start_step=None)  # warm-up 2, record 3-4
+    assert w == Window(0, 2, 3, 4, "capture")
+    (begin,) = d.step(5)  # the trainer jumped from step 0 to step 5
+    assert begin.window == Window(0, 6, 7, 8, "capture") and begin.planned == w
+    assert begin.step == 6
+
+
+def test_stop_drops_the_captures_that_never_opened():
+    d = driver(on_demand_only=True)
+    d.start(0)
+    d.step(0)
+    w = d.request_capture(warmup=1, active=1, start_step=10)
+    assert d.stop() == [] and d.drop_captures() == [w] and d.next_window() is None
 
 
 def test_capture_and_schedule_share_one_plan_without_overlap():
@@ -188,7 +194,7 @@ def test_opened_windows_never_overlap(skip_first, wait, warmup, active, repeat, 
                 w = d.request_capture(w_up, act, start)
                 if isinstance(w, Window):
                     pending[w.index] = w
-        out = d.step(k, known_version=d.plan_version)
+        out = d.step(k)
         opened += [c.window for c in out if isinstance(c, Begin)]
     spans = [(w.warmup_start, w.last) for w in opened]
     assert all(a[1] < b[0] for a, b in zip(spans, spans[1:], strict=False))

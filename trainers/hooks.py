@@ -24,12 +24,27 @@ log = logging.getLogger(__name__)
 class ProfilingHooks:
     """Trainer-side handle on the coordinator for one trainer."""
 
-    def __init__(self, client: Any | None, trainer_id: str, coordinator: Any | None = None):
+    def __init__(
+        self,
+        client: Any | None,
+        trainer_id: str,
+        coordinator: Any | None = None,
+        run: dict[str, Any] | None = None,
+    ):
         self._client = client
         self.trainer_id = trainer_id
         self.coordinator = coordinator
         self.disabled_reason: str | None = None if client else "profiling is not enabled"
         self._last_step: int | None = None
+        info = run or {}
+        self.run: str | None = info.get("run")
+        """The coordinator's run this trainer attached to."""
+        self.config: ProfilerConfig | None = (
+            ProfilerConfig.from_dict(info["config"], check_paths=False) if info else None
+        )
+        """The config the run uses: the coordinator's, when an active run kept its own."""
+        self.config_mismatch: list[str] = list(info.get("mismatch", []))
+        """Fields of the config given to ``attach`` that the running run does not use."""
 
     @classmethod
     def attach(
@@ -42,10 +57,13 @@ class ProfilingHooks:
         namespace: str = "profiler",
         advances_step: bool | None = None,
     ) -> ProfilingHooks:
-        """Create (or reach) the coordinator and register ``workers`` with it.
+        """Create (or reach) the coordinator, attach to its run and register ``workers``.
 
-        A bad config or registration raises ValueError at once; an unreachable coordinator
-        only switches profiling off.
+        A coordinator whose last run stopped begins a fresh run with ``config``; a run still
+        going (this trainer's, after a driver restart) keeps its config, and ``config_mismatch``
+        names the fields that differ. A bad config or registration, or another active run
+        with another config, raises ValueError at once; an unreachable coordinator only
+        switches profiling off.
         """
         cfg = config if isinstance(config, ProfilerConfig) else ProfilerConfig.from_dict(config)
         cfg.validate()
@@ -53,19 +71,26 @@ class ProfilingHooks:
             return cls(None, trainer_id)
         import ray
 
-        from coordinator.actor import get_or_create_coordinator
+        from coordinator.actor import attach_coordinator
         from coordinator.client import StepClient
 
         try:
-            coord = get_or_create_coordinator(cfg, name=name, namespace=namespace)
+            coord, run = attach_coordinator(cfg, name, namespace, trainer_id=trainer_id)
             ray.get(coord.register.remote(trainer_id, workers, role, advances_step))
         except ValueError:
             raise
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.as_instanceof_cause()
+            if isinstance(cause, ValueError):  # a bad registration or a clash of runs
+                raise ValueError(str(cause).strip().splitlines()[-1]) from None
+            hooks = cls(None, trainer_id)
+            hooks._switch_off("attach", exc)
+            return hooks
         except Exception as exc:
             hooks = cls(None, trainer_id)
             hooks._switch_off("attach", exc)
             return hooks
-        return cls(StepClient(coord, trainer_id), trainer_id, coord)
+        return cls(StepClient(coord, trainer_id), trainer_id, coord, dict(run))
 
     @property
     def enabled(self) -> bool:

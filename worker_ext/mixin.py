@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from coordinator.config import ProfilerConfig
+from coordinator.replies import RankStatus
 from coordinator.schedule import Window
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ class ProfilerWorkerMixin:
         run_dir: str | None,
         warm_up: bool = True,
         report_to: dict[str, str] | None = None,
-    ) -> dict[str, Any]:
+    ) -> RankStatus:
         """Set this actor's global rank, the config and the run directory.
 
         ``report_to`` (``name``, ``namespace``, ``trainer_id``) names the coordinator that the
@@ -53,7 +54,7 @@ class ProfilerWorkerMixin:
         )
         return self._rank_profiler.status()
 
-    def start_profile(self, window: dict[str, Any], step: int) -> dict[str, Any]:
+    def start_profile(self, window: dict[str, Any], step: int) -> RankStatus:
         """Open a window (``Window.to_dict()``); ``step`` is the next training step to run."""
         rp = self._rank_profiler
         if rp is None:
@@ -65,24 +66,42 @@ class ProfilerWorkerMixin:
             return rp.status()
         return rp.begin_window(w, step)
 
-    def profile_step(self, step: int) -> dict[str, Any]:
+    def profile_step(self, step: int) -> RankStatus:
         """Global step ``step`` has finished."""
         rp = self._rank_profiler
         return _not_configured() if rp is None else rp.step(step)
 
-    def stop_profile(self) -> dict[str, Any]:
+    def stop_profile(self) -> RankStatus:
         """Close an open window (partial). Safe to call any number of times."""
         rp = self._rank_profiler
         return _not_configured() if rp is None else rp.end_window()
 
-    def dump_profiler_summary(self, wait_s: float = 0.0) -> dict[str, Any]:
+    def dump_profiler_summary(self, wait_s: float = 0.0) -> RankStatus:
         """The status with every ready summary; waits up to ``wait_s`` for pending ones."""
         rp = self._rank_profiler
         return _not_configured() if rp is None else rp.wait_for_summaries(wait_s)
 
 
-def _not_configured() -> dict[str, Any]:
-    return {"state": "not_configured", "reason": None, "summaries": [], "summary_pending": []}
+def _not_configured() -> RankStatus:
+    return {
+        "rank": None,
+        "state": "not_configured",
+        "reason": None,
+        "device": None,
+        "note": None,
+        "phase": "idle",
+        "window": None,
+        "windows_captured": 0,
+        "windows_skipped": 0,
+        "last_skip_reason": None,
+        "last_trace_path": None,
+        "closed": None,
+        "summaries": [],
+        "summary_failures": [],
+        "summary_pending": [],
+        "summary_helper": {"kind": None, "pid": None},
+        "last_helper_error": None,
+    }
 
 
 def _threaded_actor_reason() -> str | None:

@@ -215,7 +215,8 @@ class RayNodeAgentHelper:
         return int(ray.get(self._handle().ping.remote(), timeout=START_TIMEOUT_S))
 
     def submit(self, job: TraceJob) -> concurrent.futures.Future[JobResult]:
-        return self._handle().process.remote(job).future()
+        fut: concurrent.futures.Future[JobResult] = self._handle().process.remote(job).future()
+        return fut
 
     def forget(self) -> None:
         with self._lock:

@@ -22,17 +22,18 @@ import os
 import threading
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.profiler import ProfilerAction as TorchAction
 from torch.profiler import ProfilerActivity
 
 from coordinator.config import ProfilerConfig
+from coordinator.replies import ClosedWindow, HelperError, Phase, RankStatus, Reason
 from coordinator.schedule import Window
 from coordinator.trace_layout import contained, trace_path, window_dir
 from worker_ext.node_agent import TraceHelper, default_helper
-from worker_ext.trace_jobs import JobResult, TraceJob, reason
+from worker_ext.trace_jobs import JobResult, TraceJob
 
 log = logging.getLogger(__name__)
 
@@ -76,22 +77,22 @@ class RankProfiler:
         self.report_to = report_to  # the coordinator the helper pushes summaries to
         self._helper = helper
         self.helper_pid: int | None = None
-        self.last_helper_error: dict[str, Any] | None = None
+        self.last_helper_error: HelperError | None = None
         self.windows_captured = 0
         self.windows_skipped = 0
         self.last_trace_path: str | None = None
         self.last_skip_reason: str | None = None
-        self.fault: dict[str, str] | None = None
+        self.fault: Reason | None = None
         self._owner_thread: int | None = None
         self._prof: Any = None
         self._window: Window | None = None
         self._recorded_first: int | None = None
         self._last_done: int | None = None
         self._closing: _Closing | None = None
-        self._closed: dict[str, Any] | None = None
+        self._closed: ClosedWindow | None = None
         self._abandoned: list[Any] = []  # torch objects we must never touch again
         self._ready: list[bytes] = []
-        self._failures: list[dict[str, Any]] = []  # windows whose summary is lost, and why
+        self._failures: list[HelperError] = []  # windows whose summary is lost, and why
         self._pending: set[int] = set()
         self._cond = threading.Condition()
         self.device, self.note = _pick_device(config)
@@ -111,42 +112,44 @@ class RankProfiler:
 
     # ----------------------------------------------------------------- commands
 
-    def begin_window(self, window: Window, step: int) -> dict[str, Any]:
+    def begin_window(self, window: Window, step: int) -> RankStatus:
         """Open ``window``; training step ``step`` is the next one to run."""
         return self._guarded("begin_window", self._begin, window, int(step))
 
-    def step(self, k: int) -> dict[str, Any]:
+    def step(self, k: int) -> RankStatus:
         """Global step ``k`` has finished."""
         return self._guarded("step", self._step, int(k))
 
-    def end_window(self) -> dict[str, Any]:
+    def end_window(self) -> RankStatus:
         """Close the open window now as a partial window; a no-op when none is open."""
         return self._guarded("end_window", self._end)
 
-    def wait_for_summaries(self, timeout_s: float) -> dict[str, Any]:
+    def wait_for_summaries(self, timeout_s: float) -> RankStatus:
         """Wait up to ``timeout_s`` for pending summaries, then return the status."""
         with self._cond:
             self._cond.wait_for(lambda: not self._pending, timeout=max(0.0, timeout_s))
         return self.status()
 
     @property
-    def phase(self) -> str:
+    def phase(self) -> Phase:
         if self._window is None or self._prof is None:
             return "idle"
         return "recording" if self._recorded_first is not None else "warmup"
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> RankStatus:
         """A small, msgpack- and JSON-friendly status; drains ready summaries."""
         with self._cond:
             summaries, self._ready = self._ready, []
             failures, self._failures = self._failures, []
             pending = sorted(self._pending)
         closed, self._closed = self._closed, None
-        state = "not_selected" if not self.selected else "disabled" if self.fault else "ok"
+        state: Literal["ok", "disabled", "not_selected"] = (
+            "not_selected" if not self.selected else "disabled" if self.fault else "ok"
+        )
         return {
             "rank": self.rank,
             "state": state,
-            "reason": dict(self.fault) if self.fault else None,
+            "reason": Reason(**self.fault) if self.fault else None,
             "device": self.device,
             "note": self.note,
             "phase": self.phase,
@@ -168,7 +171,7 @@ class RankProfiler:
 
     # ------------------------------------------------------------------ guards
 
-    def _guarded(self, where: str, fn: Any, *args: Any) -> dict[str, Any]:
+    def _guarded(self, where: str, fn: Any, *args: Any) -> RankStatus:
         if not self.selected:
             return self.status()
         me = threading.get_ident()
@@ -315,6 +318,7 @@ class RankProfiler:
 
     def _close(self, partial: bool) -> None:
         prof, w = self._prof, self._window
+        assert w is not None  # a profiler is open only with its window
         first, last = self._recorded_first, self._last_done
         steps = (first, last) if first is not None and last is not None and last >= first else None
         self._closing = _Closing(w, steps, partial)
@@ -327,13 +331,13 @@ class RankProfiler:
             self._recorded_first = None
             _release(self)
         closing, self._closing = self._closing, None
-        self._closed = {
-            "window": w.index,
-            "steps": list(steps) if steps else None,
-            "partial": partial,
-            "trace_path": closing.trace_path if closing else None,
-            "summary_pending": w.index in self._pending,
-        }
+        self._closed = ClosedWindow(
+            window=w.index,
+            steps=list(steps) if steps else None,
+            partial=partial,
+            trace_path=closing.trace_path if closing else None,
+            summary_pending=w.index in self._pending,
+        )
         if steps is not None and self.fault is None:
             self.windows_captured += 1
             if closing and closing.trace_path:
@@ -392,13 +396,11 @@ class RankProfiler:
             self.helper_pid = self._helper.prepare()
         except BaseException as exc:
             self._helper.forget()
-            self.last_helper_error = {
-                "window": None,
-                **reason("helper", exc),
-                "message": f"the {self._helper.kind} could not be started: {exc}"[:1000],
-                "trace_path": None,
-            }
-            log.warning("rank %d: %s", self.rank, self.last_helper_error["message"])
+            message = f"the {self._helper.kind} could not be started: {exc}"[:1000]
+            self.last_helper_error = HelperError(
+                window=None, where="helper", type=type(exc).__name__, message=message
+            )
+            log.warning("rank %d: %s", self.rank, message)
 
     def _hand_off(self, job: TraceJob) -> None:
         """Queue the job on the helper; the training thread never waits for it."""
@@ -428,13 +430,16 @@ class RankProfiler:
                 if res.summary is not None:
                     self._ready.append(res.summary)
                 for err in res.errors:
-                    self.last_helper_error = {
-                        "window": job.window,
-                        **err,
-                        "trace_path": res.trace_path,
-                    }
+                    failed = HelperError(
+                        window=job.window,
+                        where=err["where"],
+                        type=err["type"],
+                        message=err["message"],
+                        trace_path=res.trace_path,
+                    )
+                    self.last_helper_error = failed
                     if err["where"] == "summary":
-                        self._failures.append(self.last_helper_error)
+                        self._failures.append(failed)
                 if res.errors:
                     log.warning("rank %d: %s", self.rank, self.last_helper_error)
         except BaseException:  # a callback must never raise
@@ -447,16 +452,17 @@ class RankProfiler:
     def _job_lost(self, job: TraceJob, exc: BaseException) -> None:
         """The helper died or was unreachable: that window's summary is lost; the trace stays."""
         assert self._helper is not None
-        err = {
-            "window": job.window,
-            **reason("helper", exc),
-            "message": (
+        err = HelperError(
+            window=job.window,
+            where="helper",
+            type=type(exc).__name__,
+            message=(
                 f"the {self._helper.kind} died or could not be reached before it finished "
                 f"window {job.window} (its summary is lost unless it had been pushed); the raw "
                 f"trace stays at {job.raw_path}: {exc}"
             )[:1000],
-            "trace_path": job.raw_path,
-        }
+            trace_path=job.raw_path,
+        )
         with self._cond:
             self.last_helper_error = err
             self._failures.append(err)

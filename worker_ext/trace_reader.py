@@ -96,22 +96,22 @@ def op_flops(name: str, args: Any) -> int:
     torch also counts ``aten::conv2d`` from its strides and padding; the trace does not give
     those in a usable form, so convolutions count 0 here.
     """
-    dims = getattr(args, "input_dims", None)
+    dims: Any = getattr(args, "input_dims", None)
     try:
         if name == "aten::mm":
             (n, k), (_, m) = dims[0], dims[1]
-            return 2 * n * k * m
+            return int(2 * n * k * m)
         if name == "aten::addmm":
             (n, k), (_, m) = dims[1], dims[2]
-            return 2 * n * k * m
+            return int(2 * n * k * m)
         if name == "aten::bmm":
             (b, n, k), (_, _, m) = dims[0], dims[1]
-            return 2 * b * n * k * m
+            return int(2 * b * n * k * m)
         if name == "aten::baddbmm":
             (b, n, k), (_, _, m) = dims[1], dims[2]
-            return 2 * b * n * k * m
+            return int(2 * b * n * k * m)
         if name in ("aten::add", "aten::mul") and dims[0]:
-            return math.prod(dims[0])  # one flop per element of the first input
+            return int(math.prod(dims[0]))  # one flop per element of the first input
     except (TypeError, ValueError, IndexError):
         return 0
     return 0
@@ -259,7 +259,7 @@ def _empty_cpu() -> CpuColumns:
     return CpuColumns(i32, i64, i64, i32, np.zeros(0, np.int8), i64)
 
 
-def _decode_or_none(decoder: msgspec.json.Decoder, raw: msgspec.Raw) -> Any:
+def _decode_or_none(decoder: msgspec.json.Decoder[Any], raw: msgspec.Raw) -> Any:
     try:
         return decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError):

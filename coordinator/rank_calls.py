@@ -1,0 +1,117 @@
+"""The coordinator's calls to ranks: fan one RPC out, wait, fold every reply into the run.
+
+No RPC goes to a rank that is not active (disabled, lost, unresponsive or not selected), and a
+rank's fault never reaches the caller: it changes that rank's state and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+
+from coordinator.run import Run
+from coordinator.state import RankState
+from coordinator.window_driver import Begin, Command, End, Step
+
+Key = tuple[str, int]
+_LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)
+
+
+async def fan_out(
+    run: Run,
+    keys: Sequence[Key],
+    method: str,
+    args_for: Callable[[Key], tuple[Any, ...]],
+    timeout: float | None = None,
+) -> None:
+    """Call ``method`` on every active rank in ``keys``; wait up to the worker timeout."""
+    st = run.state
+    tasks: dict[Key, asyncio.Future[Any]] = {}
+    for key in keys:
+        if not st.ranks[key].active:
+            continue
+        handle = st.trainers[key[0]].handles[key[1]]
+        try:
+            ref = getattr(handle, method).remote(*args_for(key))
+        except Exception as exc:
+            st.rank_failed(key, "disabled", reason("coordinator", exc))
+            continue
+        st.counters["worker_rpcs"] += 1
+        st.counters[f"worker_rpcs_{method}"] += 1
+        tasks[key] = asyncio.ensure_future(_await(ref))
+    if not tasks:
+        return
+    timeout = timeout or run.config.worker_timeout_s
+    _, late = await asyncio.wait(tasks.values(), timeout=timeout)
+    for key, task in tasks.items():
+        if task in late:
+            task.cancel()
+            st.rank_failed(
+                key,
+                "unresponsive",
+                {
+                    "where": method,
+                    "type": "Timeout",
+                    "message": f"no answer to {method} within {timeout:g} s",
+                },
+            )
+        elif (err := task.exception()) is not None:
+            state: RankState = "lost" if isinstance(err, _LOST) else "disabled"
+            st.rank_failed(key, state, reason(method, err))
+        else:
+            st.apply_reply(key, task.result())
+
+
+async def run_commands(run: Run, commands: Sequence[Command]) -> None:
+    """Send each window command to the ranks of the open window, in order."""
+    st = run.state
+    for cmd in commands:
+        if isinstance(cmd, Begin):
+            keys = run.capture_ranks.pop(cmd.window.index, None)
+            if keys is None:  # a scheduled window: the ranks the config selects
+                keys = [k for k, r in st.ranks.items() if r.active and run.config.selects(k[1])]
+            keys = [k for k in keys if st.ranks[k].active]
+            st.open_window(cmd.window, keys, cmd.planned)
+            w = cmd.window.to_dict()
+            await fan_out(run, keys, "start_profile", same_args(w, cmd.step))
+            continue
+        rec = st.current_window()
+        if rec is None:
+            continue
+        keys = sorted(rec.participants)
+        if isinstance(cmd, Step):
+            await fan_out(run, keys, "profile_step", same_args(cmd.step))
+            if cmd.closes:
+                st.close_window(rec)
+        elif isinstance(cmd, End):
+            rec.stopped_at = run.driver.last_step
+            await fan_out(run, keys, "stop_profile", same_args())
+            st.close_window(rec)
+
+
+def same_args(*args: Any) -> Callable[[Key], tuple[Any, ...]]:
+    """The same arguments for every rank of a ``fan_out``."""
+    return lambda _key: args
+
+
+async def any_alive(handles: Sequence[Any], timeout: float = 3.0) -> bool:
+    """Whether any of these actors is alive. A busy one (its calls queue behind a long step)
+    counts as alive; only actors that Ray reports dead do not."""
+    if not handles:
+        return False
+    tasks = [asyncio.ensure_future(_await(h.__ray_ready__.remote())) for h in handles]
+    done, late = await asyncio.wait(tasks, timeout=timeout)
+    for t in late:
+        t.cancel()
+    return bool(late) or any(not isinstance(t.exception(), _LOST) for t in done)
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
+
+
+def reason(where: str, exc: BaseException) -> dict[str, str]:
+    return {"where": where, "type": type(exc).__name__, "message": str(exc)[:1000]}

@@ -1,0 +1,307 @@
+"""Every reply that crosses Ray, declared once. Pure: no Ray, no torch.
+
+The coordinator's RPCs answer with these (``status()`` and ``kernel_summary()`` included), and
+so do the worker RPCs of ``ProfilerWorkerMixin`` (``RankStatus``). Every key is always present;
+a value that does not apply is ``None``. A refused call says so one way: its boolean (``applied``,
+``accepted``, ``cancelled``) is False and ``reason`` says why, in words a person can act on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict
+
+Phase = Literal["idle", "warmup", "recording"]
+
+
+class Reason(TypedDict):
+    """Why a rank or a piece of its work failed."""
+
+    where: str
+    type: str
+    message: str
+
+
+class HelperError(TypedDict, total=False):
+    """The last summary, compression or clean-up of a trace that failed (``where`` says which)."""
+
+    window: int | None
+    where: str
+    type: str
+    message: str
+    trace_path: str | None
+
+
+class HelperInfo(TypedDict):
+    kind: str | None  # node_agent or local_process
+    pid: int | None
+
+
+class ClosedWindow(TypedDict):
+    """On the reply that closed a window."""
+
+    window: int
+    steps: list[int] | None
+    partial: bool
+    trace_path: str | None
+    summary_pending: bool
+
+
+class RankStatus(TypedDict):
+    """What every worker RPC (``configure_profiler``, ``start_profile``, ``profile_step``,
+    ``stop_profile``, ``dump_profiler_summary``) answers."""
+
+    rank: int | None
+    state: Literal["ok", "disabled", "not_selected", "not_configured"]
+    reason: Reason | None
+    device: str | None
+    note: str | None
+    phase: Phase
+    window: int | None
+    windows_captured: int
+    windows_skipped: int
+    last_skip_reason: str | None
+    last_trace_path: str | None
+    closed: ClosedWindow | None
+    summaries: list[bytes]
+    summary_failures: list[HelperError]
+    summary_pending: list[int]
+    summary_helper: HelperInfo
+    last_helper_error: HelperError | None
+
+
+class StepReply(TypedDict):
+    """``start``, ``step`` and ``stop``. ``next_sync_step``: the first step whose report makes
+    ranks act (the trainer waits for that report); ``None`` when nothing is planned."""
+
+    applied: bool
+    reason: str | None
+    ignored: Literal["duplicate", "out_of_order"] | None
+    run: str
+    global_step: int | None
+    phase: Phase
+    window: int | None
+    next_sync_step: int | None
+
+
+class CaptureAnswer(TypedDict):
+    """``request_capture``: the exact steps every selected rank records, or why not."""
+
+    accepted: bool
+    reason: str | None
+    run: str
+    window: int | None
+    steps: list[int] | None
+    warmup_start: int | None
+    ranks: list[int] | None
+
+
+class CancelAnswer(TypedDict):
+    cancelled: bool
+    reason: str | None
+    window: int
+
+
+class Registration(TypedDict):
+    trainer_id: str
+    advances_step: bool
+    world_size: int
+    selected_ranks: list[int]
+    run: str
+    run_dir: str | None
+
+
+class RunInfo(TypedDict):
+    """``open_run``: the run a trainer attached to, and how its config compares."""
+
+    run: str
+    run_dir: str | None
+    decision: Literal["join", "resume", "fresh"]
+    config: dict[str, Any]
+    mismatch: list[str]
+
+
+class RunEntry(TypedDict):
+    name: str
+    phase: Literal["configured", "running", "stopped", "abandoned"]
+    run_dir: str | None
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    ended_reason: str | None
+    global_step: int | None
+    stepping_trainer: str | None
+
+
+class WindowTrace(TypedDict):
+    path: str | None
+    error: dict[str, str] | None
+
+
+class WindowEntry(TypedDict):
+    """One window of a run, in ``status()["windows"]``."""
+
+    index: int
+    kind: Literal["scheduled", "capture"]
+    planned: list[int]
+    steps: list[int] | None
+    kept: bool
+    reason: str | None
+    partial: bool
+    ranks: list[int]
+    trace_dir: str | None
+    trace_dirs: dict[str, str]
+    summaries_pending: list[int]
+    traces_pending: list[int]
+    trace_errors: dict[int, dict[str, str]]
+    stragglers: list[int]
+
+
+class TrainerEntry(TypedDict):
+    trainer_id: str
+    role: str
+    world_size: int
+    ranks: list[int]
+    advances_step: bool
+    run_dir: str | None
+
+
+class RankEntry(TypedDict):
+    """One registered rank, in ``status()["ranks"]``."""
+
+    trainer_id: str
+    rank: int
+    state: Literal["ok", "disabled", "lost", "unresponsive", "not_selected"]
+    reason: Any
+    device: str | None
+    note: str | None
+    windows_captured: int
+    last_trace_path: str | None
+    summary_helper: Any
+    last_helper_error: Any
+
+
+class WindowPlan(TypedDict):
+    index: int
+    warmup_start: int
+    first: int
+    last: int
+    kind: str
+
+
+class ProcessInfo(TypedDict):
+    pid: int
+    torch_loaded: bool
+    worker_handle_stubs: bool
+
+
+class PreviousRun(TypedDict):
+    """A run that ended, kept for reading: its windows and the config it ran with."""
+
+    run: RunEntry
+    config: dict[str, Any]
+    windows: list[WindowEntry]
+
+
+class Status(TypedDict):
+    """``status()``: JSON-serialisable."""
+
+    name: str
+    namespace: str
+    run: RunEntry
+    phase: Phase
+    config: dict[str, Any]
+    run_dir: str | None
+    global_step: int | None
+    current_window: WindowPlan | None
+    next_window: WindowPlan | None
+    windows: list[WindowEntry]
+    trainers: list[TrainerEntry]
+    ranks: list[RankEntry]
+    counters: dict[str, int]
+    metrics: dict[str, Any]
+    process: ProcessInfo
+    previous_runs: list[PreviousRun]
+
+
+class KernelStats(TypedDict):
+    """One op or kernel across ranks (``kernel_summary()["kernels"]``)."""
+
+    name: str
+    total_us: float
+    mean_us: float
+    min_us: float
+    max_us: float
+    std_us: float
+    max_rank: int
+    count: int
+    ranks_present: int
+    share: float
+
+
+class MemoryStats(TypedDict):
+    """One allocating op across ranks (``kernel_summary()["memory"]["ops"]``)."""
+
+    name: str
+    total_bytes: float
+    mean_bytes: float
+    min_bytes: float
+    max_bytes: float
+    std_bytes: float
+    max_rank: int
+    count: int
+    ranks_present: int
+    share: float
+
+
+class RankStraggler(TypedDict):
+    step_ms: float | None
+    step_ratio: float | None
+    compute_ms: float
+    compute_ratio: float | None
+    comm_ms: float | None
+    comm_share: float | None
+    flagged: bool
+
+
+class Stragglers(TypedDict):
+    threshold: float | None
+    median_step_ms: float
+    median_compute_ms: float
+    ranks: dict[int, RankStraggler]
+    flagged: list[int]
+
+
+class BreakdownTable(TypedDict):
+    ranks: dict[int, dict[str, float]]
+    mean: dict[str, float]
+
+
+class MemoryTable(TypedDict):
+    peak_bytes: dict[int, int]
+    max_peak_bytes: int
+    max_peak_rank: int
+    ops: list[MemoryStats]
+
+
+class KernelSummary(TypedDict):
+    """``kernel_summary()``: one window's cross-rank tables."""
+
+    run: str
+    window: int | None
+    steps: list[int]
+    partial: bool
+    closed: bool
+    ranks: list[int]
+    pending_ranks: list[int]
+    bad_ranks: dict[int, str]
+    device: str | None
+    unit: str
+    kernels: list[KernelStats]
+    rank_totals: dict[int, float]
+    dropped: dict[str, float]
+    stragglers: Stragglers
+    breakdown: BreakdownTable
+    streams: dict[int, list[dict[str, float]]]
+    memory: MemoryTable | None
+    per_rank: dict[str, dict[int, float]] | None
+    trainer_id: str | None
