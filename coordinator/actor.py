@@ -37,7 +37,7 @@ from coordinator.replies import (
 )
 from coordinator.run import Run, attach_decision, new_run
 from coordinator.state import RankRecord, TrainerRecord
-from coordinator.trace_layout import contained
+from coordinator.trace_layout import child
 from coordinator.window_driver import Ignored
 from coordinator.worker_handles import install_worker_handle_stubs
 
@@ -128,7 +128,7 @@ class _Coordinator:
                 "run": self.run.name,
                 "run_dir": self.run.run_dir,
                 "decision": decision,
-                "config": self.run.config.to_dict(),
+                "config": self.run.config.public_dict(),
                 "mismatch": diff if decision != "fresh" else [],
             }
 
@@ -205,7 +205,7 @@ class _Coordinator:
         if existing is not None:
             run_dir = existing.run_dir
         elif st.trainers and run.run_dir is not None:
-            run_dir = contained(run.run_dir, trainer_id)  # a second trainer: its own directory
+            run_dir = child(run.run_dir, trainer_id)  # a second trainer: its own directory
         st.trainers[trainer_id] = TrainerRecord(trainer_id, role, world, handles, run_dir)
         if advances_step or st.stepping_trainer is None:
             st.stepping_trainer = trainer_id
@@ -527,6 +527,8 @@ class _Coordinator:
         path: object,
         error: Any = None,
         run: str | None = None,
+        local_path: object = None,
+        node: object = None,
     ) -> bool:
         """The node agent finished a rank's trace of ``window``: its final ``path``, or why not."""
         target = self._find_run(run)
@@ -534,14 +536,21 @@ class _Coordinator:
         if target is None or key not in target.state.ranks:
             self.run.state.counters["unexpected_trace_reports"] += 1
             return False
-        if path is not None and not isinstance(path, str):
+        if not all(v is None or isinstance(v, str) for v in (path, local_path, node)):
             target.state.counters["unexpected_trace_reports"] += 1
             return False
         if error is not None:
             if not isinstance(error, dict):
                 error = {"message": str(error)}
             error = {str(k): str(v)[:1000] for k, v in list(error.items())[:8]}
-        return target.state.trace_stored(key, window, path and path[:4096], error)
+        return target.state.trace_stored(
+            key,
+            window,
+            path[:4096] if isinstance(path, str) else None,
+            error,
+            local_path=local_path[:4096] if isinstance(local_path, str) else None,
+            node=node[:128] if isinstance(node, str) else None,
+        )
 
     # ------------------------------------------------------------ readers
 
@@ -555,7 +564,7 @@ class _Coordinator:
             "namespace": self.namespace,
             "run": run.info(),  # type: ignore[typeddict-item]
             "phase": self._phase(),
-            "config": run.config.to_dict(),
+            "config": run.config.public_dict(),
             "run_dir": run.run_dir,
             "global_step": st.global_step,
             "current_window": cur.to_dict() if cur else None,  # type: ignore[typeddict-item]
@@ -580,7 +589,7 @@ class _Coordinator:
             "previous_runs": [
                 {
                     "run": r.info(),  # type: ignore[typeddict-item]
-                    "config": r.config.to_dict(),
+                    "config": r.config.public_dict(),
                     "windows": [w.to_dict() for w in r.state.closed_windows()],
                 }
                 for r in self.previous
@@ -613,7 +622,8 @@ class _Coordinator:
         return out
 
     async def get_config(self) -> dict[str, Any]:
-        return self.run.config.to_dict()
+        """The current run's config, credentials redacted."""
+        return self.run.config.public_dict()
 
     # ------------------------------------------------------------ internals
 

@@ -34,6 +34,10 @@ _EXAMPLES = {
     "cancel": "ray-profiler cancel 8",
     "stragglers": "ray-profiler stragglers --window 3",
     "watch": "ray-profiler watch --interval 2\n  ray-profiler watch --count 10 > status.log",
+    "collect": (
+        "ray-profiler collect --window 3 --to ./window3   # then: tensorboard, Perfetto, HTA\n"
+        "  ray-profiler collect --window 3 --run job --to s3://bucket/collected/w3"
+    ),
 }
 
 
@@ -104,6 +108,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cancel.add_argument("window", type=int)
     strag = command("stragglers", "ranks slower than the median in a window")
     strag.add_argument("--window", type=int, default=None)
+    coll = command("collect", "copy a window's traces from every node into one directory")
+    coll.add_argument("--window", type=int, required=True)
+    coll.add_argument("--to", required=True, help="a local directory or an fsspec URL")
+    coll.add_argument("--run", default=None, help="an earlier run (default: the current one)")
+    coll.add_argument("--wait", type=float, default=60.0, help="seconds to wait for traces")
     watch = command("watch", "a refreshing status view")
     watch.add_argument("--interval", type=float, default=2.0)
     watch.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
@@ -335,6 +344,32 @@ def run(args: argparse.Namespace) -> int:
         return capture(h, args)
     elif args.command == "watch":
         watch(h, args)
+    elif args.command == "collect":
+        return collect(h, args)
+    return EXIT_OK
+
+
+def collect(h: Any, args: argparse.Namespace) -> int:
+    """Copy a window's traces into one directory; exit 1 when some rank's trace is missing."""
+    from coordinator.collect import collect_window
+
+    try:
+        res = collect_window(h, args.window, args.to, run=args.run, wait_s=args.wait)
+    except ValueError as exc:
+        raise CliError(str(exc).strip().splitlines()[-1]) from None
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(
+            f"window {res['window']} of run {res['run']}: {len(res['files'])} traces, "
+            f"{res['bytes'] / 2**20:.1f} MB -> {res['dest']}"
+        )
+        for rank, path in res["files"].items():
+            print(f"  rank {rank}: {path}")
+    if res["missing"]:
+        raise CliError(
+            "missing: " + "; ".join(f"rank {r}: {why}" for r, why in sorted(res["missing"].items()))
+        )
     return EXIT_OK
 
 

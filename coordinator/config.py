@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.storage import check_backend, is_remote, local_path, redact
+
 ACTIVITIES = ("cpu", "cuda")
 EXPORT_TYPES = ("chrome_trace", "chrome_trace_gz", "stacks", "none")
 _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -29,7 +31,16 @@ class ProfilerConfig:
     ranks: list[int] | str = field(default_factory=lambda: [0])
     """Global ranks to profile, or ``"all"``."""
     save_path: str | None = None
-    """Directory for traces; required when enabled."""
+    """Directory for traces, or an fsspec URL (``s3://bucket/prefix``); required when enabled."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed as is to ``fsspec.filesystem(protocol, **storage_options)`` for a URL
+    ``save_path``: endpoint, region and the like (credentials are better left to the usual
+    environment variables and instance roles; any given here are never shown)."""
+    staging_path: str | None = None
+    """Local directory on each node where traces wait for upload when ``save_path`` is a URL;
+    default ``$RAY_PROFILER_STAGING`` on that node, else ``<tmp>/ray-profiler-staging``."""
+    keep_local: bool = False
+    """Keep the staging copy of a trace after it was uploaded."""
     run_name: str | None = None
     """Sub-directory of ``save_path`` for this run; default ``run_<UTC start time>``."""
     skip_first: int = 0
@@ -94,7 +105,20 @@ class ProfilerConfig:
         """A plain, JSON- and msgpack-friendly copy."""
         out = dataclasses.asdict(self)
         out["ranks"] = list(self.ranks) if isinstance(self.ranks, list) else self.ranks
+        out["storage_options"] = dict(self.storage_options)
         return out
+
+    def public_dict(self) -> dict[str, Any]:
+        """``to_dict`` with every storage option that may be a credential redacted: the form
+        that ``status()``, logs and the CLI show."""
+        out = self.to_dict()
+        out["storage_options"] = redact(self.storage_options)
+        return out
+
+    @property
+    def remote(self) -> bool:
+        """Whether traces are uploaded to a URL (``save_path`` is ``s3://...`` and the like)."""
+        return is_remote(self.save_path)
 
     def validate(self, check_paths: bool = True) -> ProfilerConfig:
         """Check every field; raise ValueError naming the field and value. Returns self.
@@ -111,6 +135,7 @@ class ProfilerConfig:
             "with_stack",
             "with_flops",
             "with_modules",
+            "keep_local",
         ):
             _check_bool(self, name)
         for name in ("skip_first", "wait", "warmup", "repeat"):
@@ -125,6 +150,7 @@ class ProfilerConfig:
         self._validate_activities()
         self._validate_export()
         self._validate_run_name()
+        self._validate_storage(check_paths)
         self._validate_save_path(check_paths)
         return self
 
@@ -197,29 +223,59 @@ class ProfilerConfig:
                 "digits, '.', '_' or '-' (at most 128, not starting with '.')"
             )
 
+    def _validate_storage(self, check_paths: bool) -> None:
+        opts: Any = self.storage_options
+        if opts is None or not isinstance(opts, Mapping):
+            raise ValueError(
+                "profiler config: 'storage_options' must be a mapping of fsspec options "
+                f"(use {{}} for none), got {type(opts).__name__}: {redact_value(opts)!r}"
+            )
+        bad = [k for k in opts if not isinstance(k, str)]
+        if bad:
+            raise ValueError(
+                f"profiler config: 'storage_options' keys must be strings, got {bad!r}"
+            )
+        self.storage_options = dict(opts)
+        staging: Any = self.staging_path
+        if staging is not None and (
+            not isinstance(staging, (str, os.PathLike)) or is_remote(str(staging))
+        ):
+            raise ValueError(
+                "profiler config: 'staging_path' must be a local directory path, "
+                f"got {type(staging).__name__}: {staging!r}"
+            )
+        if staging is not None:
+            self.staging_path = os.fspath(staging)
+
     def _validate_save_path(self, check_paths: bool) -> None:
-        path = self.save_path
+        path: Any = self.save_path
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise ValueError(
-                f"profiler config: 'save_path' must be a path string, "
+                f"profiler config: 'save_path' must be a path string or a URL, "
                 f"got {type(path).__name__}: {path!r}"
             )
         if path is not None:
-            self.save_path = os.fspath(path)
+            self.save_path = local_path(os.fspath(path))
         if not self.enable:
             return
         if not self.save_path:
             raise ValueError("profiler config: 'save_path' is required when 'enable' is True")
+        if is_remote(self.save_path):
+            # A missing backend is a config error; an unreachable endpoint is not (ranks report it).
+            check_backend(self.save_path)
+            if check_paths and self.staging_path:
+                check_writable_dir(self.staging_path, "staging_path")
+            return
         if check_paths:
             check_writable_dir(self.save_path)
 
 
-def check_writable_dir(path: str) -> None:
+def check_writable_dir(path: str, name: str = "save_path") -> None:
     """Raise ValueError unless ``path`` is (or can be created as) a writable directory."""
     probe = os.path.abspath(path)
     if os.path.exists(probe):
         if not os.path.isdir(probe):
-            raise ValueError(f"profiler config: 'save_path' {path!r} exists and is not a directory")
+            raise ValueError(f"profiler config: {name!r} {path!r} exists and is not a directory")
     else:
         # The nearest existing ancestor must be a directory we can create things in.
         while not os.path.exists(probe):
@@ -229,7 +285,7 @@ def check_writable_dir(path: str) -> None:
             probe = parent
         if not os.path.isdir(probe):
             raise ValueError(
-                f"profiler config: 'save_path' {path!r} cannot be created: "
+                f"profiler config: {name!r} {path!r} cannot be created: "
                 f"{probe!r} is not a directory"
             )
     try:  # os.access lies for root and read-only mounts; a real file tells the truth
@@ -238,7 +294,7 @@ def check_writable_dir(path: str) -> None:
         os.unlink(name)
     except OSError as exc:
         raise ValueError(
-            f"profiler config: 'save_path' {path!r} is not writable ({probe!r}: {exc.strerror})"
+            f"profiler config: {name!r} {path!r} is not writable ({probe!r}: {exc.strerror})"
         ) from exc
 
 
@@ -282,3 +338,8 @@ def _check_number(cfg: ProfilerConfig, name: str, minimum_exclusive: float) -> N
         raise ValueError(
             f"profiler config: {name!r} must be a finite number > {minimum_exclusive}, got {value}"
         )
+
+
+def redact_value(value: Any) -> Any:
+    """A value for an error message: a mapping with its credentials hidden."""
+    return redact(value) if isinstance(value, dict) else value

@@ -51,6 +51,7 @@ class RankStatus(TypedDict):
     ``stop_profile``, ``dump_profiler_summary``) answers."""
 
     rank: int | None
+    node_id: str | None
     state: Literal["ok", "disabled", "not_selected", "not_configured"]
     reason: Reason | None
     device: str | None
@@ -133,7 +134,11 @@ class RunEntry(TypedDict):
 
 
 class WindowTrace(TypedDict):
-    path: str | None
+    """Where one rank's trace of a window is, as its node agent reported it."""
+
+    path: str | None  # the trace's final place: its URL once uploaded, else a path on ``node``
+    local_path: str | None  # the copy that stays on ``node`` (kept, or the upload failed)
+    node: str | None  # the Ray node id of the node that wrote it
     error: dict[str, str] | None
 
 
@@ -153,6 +158,7 @@ class WindowEntry(TypedDict):
     summaries_pending: list[int]
     traces_pending: list[int]
     trace_errors: dict[int, dict[str, str]]
+    traces: dict[int, WindowTrace]
     stragglers: list[int]
 
 
@@ -178,6 +184,7 @@ class RankEntry(TypedDict):
     last_trace_path: str | None
     summary_helper: Any
     last_helper_error: Any
+    node_id: str | None
 
 
 class WindowPlan(TypedDict):

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from coordinator.config import ProfilerConfig
 from coordinator.schedule import Schedule
 from coordinator.state import CoordinatorState
-from coordinator.trace_layout import contained, default_run_name
+from coordinator.trace_layout import child, default_run_name
 from coordinator.window_driver import WindowDriver
 
 RunPhase = Literal["configured", "running", "stopped", "abandoned"]
@@ -62,7 +62,7 @@ class Run:
 def new_run(config: ProfilerConfig, taken: set[str], now: float | None = None) -> Run:
     """A fresh run for ``config``: its own directory (never one an earlier run used) and plan."""
     name = unique_run_name(config.run_name or default_run_name(now), taken)
-    run_dir = contained(config.save_path, name) if config.save_path else None
+    run_dir = child(config.save_path, name) if config.save_path else None
     return Run(
         name=name,
         config=config,

@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from coordinator.aggregate import WindowAggregate, empty_summary
-from coordinator.replies import KernelSummary, RankEntry, TrainerEntry, WindowEntry
+from coordinator.replies import (
+    KernelSummary,
+    RankEntry,
+    TrainerEntry,
+    WindowEntry,
+    WindowTrace,
+)
 from coordinator.schedule import Window
 from coordinator.summary_codec import SummaryDecodeError, decode_summary
 
@@ -35,6 +41,7 @@ class RankRecord:
     last_trace_path: str | None = None
     summary_helper: Any = None
     last_helper_error: Any = None
+    node_id: str | None = None
 
     @property
     def active(self) -> bool:
@@ -53,6 +60,7 @@ class RankRecord:
             "last_trace_path": self.last_trace_path,
             "summary_helper": self.summary_helper,
             "last_helper_error": self.last_helper_error,
+            "node_id": self.node_id,
         }
 
 
@@ -91,7 +99,7 @@ class WindowRecord:
     pending: set[tuple[str, int]] = field(default_factory=set)
     # Where each rank's trace is once the node agent has finished it: {"path", "error"}.
     # A rank whose trace was written but not yet finished is in ``traces_pending``.
-    traces: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    traces: dict[tuple[str, int], WindowTrace] = field(default_factory=dict)
     traces_pending: set[tuple[str, int]] = field(default_factory=set)
     threshold: float = 1.25  # straggler threshold
     unopened: str | None = None  # why a planned window never opened (the run stopped first)
@@ -146,8 +154,9 @@ class WindowRecord:
             "summaries_pending": sorted(r for _, r in self.pending),
             "traces_pending": sorted(r for _, r in self.traces_pending),
             "trace_errors": {
-                r: t["error"] for (_, r), t in sorted(self.traces.items()) if t.get("error")
+                r: err for (_, r), t in sorted(self.traces.items()) if (err := t["error"])
             },
+            "traces": {r: t for (_, r), t in sorted(self.traces.items())},
             "stragglers": sorted(
                 {
                     r
@@ -244,6 +253,8 @@ class CoordinatorState:
             }
             self.counters["ranks_disabled"] += 1
         rec.device = reply.get("device", rec.device)
+        if isinstance(reply.get("node_id"), str):
+            rec.node_id = reply["node_id"]
         rec.note = reply.get("note", rec.note)
         if isinstance(reply.get("windows_captured"), int):
             rec.windows_captured = reply["windows_captured"]
@@ -311,7 +322,15 @@ class CoordinatorState:
             self.counters["duplicate_summaries"] += 1
         found.pending.discard(key)
 
-    def trace_stored(self, key: tuple[str, int], window: Any, path: Any, error: Any) -> bool:
+    def trace_stored(
+        self,
+        key: tuple[str, int],
+        window: Any,
+        path: str | None,
+        error: dict[str, str] | None,
+        local_path: str | None = None,
+        node: str | None = None,
+    ) -> bool:
         """The node agent finished a rank's trace of ``window``: where it is, or why not.
 
         False (and nothing changes) for a window or rank this run does not know.
@@ -320,7 +339,7 @@ class CoordinatorState:
         if w is None or key not in w.participants:
             self.counters["unexpected_trace_reports"] += 1
             return False
-        w.traces[key] = {"path": path, "error": error}
+        w.traces[key] = WindowTrace(path=path, local_path=local_path, node=node, error=error)
         w.traces_pending.discard(key)
         if error:
             self.counters["trace_failures"] += 1
@@ -348,12 +367,15 @@ class CoordinatorState:
         if isinstance(reason, dict) and reason.get("where") == "helper":
             # The helper died: nobody will finish this trace; it stays where the rank wrote it.
             w.traces_pending.discard(key)
+            path = reason.get("trace_path")
             w.traces.setdefault(
                 key,
-                {
-                    "path": reason.get("trace_path"),
-                    "error": {"where": "helper", "message": message[:1000]},
-                },
+                WindowTrace(
+                    path=path,
+                    local_path=path,
+                    node=self.ranks[key].node_id,
+                    error={"where": "helper", "message": message[:1000]},
+                ),
             )
         return True
 

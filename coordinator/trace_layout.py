@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import time
 
+from coordinator.storage import is_remote, join
+
 WINDOW_DIR = "window_{index:04d}_steps_{first}-{last}"
 TRACE_FILE = {
     "chrome_trace": "rank{rank}.pt.trace.json",
@@ -33,6 +35,13 @@ def window_dir(run_directory: str, index: int, first: int, last: int) -> str:
 def trace_path(window_directory: str, rank: int, export_type: str) -> str:
     """The file one rank writes for one window."""
     return contained(window_directory, TRACE_FILE[export_type].format(rank=int(rank)))
+
+
+def child(base: str, name: str) -> str:
+    """``base/name`` for a local directory (see ``contained``) or a URL (``s3://...``)."""
+    if is_remote(base):
+        return join(base, name)
+    return contained(base, name)
 
 
 def contained(base: str, name: str) -> str:

@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import ROOT
+from tests.s3_server import s3_server
 
 
 def env(**extra):
@@ -34,22 +35,37 @@ def result_of(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def test_multinode_traces_on_both_nodes_and_a_removed_node_is_lost():
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.scripts.multinode_run"],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+def test_two_nodes_upload_to_s3_and_collect_names_the_ranks_of_a_removed_node():
+    with s3_server() as s3:
+        s3.make_bucket("traces")
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.scripts.multinode_run", s3.endpoint],
+            cwd=ROOT,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
     out = result_of(proc)
     assert out["distinct_nodes"] == 2
+    # 1. every window of every rank, from both nodes, is in the bucket; staging is empty again
+    dirs = ["window_0000_steps_1-2", "window_0001_steps_4-5"]
+    assert out["uploaded"] == [
+        f"traces/multi/run/{d}/rank{r}.pt.trace.json.gz" for d in dirs for r in range(4)
+    ]
+    assert out["s3_trace_errors"] == [{}, {}]
+    assert out["s3_nodes"] == {str(r): out["nodes"][r] for r in range(4)}
+    assert out["staging_dirs"] == {"head": ["run"], "node2": ["run"]}  # each node its own
+    assert out["staging_files"] == {"head": [], "node2": []}
+    # 2. node-local traces; node 2 removed mid-run
     assert out["ranks"] == {"0": "ok", "1": "ok", "2": "lost", "3": "lost"}
     assert out["windows"][0] == [[1, 2], [0, 1, 2, 3]]
     assert out["windows"][1] == [[4, 5], [0, 1]]
     assert out["files"]["window_0000_steps_1-2"] == [f"rank{r}.pt.trace.json" for r in range(4)]
     assert out["files"]["window_0001_steps_4-5"] == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+    assert out["collected_dir"] == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+    assert sorted(out["missing"]) == ["2", "3"]
+    assert all("is gone" in why for why in out["missing"].values()), out["missing"]
     assert out["torch_loaded"] is False
 
 

@@ -85,6 +85,7 @@ class ProfilerWorkerMixin:
 def _not_configured() -> RankStatus:
     return {
         "rank": None,
+        "node_id": None,
         "state": "not_configured",
         "reason": None,
         "device": None,

@@ -21,6 +21,7 @@ import concurrent.futures
 import contextlib
 import multiprocessing
 import os
+import re
 import sys
 import threading
 import types
@@ -28,7 +29,16 @@ from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Protocol
 
-from worker_ext.trace_jobs import JobResult, TraceJob, finish_trace, reason, run_job, summarise_job
+from worker_ext.trace_jobs import (
+    JobResult,
+    TraceJob,
+    finish_trace,
+    lowest_cpu_priority,
+    reason,
+    run_job,
+    summarise_job,
+    upload_trace,
+)
 
 AGENT_NAMESPACE = "profiler_agents"
 # Part of the agent's name: a cluster that still runs an agent of an older protocol gets a new one.
@@ -66,6 +76,9 @@ class NodeAgent:
             1, "profiler-files", initializer=lowest_cpu_priority
         )
         self._jobs = 0
+        import ray
+
+        self._node = str(ray.get_runtime_context().get_node_id())
 
     async def ping(self) -> int:
         """The agent's pid."""
@@ -74,6 +87,19 @@ class NodeAgent:
     async def jobs_in_flight(self) -> int:
         """Jobs accepted and not yet finished (their trace files included)."""
         return self._jobs
+
+    async def read_trace_chunk(self, path: str, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes of a trace file on this node from ``offset`` (b"" at its end).
+
+        Serves trace files of the trace layout only (``window_*/rank*.pt.trace.json[.gz]``,
+        ``rank*.stacks.txt``), for ``coordinator.collect``; anything else is a ValueError.
+        """
+        if not is_trace_file(path):
+            raise ValueError(f"{path!r} is not a trace file of a profiling window")
+        if not isinstance(offset, int) or not isinstance(size, int) or offset < 0 or size < 1:
+            raise ValueError("offset must be an int >= 0 and size an int >= 1")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, _read_chunk, path, offset, min(size, MAX_CHUNK))
 
     async def process(self, job: TraceJob) -> JobResult:
         """Summarise and push, then finish the trace file; never raises (see ``run_job``)."""
@@ -88,13 +114,15 @@ class NodeAgent:
             elif job.report_to:
                 await self._notify(job, res.errors[-1])
             await loop.run_in_executor(self._files, finish_trace, job, folded, res)
+            if job.upload_to is not None:
+                await loop.run_in_executor(self._files, upload_trace, job, res)
             if job.report_to and job.final_path is not None:
                 await self._stored(job, res)
             return res
         finally:
             self._jobs -= 1
 
-    async def _call(self, report_to: dict[str, str], method: str, *args: Any) -> Any:
+    async def _call(self, report_to: dict[str, str], method: str, *args: Any, **kwargs: Any) -> Any:
         """Call the coordinator ``report_to`` names; a handle that has gone stale (the
         coordinator was killed, restarted or replaced by a new run) is looked up once more."""
         import ray
@@ -105,7 +133,9 @@ class NodeAgent:
             try:
                 if handle is None:
                     handle = self._coordinators[key] = ray.get_actor(key[1], namespace=key[0])
-                ref = getattr(handle, method).remote(report_to["trainer_id"], *args)
+                ref = getattr(handle, method).remote(
+                    report_to["trainer_id"], *args, run=report_to.get("run"), **kwargs
+                )
                 return await asyncio.wait_for(ref, PUBLISH_TIMEOUT_S)
             except (ray.exceptions.RayActorError, ValueError):
                 self._coordinators.pop(key, None)
@@ -134,6 +164,8 @@ class NodeAgent:
                 job.window,
                 res.trace_path,
                 files[-1] if files else None,
+                local_path=res.local_path,
+                node=self._node,
             )
 
     async def _notify(self, job: TraceJob, why: dict[str, str]) -> None:
@@ -143,10 +175,26 @@ class NodeAgent:
             await self._call(job.report_to, "summary_failed", job.rank, job.window, why)
 
 
-def lowest_cpu_priority() -> None:
-    """Give the calling thread the lowest CPU priority (Linux: nice is per thread)."""
-    with contextlib.suppress(Exception):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+MAX_CHUNK = 8 << 20
+_TRACE_FILE = re.compile(
+    r"(^|/)window_\d{4,}_steps_\d+-\d+/rank\d+\.(pt\.trace\.json(\.gz)?|stacks\.txt)$"
+)
+
+
+def is_trace_file(path: object) -> bool:
+    """Whether ``path`` names an existing trace file of the trace layout on this node."""
+    return (
+        isinstance(path, str)
+        and "/../" not in path
+        and bool(_TRACE_FILE.search(path))
+        and os.path.isfile(path)
+    )
+
+
+def _read_chunk(path: str, offset: int, size: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)
 
 
 _ACTOR: Any = None

@@ -19,6 +19,8 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import sys
+import tempfile
 import threading
 import traceback
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from torch.profiler import ProfilerActivity
 from coordinator.config import ProfilerConfig
 from coordinator.replies import ClosedWindow, HelperError, Phase, RankStatus, Reason
 from coordinator.schedule import Window
+from coordinator.storage import is_remote, join
 from coordinator.trace_layout import contained, trace_path, window_dir
 from worker_ext.node_agent import TraceHelper, default_helper
 from worker_ext.trace_jobs import JobResult, TraceJob
@@ -72,7 +75,13 @@ class RankProfiler:
     ) -> None:
         self.rank = int(rank)
         self.config = config
-        self.run_directory = run_directory
+        # Where this rank writes: the run directory, or its staging copy on this node when the
+        # run directory is a URL (the node agent uploads each finished trace there).
+        self.remote_run_dir = run_directory if run_directory and is_remote(run_directory) else None
+        self.run_directory = (
+            staging_dir(config, self.remote_run_dir) if self.remote_run_dir else run_directory
+        )
+        self.node_id = _node_id()
         self.selected = bool(config.enable and config.selects(self.rank))
         self.report_to = report_to  # the coordinator the helper pushes summaries to
         self._helper = helper
@@ -148,6 +157,7 @@ class RankProfiler:
         )
         return {
             "rank": self.rank,
+            "node_id": self.node_id,
             "state": state,
             "reason": Reason(**self.fault) if self.fault else None,
             "device": self.device,
@@ -363,11 +373,14 @@ class RankProfiler:
                 final = trace_path(wdir, self.rank, export)
                 # The helper compresses or folds this plain trace, then deletes it.
                 raw = trace_path(wdir, self.rank, "chrome_trace")
+            upload = None
+            if final is not None and self.remote_run_dir is not None:
+                upload = join(self.remote_run_dir, os.path.basename(wdir), os.path.basename(final))
             tmp = raw + ".tmp"
             prof.export_chrome_trace(tmp)
             os.replace(tmp, raw)  # a reader never sees half a trace
             tmp = None
-            closing.trace_path = final
+            closing.trace_path = upload or final
             self._hand_off(
                 TraceJob(
                     rank=self.rank,
@@ -381,6 +394,9 @@ class RankProfiler:
                     raw_path=raw,
                     final_path=final,
                     report_to=self.report_to,
+                    upload_to=upload,
+                    storage_options=dict(self.config.storage_options),
+                    keep_local=self.config.keep_local,
                 )
             )
         except BaseException as exc:  # an exception escaping here segfaults the next stop()
@@ -488,6 +504,35 @@ def _notify_failure(report_to: dict[str, str], rank: int, window: int, err: dict
         handle.summary_failed.remote(report_to["trainer_id"], rank, window, err)
     except Exception:
         log.debug("could not tell the coordinator about a lost summary", exc_info=True)
+
+
+STAGING_ENV = "RAY_PROFILER_STAGING"
+
+
+def staging_dir(config: ProfilerConfig, run_url: str) -> str:
+    """This node's local copy of a remote run directory: ``<staging>/<run name>``.
+
+    ``<staging>`` is ``$RAY_PROFILER_STAGING`` on this node, else the config's
+    ``staging_path``, else ``<tmp>/ray-profiler-staging``.
+    """
+    root = (
+        os.environ.get(STAGING_ENV)
+        or config.staging_path
+        or os.path.join(tempfile.gettempdir(), "ray-profiler-staging")
+    )
+    name = run_url.rstrip("/").rsplit("/", 1)[-1]
+    return contained(root, name) if os.path.isdir(root) else os.path.join(root, name)
+
+
+def _node_id() -> str | None:
+    """The Ray node this process runs on, or None outside Ray."""
+    ray = sys.modules.get("ray")
+    try:
+        if ray is not None and ray.is_initialized():
+            return str(ray.get_runtime_context().get_node_id())
+    except Exception:
+        return None
+    return None
 
 
 def _pick_device(config: ProfilerConfig) -> tuple[str, str | None]:

@@ -12,10 +12,12 @@ import contextlib
 import gzip
 import os
 import shutil
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from coordinator.summary_codec import encode_summary
 from worker_ext.trace_summary import summarise_trace
@@ -43,6 +45,11 @@ class TraceJob:
     final_path: str | None
     """The file the window promises (``.json.gz``, ``.stacks.txt``); None for ``none``."""
     report_to: dict[str, str] | None = None
+    upload_to: str | None = None
+    """The URL the finished trace goes to (a URL ``save_path``), or None to keep it here."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    keep_local: bool = False
+    """Keep the local copy once it is uploaded."""
 
 
 @dataclass
@@ -56,9 +63,11 @@ class JobResult:
     """The encoded summary when it could not be pushed (it rides on the rank's next reply)."""
     pushed: bool = False
     trace_path: str | None = None
-    """Where the window's trace is now."""
+    """Where the window's trace is now (its URL once uploaded)."""
+    local_path: str | None = None
+    """The copy on this node that stays: kept on purpose, or because the upload failed."""
     errors: list[dict[str, str]] = field(default_factory=list)
-    """``where`` (summary, publish, compress, stacks, cleanup), ``type``, ``message``."""
+    """``where`` (summary, publish, compress, stacks, cleanup, upload), ``type``, ``message``."""
 
 
 def run_job(
@@ -75,6 +84,7 @@ def run_job(
         with contextlib.suppress(Exception):
             notify(job.report_to, job.rank, job.window, res.errors[-1])
     finish_trace(job, folded, res)
+    upload_trace(job, res)
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -136,6 +146,68 @@ def finish_trace(job: TraceJob, folded: list[str] | None, res: JobResult) -> Non
     except BaseException as exc:  # noqa: BLE001
         where = {"chrome_trace_gz": "compress", "stacks": "stacks"}.get(export, "cleanup")
         res.errors.append(reason(where, exc))
+
+
+UPLOAD_ATTEMPTS = 4
+UPLOAD_BACKOFF_S = 0.5
+
+
+def upload_trace(
+    job: TraceJob, res: JobResult, sleep: Callable[[float], None] = time.sleep
+) -> None:
+    """Copy the finished trace to ``job.upload_to``, retrying with backoff; then drop the local
+    copy unless ``keep_local``. A failure keeps the local copy and goes in ``res.errors``."""
+    local = res.trace_path
+    if job.upload_to is None or local is None or not os.path.exists(local):
+        return
+    from coordinator.storage import filesystem
+
+    _lower_fsspec_io_priority()
+    delay = UPLOAD_BACKOFF_S
+    for attempt in range(1, UPLOAD_ATTEMPTS + 1):
+        try:
+            fs, path = filesystem(job.upload_to, job.storage_options)
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            fs.put_file(local, path)
+            break
+        except Exception as exc:
+            if attempt == UPLOAD_ATTEMPTS:
+                err = reason("upload", exc)
+                err["message"] = (
+                    f"upload to {job.upload_to} failed {attempt} times; the trace stays at "
+                    f"{local}: {err['message']}"
+                )[:1000]
+                res.errors.append(err)
+                res.local_path = local
+                return
+            sleep(delay)
+            delay *= 2
+    res.trace_path = job.upload_to
+    if job.keep_local:
+        res.local_path = local
+        return
+    try:
+        os.unlink(local)
+    except OSError as exc:
+        res.local_path = local
+        res.errors.append(reason("cleanup", exc))
+
+
+def lowest_cpu_priority() -> None:
+    """Give the calling thread the lowest CPU priority (Linux: nice is per thread)."""
+    with contextlib.suppress(Exception):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def _lower_fsspec_io_priority() -> None:
+    """Async filesystems (s3fs, gcsfs) do their work on fsspec's own I/O thread: give it the
+    lowest CPU priority too, so an upload yields the CPU to training (Linux: nice per thread)."""
+    try:
+        from fsspec.asyn import get_loop
+
+        get_loop().call_soon_threadsafe(lowest_cpu_priority)
+    except Exception:
+        return
 
 
 def _atomic(final: str, write: Callable[[str], None]) -> None:

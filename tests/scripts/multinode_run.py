@@ -1,4 +1,9 @@
-"""Two raylets on one machine: workers on both write traces; removing node 2 loses its ranks.
+"""Two raylets on one machine, each with its own staging directory.
+
+1. A URL save_path (moto S3 at the endpoint given as argv[1]): ranks on both nodes stage their
+   traces locally and the node agents upload every one.
+2. A node-local save_path: ranks on both nodes write traces; node 2 is removed mid-run, which
+   loses its ranks; collecting a window then gets node 1's traces and names node 2's missing.
 
 Run as a subprocess by tests/test_cluster.py (a Ray driver owns its process); prints JSON.
 """
@@ -7,31 +12,92 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 import ray
 from ray.cluster_utils import Cluster
 
 from coordinator import get_or_create_coordinator
+from coordinator.collect import collect_window
 from tests.configs import join_cluster, profiler_config
 from tests.ray_workers import ToyWorker
 
 
-def main() -> None:
+def wait_for_traces(coord, timeout=120):
+    deadline = time.monotonic() + timeout
+    while True:
+        st = ray.get(coord.status.remote())
+        if not any(w["traces_pending"] for w in st["windows"]) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.2)
+
+
+def files_under(root):
+    return sorted(
+        os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names
+    )
+
+
+def main(endpoint: str) -> None:
     save = tempfile.mkdtemp(prefix="multinode-")
+    staging = {n: tempfile.mkdtemp(prefix=f"staging-{n}-") for n in ("head", "node2")}
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 4, "resources": {"head": 8}, "include_dashboard": False},
+        head_node_args={
+            "num_cpus": 4,
+            "resources": {"head": 8},
+            "include_dashboard": False,
+            "env_vars": {"RAY_PROFILER_STAGING": staging["head"]},
+        },
     )
     try:
         join_cluster(cluster.address, namespace="profiler-multinode")
+        s3_opts = {
+            "key": "testing-key",
+            "secret": "testing-secret",
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        }
+        # Both coordinators are created before node 2 exists: they stay on the head.
+        s3_coord = get_or_create_coordinator(
+            profiler_config(
+                "s3://traces/multi",
+                export_type="chrome_trace_gz",
+                wait=0,
+                warmup=1,
+                active=2,
+                repeat=2,
+                storage_options=s3_opts,
+            ),
+            name="profiler-s3",
+        )
         cfg = profiler_config(save, wait=0, warmup=1, active=2, repeat=0, worker_timeout_s=60.0)
-        coord = get_or_create_coordinator(cfg)  # created before node 2 exists: it stays on the head
-        node2 = cluster.add_node(num_cpus=4, resources={"node2": 8})
+        coord = get_or_create_coordinator(cfg)
+        node2 = cluster.add_node(
+            num_cpus=4, resources={"node2": 8}, env_vars={"RAY_PROFILER_STAGING": staging["node2"]}
+        )
         cluster.wait_for_nodes()
         Worker = ray.remote(num_cpus=0)(ToyWorker)
         workers = [Worker.options(resources={"head": 1}).remote() for _ in range(2)]
         workers += [Worker.options(resources={"node2": 1}).remote() for _ in range(2)]
         nodes = ray.get([w.node_id.remote() for w in workers])
+
+        # 1. Upload from both nodes.
+        ray.get(s3_coord.register.remote("t", workers))
+        ray.get(s3_coord.start.remote("t", 0))
+        for k in range(6):  # windows: warmup 0, record 1-2 | warmup 3, record 4-5
+            ray.get([w.train_step.remote() for w in workers])
+            ray.get(s3_coord.step.remote("t", k))
+        ray.get(s3_coord.stop.remote("t"))
+        s3_st = wait_for_traces(s3_coord)
+        import s3fs
+
+        fs = s3fs.S3FileSystem(
+            key="testing-key", secret="testing-secret", client_kwargs=s3_opts["client_kwargs"]
+        )
+        uploaded = sorted(fs.find("traces/multi"))
+        s3_nodes = {str(r): t["node"] for w in s3_st["windows"] for r, t in w["traces"].items()}
+
+        # 2. Node-local traces, node 2 removed, then collected.
         ray.get(coord.register.remote("t", workers))
         ray.get(coord.start.remote("t", 0))
         live = list(workers)
@@ -42,18 +108,30 @@ def main() -> None:
             ray.get([w.train_step.remote() for w in live])
             ray.get(coord.step.remote("t", k))
         ray.get(coord.stop.remote("t"))
-        st = ray.get(coord.status.remote())
+        st = wait_for_traces(coord)
+        dest = tempfile.mkdtemp(prefix="collected-")
+        collected = collect_window(coord, 0, dest)
         out = {
             "distinct_nodes": len(set(nodes)),
+            "nodes": nodes,
+            "uploaded": uploaded,
+            "s3_trace_errors": [w["trace_errors"] for w in s3_st["windows"]],
+            "s3_nodes": s3_nodes,
+            "staging_files": {n: files_under(d) for n, d in staging.items()},
+            "staging_dirs": {n: sorted(os.listdir(d)) for n, d in staging.items()},
             "ranks": {r["rank"]: r["state"] for r in st["ranks"]},
             "windows": [(w["steps"], w["ranks"]) for w in st["windows"]],
             "files": {
                 d: sorted(os.listdir(os.path.join(save, "run", d)))
                 for d in sorted(os.listdir(os.path.join(save, "run")))
             },
+            "collected": {str(k): v for k, v in collected["files"].items()},
+            "collected_dir": sorted(os.listdir(dest)),
+            "missing": {str(k): v for k, v in collected["missing"].items()},
             "torch_loaded": st["process"]["torch_loaded"],
         }
-        ray.kill(coord)
+        for h in (coord, s3_coord):
+            ray.kill(h)
         print("RESULT " + json.dumps(out))
     finally:
         ray.shutdown()
@@ -61,4 +139,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,216 @@
+"""Traces where users can reach them: a URL save_path (a real S3 server on loopback) and collect."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from coordinator import attach_coordinator
+from coordinator.collect import collect_window
+from coordinator.config import ProfilerConfig
+from coordinator.storage import REDACTED, redact
+from tests.configs import ROOT, profiler_config
+from tests.ray_workers import ToyWorker
+from tests.s3_server import s3_server
+
+FAKE_SECRET = "FAKE-SECRET-must-never-be-printed-7e1f"
+
+
+# ---------------------------------------------------------------- config, no cluster
+
+
+def test_a_url_save_path_is_checked_for_its_backend_not_for_reachability():
+    cfg = ProfilerConfig(
+        enable=True,
+        save_path="s3://bucket/runs",
+        storage_options={"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}},
+    ).validate()
+    assert cfg.remote and cfg.save_path == "s3://bucket/runs"  # nothing listens there: fine
+    with pytest.raises(ValueError, match=r"'save_path' 'gs://b/p' needs .*pip install gcsfs"):
+        ProfilerConfig(enable=True, save_path="gs://b/p").validate()
+    with pytest.raises(ValueError, match="protocol 'nope', which fsspec does not know"):
+        ProfilerConfig(enable=True, save_path="nope://b/p").validate()
+    with pytest.raises(ValueError, match="'storage_options' must be a mapping"):
+        ProfilerConfig.from_dict({"enable": True, "save_path": "s3://b", "storage_options": None})
+    with pytest.raises(ValueError, match="'staging_path' must be a local directory"):
+        ProfilerConfig(enable=True, save_path="s3://b", staging_path="s3://other").validate()
+
+
+def test_file_urls_are_local_paths(tmp_path):
+    cfg = ProfilerConfig(enable=True, save_path=f"file://{tmp_path}").validate()
+    assert cfg.save_path == str(tmp_path) and not cfg.remote
+
+
+def test_credentials_are_redacted_wherever_the_config_is_shown():
+    opts = {
+        "key": "AKIA-something",
+        "secret": FAKE_SECRET,
+        "token": "t",
+        "anon": False,
+        "client_kwargs": {"endpoint_url": "http://h:1", "aws_secret_access_key": FAKE_SECRET},
+    }
+    shown = ProfilerConfig(enable=True, save_path="s3://b", storage_options=opts).public_dict()
+    assert FAKE_SECRET not in json.dumps(shown) and "AKIA" not in json.dumps(shown)
+    assert shown["storage_options"]["client_kwargs"]["endpoint_url"] == "http://h:1"
+    assert shown["storage_options"]["anon"] is False
+    assert redact(opts)["secret"] == REDACTED
+
+
+# ---------------------------------------------------------------- a real S3 server
+
+
+@pytest.fixture
+def s3():
+    with s3_server() as server:
+        server.make_bucket("traces")
+        yield server
+
+
+def train(ray, coord, workers, steps, tid="t"):
+    ray.get(coord.start.remote(tid, 0))
+    for k in range(steps):
+        ray.get([w.train_step.remote() for w in workers])
+        ray.get(coord.step.remote(tid, k))
+    ray.get(coord.stop.remote(tid))
+
+
+def wait_for_traces(ray, coord, timeout=90):
+    deadline = time.monotonic() + timeout
+    while True:
+        st = ray.get(coord.status.remote())
+        if not any(w["traces_pending"] for w in st["windows"]):
+            return st
+        assert time.monotonic() < deadline, [w["traces_pending"] for w in st["windows"]]
+        time.sleep(0.2)
+
+
+def s3_run(ray, ray_actors, s3, tmp_path, **kw):
+    cfg = profiler_config(
+        "s3://traces/runs",
+        export_type="chrome_trace_gz",
+        wait=1,
+        warmup=1,
+        active=2,
+        repeat=2,
+        staging_path=str(tmp_path / "staging"),
+        storage_options=s3.storage_options(secret=FAKE_SECRET),
+        **kw,
+    )
+    coord, _ = attach_coordinator(
+        cfg, name=f"s3-{uuid.uuid4().hex[:8]}", namespace="profiler-tests", trainer_id="t"
+    )
+    workers = [ray.remote(num_cpus=0)(ToyWorker).remote() for _ in range(2)]
+    ray_actors.extend([coord, *workers])
+    ray.get(coord.register.remote("t", workers))
+    return coord, workers
+
+
+def test_every_window_of_every_rank_lands_in_the_bucket_and_staging_is_emptied(
+    ray_session, ray_actors, s3, tmp_path
+):
+    ray = ray_session
+    coord, workers = s3_run(ray, ray_actors, s3, tmp_path)
+    train(ray, coord, workers, steps=9)
+    st = wait_for_traces(ray, coord)
+    dirs = ["window_0000_steps_2-3", "window_0001_steps_6-7"]
+    files = sorted(s3.fs().find("traces/runs/run"))
+    assert files == [f"traces/runs/run/{d}/rank{r}.pt.trace.json.gz" for d in dirs for r in (0, 1)]
+    with s3.fs().open(files[0], "rb") as f:
+        trace = json.loads(gzip.decompress(f.read()))
+    assert trace["rank"] == 0 and any(
+        e.get("name", "").startswith("ProfilerStep#2") for e in trace["traceEvents"]
+    )
+    assert [w["trace_dir"] for w in st["windows"]] == [f"s3://traces/runs/run/{d}" for d in dirs]
+    for w in st["windows"]:
+        assert w["trace_errors"] == {} and w["traces_pending"] == []
+        assert {r: t["path"] for r, t in w["traces"].items()} == {
+            r: f"{w['trace_dir']}/rank{r}.pt.trace.json.gz" for r in (0, 1)
+        }
+        assert all(t["local_path"] is None for t in w["traces"].values())
+    staged = [p for p in (tmp_path / "staging").rglob("*") if p.is_file()]
+    assert staged == []  # uploaded, then removed
+    text = json.dumps(st)
+    assert FAKE_SECRET not in text and st["config"]["storage_options"]["secret"] == REDACTED
+
+
+def test_a_stopped_server_costs_nothing_but_the_upload_and_collect_still_gets_the_traces(
+    ray_session, ray_actors, s3, tmp_path, monkeypatch
+):
+    ray = ray_session
+    coord, workers = s3_run(ray, ray_actors, s3, tmp_path)
+    ray.get(coord.start.remote("t", 0))
+    for k in range(9):
+        if k == 4:  # window 0 (steps 2-3) is closed; wait for its upload, then stop the server
+            wait_for_traces(ray, coord)
+            s3.stop()
+        ray.get([w.train_step.remote() for w in workers])
+        assert ray.get(coord.step.remote("t", k))["applied"]  # training never notices
+    ray.get(coord.stop.remote("t"))
+    st = wait_for_traces(ray, coord, timeout=120)
+    assert st["global_step"] == 8 and {r["state"] for r in st["ranks"]} == {"ok"}
+    ok, failed = st["windows"]
+    assert ok["trace_errors"] == {}
+    assert sorted(failed["trace_errors"]) == [0, 1]
+    for r, err in failed["trace_errors"].items():
+        assert err["where"] == "upload" and "failed 4 times" in err["message"]
+        local = failed["traces"][r]["local_path"]
+        assert local and os.path.exists(local) and local in err["message"]
+    # The local copies are still there for whoever wants them: collect fetches them.
+    dest = tmp_path / "collected"
+    res = collect_window(coord, failed["index"], str(dest))
+    assert res["missing"] == {} and sorted(res["files"]) == [0, 1]
+    assert sorted(os.listdir(dest)) == ["rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"]
+    for r in (0, 1):
+        trace = json.loads(gzip.decompress((dest / f"rank{r}.pt.trace.json.gz").read_bytes()))
+        assert trace["rank"] == r
+    assert FAKE_SECRET not in json.dumps(st)
+
+
+def test_collect_downloads_a_window_already_in_the_bucket_and_the_cli_shows_no_secret(
+    ray_session, ray_actors, s3, tmp_path, monkeypatch
+):
+    ray = ray_session
+    coord, workers = s3_run(ray, ray_actors, s3, tmp_path)
+    train(ray, coord, workers, steps=5)
+    wait_for_traces(ray, coord)
+    # The collector's own credentials (the run's are redacted): the usual environment variables.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
+    res = collect_window(coord, 0, str(tmp_path / "w0"))
+    assert res["missing"] == {} and res["bytes"] > 0
+    assert sorted(os.listdir(tmp_path / "w0")) == [
+        "rank0.pt.trace.json.gz",
+        "rank1.pt.trace.json.gz",
+    ]
+    name = ray.get(coord.status.remote())["name"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+    }
+    cli = [sys.executable, "-m", "coordinator", "--name", name, "--namespace", "profiler-tests"]
+    outputs = []
+    for args in (
+        ["status"],
+        ["--json", "status"],
+        ["collect", "--window", "0", "--to", str(tmp_path / "cli")],
+    ):
+        proc = subprocess.run(
+            cli + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outputs.append(proc.stdout + proc.stderr)
+    assert "rank 1:" in outputs[2] and os.path.exists(tmp_path / "cli" / "rank1.pt.trace.json.gz")
+    for text in outputs:
+        assert FAKE_SECRET not in text
+    # ...nor in any log this Ray session wrote (driver, coordinator, ranks, node agent).
+    logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    for root, _, names in os.walk(logs):
+        for n in names:
+            with open(os.path.join(root, n), "rb") as f:
+                assert FAKE_SECRET.encode() not in f.read(), n
