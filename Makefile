@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: venv test lint format demo bench clean
+.PHONY: venv test lint format demo bench fuzz clean
 
 venv: $(STAMP)
 
@@ -38,11 +38,16 @@ test: venv
 demo: venv
 	RAY_AUTH_MODE=$${RAY_AUTH_MODE:-disabled} $(PY) -m trainers.demo $(DEMO_ARGS)
 
+# The hostile-callers fuzz, longer than the fixed-seed run in `make test`.
+fuzz: venv
+	RAY_AUTH_MODE=disabled FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-5000} $(PY) -m pytest -q tests/test_hostile_callers.py
+
 bench: venv
 	$(PY) bench/rank_profiler_overhead.py
 	RAY_AUTH_MODE=disabled $(PY) bench/coordinator_overhead.py
 	RAY_AUTH_MODE=disabled $(PY) bench/summary_cost.py
 	$(PY) bench/summary_memory.py
+	RAY_AUTH_MODE=disabled $(PY) bench/upload_cost.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

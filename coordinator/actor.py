@@ -14,7 +14,6 @@ import asyncio
 import collections
 import logging
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 
 import ray
 
+from coordinator import checkpoint
 from coordinator.config import ProfilerConfig
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.rank_calls import any_alive, fan_out, run_commands
@@ -38,6 +38,17 @@ from coordinator.replies import (
 from coordinator.run import Run, attach_decision, new_run
 from coordinator.state import RankRecord, TrainerRecord
 from coordinator.trace_layout import child
+from coordinator.validate import (
+    MAX_SUMMARY_BYTES,
+    MAX_WORLD,
+    is_int,
+    is_number,
+    is_rank,
+    rank_handles,
+    span,
+    step_problem,
+    trainer_id_problem,
+)
 from coordinator.window_driver import Ignored
 from coordinator.worker_handles import install_worker_handle_stubs
 
@@ -45,12 +56,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NAME = "profiler"
 DEFAULT_NAMESPACE = "profiler"
-_TRAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # Configuring a rank warms Kineto up, which took up to 41 s on a loaded 2-core machine.
 CONFIGURE_TIMEOUT_S = 120.0
 # How long request_capture waits for the trainer's next report before it says no.
 CAPTURE_REPORT_TIMEOUT_S = 30.0
 PREVIOUS_RUNS = 8
+# Changes that only move the global step, or add a summary, are saved at most this often.
+CHECKPOINT_INTERVAL_S = 1.0
 Key = tuple[str, int]
 
 
@@ -81,6 +93,95 @@ class _Coordinator:
         self._throttled = False  # the stepping trainer waits only on the steps it is told to
         self._next_report_waits = False  # the trainer will wait for its next report's answer
         self._warned: set[str] = set()
+        self.restarts = 0
+        self.last_restart_at: float | None = None
+        self._recovering = False  # restored with a window open: close it on the ranks first
+        self._ckpt: dict[str, Any] = {"bytes": 0, "seconds": 0.0, "at": None, "error": None}
+        self._dirty = False
+        self._flusher: asyncio.Task[None] | None = None
+        self._restore()
+
+    # ------------------------------------------------------------ surviving a restart
+
+    def _restore(self) -> None:
+        """After Ray restarts this actor, pick the state up from the last checkpoint; a
+        coordinator created anew (not restarted) forgets any older one of its name."""
+        try:
+            restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        except Exception:
+            restarted = False
+        if not restarted:
+            checkpoint.delete(self.namespace, self.name)
+            return
+        saved = checkpoint.load(self.namespace, self.name)
+        self.restarts = (saved or {}).get("restarts", 0) + 1
+        self.last_restart_at = time.time()
+        if saved is None:
+            log.warning("coordinator %s restarted without a checkpoint", self.name)
+            return
+        self.run = saved["run"]
+        self.previous = collections.deque(saved["previous"], maxlen=PREVIOUS_RUNS)
+        self._throttled = saved["throttled"]
+        self._recovering = self.run.driver.current is not None
+        log.warning(
+            "coordinator %s restarted (restart %d): run %s at global step %s restored",
+            self.name,
+            self.restarts,
+            self.run.name,
+            self.run.state.global_step,
+        )
+
+    async def _recover(self) -> None:
+        """A window was open when the coordinator died: close it as partial on every rank
+        that still records, so that no torch profiler is left running. Call under the lock."""
+        if not self._recovering:
+            return
+        self._recovering = False
+        run = self.run
+        rec = run.state.current_window()
+        if rec is not None:
+            rec.cut = (
+                f"the coordinator restarted inside the window (after step {run.driver.last_step})"
+            )
+        await run_commands(run, run.driver.stop())
+        self._save(force=True)
+
+    def _save(self, force: bool = True) -> None:
+        """Checkpoint now (``force``), or within ``CHECKPOINT_INTERVAL_S``."""
+        self._dirty = True
+        if not force:
+            if self._flusher is None or self._flusher.done():
+                self._flusher = asyncio.ensure_future(self._flush_later())
+            return
+        self._dirty = False
+        t0 = time.perf_counter()
+        try:
+            size = checkpoint.save(
+                self.namespace,
+                self.name,
+                {
+                    "run": self.run,
+                    "previous": list(self.previous),
+                    "throttled": self._throttled,
+                    "restarts": self.restarts,
+                },
+            )
+            self._ckpt = {
+                "bytes": size,
+                "seconds": time.perf_counter() - t0,
+                "at": time.time(),
+                "error": None,
+            }
+        except Exception as exc:  # a checkpoint that fails costs the restart, never the run
+            self._ckpt["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("checkpoint failed: %s", self._ckpt["error"])
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(CHECKPOINT_INTERVAL_S)
+        if self._dirty:
+            async with self._lock:
+                if self._dirty:
+                    self._save(force=True)
 
     # ------------------------------------------------------------ runs
 
@@ -91,10 +192,15 @@ class _Coordinator:
         ``config``; the stepping trainer re-attaching (a restarted driver) resumes its run; a
         run that is still active keeps its config, and another config is a ValueError.
         """
+        if not isinstance(config, dict):
+            raise ValueError(
+                f"config must be a dict of ProfilerConfig fields, got {type(config).__name__}"
+            )
         cfg = ProfilerConfig.from_dict(config, check_paths=False)
-        if trainer_id is not None and not isinstance(trainer_id, str):
-            raise ValueError(f"trainer_id must be a string or None, got {trainer_id!r}")
+        if trainer_id is not None and (problem := trainer_id_problem(trainer_id)):
+            raise ValueError(problem)
         async with self._lock:
+            await self._recover()
             run = self.run
             stepping = run.state.stepping_trainer
             alive = True
@@ -124,6 +230,7 @@ class _Coordinator:
                         self.run.name,
                         ", ".join(diff),
                     )
+            self._save()
             return {
                 "run": self.run.name,
                 "run_dir": self.run.run_dir,
@@ -179,18 +286,30 @@ class _Coordinator:
         the global step and the window history. Raises ValueError for a bad registration.
         """
         async with self._lock:
-            return await self._register(trainer_id, workers, role, advances_step)
+            await self._recover()
+            reply = await self._register(trainer_id, workers, role, advances_step)
+            self._save()
+            return reply
 
     async def _register(
         self, trainer_id: str, workers: Any, role: str, advances_step: bool | None
     ) -> Registration:
-        handles = _rank_handles(trainer_id, workers)
-        if not isinstance(trainer_id, str) or not _TRAINER_ID.match(trainer_id):
+        problem = trainer_id_problem(trainer_id)
+        if problem:
+            raise ValueError(problem)
+        handles = rank_handles(trainer_id, workers)
+        odd = [r for r, h in handles.items() if not isinstance(h, ray.actor.ActorHandle)]
+        if odd:
             raise ValueError(
-                f"trainer_id {trainer_id!r} must be 1-64 letters, digits, '.', '_' or '-'"
+                f"trainer {trainer_id!r}: the workers of ranks {span(sorted(odd))} are not Ray "
+                "actor handles"
             )
         if not isinstance(role, str) or len(role) > 64:
-            raise ValueError(f"role must be a short string, got {role!r}")
+            raise ValueError(f"role must be a string of at most 64 characters, got {role!r:.80}")
+        if advances_step is not None and not isinstance(advances_step, bool):
+            raise ValueError(
+                f"advances_step must be True, False or None, got {advances_step!r:.80}"
+            )
         run, world = self.run, sorted(handles)
         cfg, st = run.config, run.state
         if cfg.ranks != "all":
@@ -198,7 +317,7 @@ class _Coordinator:
             if outside:
                 raise ValueError(
                     f"profiler config selects ranks {outside}, which trainer {trainer_id!r} "
-                    f"does not have (its ranks: {_span(world)})"
+                    f"does not have (its ranks: {span(world)})"
                 )
         existing = st.trainers.get(trainer_id)
         run_dir = run.run_dir
@@ -246,14 +365,14 @@ class _Coordinator:
         A start after the run stopped begins a fresh run with the same config and trainers.
         """
         async with self._lock:
+            await self._recover()
             no = self._not_the_stepping_trainer(trainer_id, "start")
             if no:
                 return self._step_reply(False, no)
-            if not _is_step(first_step):
-                return self._step_reply(
-                    False,
-                    self._refuse("start", f"first_step must be an int >= 0, got {first_step!r}"),
-                )
+            problem = step_problem("first_step", first_step)
+            if problem or not isinstance(throttled, bool):
+                why = problem or f"throttled must be True or False, got {throttled!r:.80}"
+                return self._step_reply(False, self._refuse("start", why))
             if self.run.phase == "stopped":
                 await self._begin_run(self.run.config, "started again after it stopped", carry=True)
             run = self.run
@@ -265,6 +384,7 @@ class _Coordinator:
             reply = self._step_reply(True)
             ns = reply["next_sync_step"]
             self._next_report_waits = not self._throttled or (ns is not None and ns <= first_step)
+            self._save()
             return reply
 
     async def step(self, trainer_id: str, k: int, waiting: bool = True) -> StepReply:
@@ -274,13 +394,14 @@ class _Coordinator:
         sends reports of idle steps without waiting, and says so).
         """
         async with self._lock:
+            await self._recover()
             no = self._not_the_stepping_trainer(trainer_id, "step")
             if no:
                 return self._step_reply(False, no)
-            if not _is_step(k):
-                return self._step_reply(
-                    False, self._refuse("step", f"step must be an int >= 0, got {k!r}")
-                )
+            problem = step_problem("step", k)
+            if problem or not isinstance(waiting, bool):
+                why = problem or f"waiting must be True or False, got {waiting!r:.80}"
+                return self._step_reply(False, self._refuse("step", why))
             run = self.run
             if run.phase == "stopped":
                 return self._step_reply(
@@ -307,6 +428,7 @@ class _Coordinator:
             self._next_report_waits = not self._throttled or (
                 bool(waiting) and ns is not None and ns <= k + 1
             )
+            self._save(force=bool(result))  # a window changed: now; only the step: soon
             return reply
 
     async def stop(self, trainer_id: str) -> StepReply:
@@ -314,6 +436,7 @@ class _Coordinator:
         collect the summaries still pending, and end the run. Safe to call twice, without
         start, and after a failure."""
         async with self._lock:
+            await self._recover()
             no = self._not_the_stepping_trainer(trainer_id, "stop")
             if no:
                 return self._step_reply(False, no)
@@ -332,6 +455,7 @@ class _Coordinator:
                 wait_s = min(30.0, run.config.worker_timeout_s / 2)
                 await fan_out(run, pending, "dump_profiler_summary", lambda _: (wait_s,))
             run.phase, run.ended_at, run.ended_reason = "stopped", time.time(), why
+            self._save()
             return self._step_reply(True)
 
     # ------------------------------------------------------------ captures
@@ -352,17 +476,28 @@ class _Coordinator:
         ``wait_s``) for the trainer's next report, which it tells to wait. ``ranks=None``
         means the configured ranks.
         """
+        cap = self.run.config.max_capture_steps
         for name, value, low in (("active", active, 1), ("warmup", warmup, 0)):
-            if not _is_int(value) or value < low:
-                return self._capture_no(f"{name} must be an int >= {low}, got {value!r}")
-        if start_step is not None and not _is_step(start_step):
-            return self._capture_no(f"start_step must be an int >= 0 or None, got {start_step!r}")
+            if not is_int(value) or not low <= value <= cap:
+                return self._capture_no(
+                    f"{name} must be an int in {low}..{cap} (max_capture_steps), got {value!r:.80}"
+                )
+        if active + warmup > cap:
+            return self._capture_no(
+                f"warmup + active = {active + warmup} steps, more than max_capture_steps ({cap})"
+            )
+        if start_step is not None and (problem := step_problem("start_step", start_step)):
+            return self._capture_no(problem)
         if ranks is not None and (
-            not isinstance(ranks, (list, tuple)) or not all(_is_int(r) for r in ranks)
+            not isinstance(ranks, (list, tuple))
+            or len(ranks) > MAX_WORLD
+            or not all(is_rank(r) for r in ranks)
         ):
-            return self._capture_no(f"ranks must be a list of ints or None, got {ranks!r}")
-        if not _is_number(wait_s) or not 0 < wait_s <= 3600:
-            return self._capture_no(f"wait_s must be a number in (0, 3600], got {wait_s!r}")
+            return self._capture_no(
+                f"ranks must be None or a list of ints in 0..{MAX_WORLD - 1}, got {ranks!r:.80}"
+            )
+        if not is_number(wait_s) or not 0 < wait_s <= 3600:
+            return self._capture_no(f"wait_s must be a number in (0, 3600], got {wait_s!r:.80}")
         req = _CaptureRequest(active, warmup, None if ranks is None else list(ranks), start_step)
         async with self._lock:
             no = self._capture_refusal(req)
@@ -399,7 +534,7 @@ class _Coordinator:
         if req.ranks is not None:
             unknown = sorted(set(req.ranks) - set(world))
             if unknown:
-                return f"unknown ranks {unknown}: trainer {tid!r} has ranks {_span(world)}"
+                return f"unknown ranks {unknown}: trainer {tid!r} has ranks {span(world)}"
         keys = self._capture_keys(req)
         down = [r for (t, r) in keys if st.ranks[(t, r)].selected and not st.ranks[(t, r)].active]
         if down:
@@ -433,6 +568,7 @@ class _Coordinator:
         await self._configure_for_capture(keys)
         run.capture_ranks[planned.index] = keys
         run.state.counters["captures_requested"] += 1
+        self._save()
         return {
             "accepted": True,
             "reason": None,
@@ -458,10 +594,10 @@ class _Coordinator:
     async def cancel_capture(self, window: int) -> CancelAnswer:
         """Drop a requested capture that has not opened yet."""
         async with self._lock:
-            if not _is_int(window):
+            if not is_int(window):
                 return {
                     "cancelled": False,
-                    "reason": self._refuse("cancel", f"window must be an int, got {window!r}"),
+                    "reason": self._refuse("cancel", f"window must be an int, got {window!r:.80}"),
                     "window": -1,
                 }
             why = self.run.driver.cancel_capture(window)
@@ -469,6 +605,7 @@ class _Coordinator:
                 return {"cancelled": False, "reason": self._refuse("cancel", why), "window": window}
             self.run.capture_ranks.pop(window, None)
             self.run.state.counters["captures_cancelled"] += 1
+            self._save()
             return {"cancelled": True, "reason": None, "window": window}
 
     async def _configure_for_capture(self, keys: list[Key]) -> None:
@@ -496,27 +633,44 @@ class _Coordinator:
     async def ingest_summary(
         self, trainer_id: str, rank: int, blob: bytes, run: str | None = None
     ) -> bool:
-        """A rank's summary, pushed by its node agent as soon as it is built."""
+        """A rank's summary, pushed by its node agent as soon as it is built.
+
+        True when the coordinator has it, or never will want it (the agent then drops it).
+        """
+        if not self._reporter_ok(trainer_id, rank, run):
+            return True  # nobody will ever want it: do not make the rank keep it
+        if not isinstance(blob, (bytes, bytearray)) or len(blob) > MAX_SUMMARY_BYTES:
+            size = (
+                f"{len(blob)} bytes"
+                if isinstance(blob, (bytes, bytearray))
+                else type(blob).__name__
+            )
+            self._refuse("ingest_summary", f"a summary must be bytes, at most 4 MiB; got {size}")
+            return True  # refused before it is decoded; sending it again would not help
         target = self._find_run(run)
         key = (trainer_id, rank)
         if target is None or key not in target.state.ranks:
             self.run.state.counters["unexpected_summaries"] += 1
-            return True  # nobody will ever want it: do not make the rank keep it
+            return True
         target.state.counters["summaries_pushed"] += 1
         target.state.ingest_summary(key, blob)
         self._metrics.export(self.run.state)
+        self._save(force=False)
         return True
 
     async def summary_failed(
         self, trainer_id: str, rank: int, window: int, reason: Any, run: str | None = None
     ) -> bool:
         """A rank's node agent could not build its summary of ``window`` (or died): say why."""
+        if not self._reporter_ok(trainer_id, rank, run) or not is_int(window):
+            return False
         target = self._find_run(run)
         key = (trainer_id, rank)
         if target is None or key not in target.state.ranks or not isinstance(reason, dict):
             self.run.state.counters["unexpected_summaries"] += 1
             return False
         reason = {str(k): str(v)[:1000] for k, v in list(reason.items())[:8]}
+        self._save(force=False)
         return target.state.summary_failed(key, window, reason)
 
     async def trace_stored(
@@ -531,6 +685,8 @@ class _Coordinator:
         node: object = None,
     ) -> bool:
         """The node agent finished a rank's trace of ``window``: its final ``path``, or why not."""
+        if not self._reporter_ok(trainer_id, rank, run) or not is_int(window):
+            return False
         target = self._find_run(run)
         key = (trainer_id, rank)
         if target is None or key not in target.state.ranks:
@@ -543,6 +699,7 @@ class _Coordinator:
             if not isinstance(error, dict):
                 error = {"message": str(error)}
             error = {str(k): str(v)[:1000] for k, v in list(error.items())[:8]}
+        self._save(force=False)
         return target.state.trace_stored(
             key,
             window,
@@ -556,6 +713,9 @@ class _Coordinator:
 
     async def status(self) -> Status:
         """Everything about the run, JSON-serialisable; ``coordinator.replies.Status``."""
+        if self._recovering:
+            async with self._lock:
+                await self._recover()
         run = self.run
         st, drv = run.state, run.driver
         cur, nxt = drv.current, drv.next_window()
@@ -586,6 +746,9 @@ class _Coordinator:
                 "torch_loaded": "torch" in sys.modules,
                 "worker_handle_stubs": self._stubs,
             },
+            "restarts": self.restarts,
+            "last_restart": self.last_restart_at,
+            "checkpoint": dict(self._ckpt),  # type: ignore[typeddict-item]
             "previous_runs": [
                 {
                     "run": r.info(),  # type: ignore[typeddict-item]
@@ -609,10 +772,16 @@ class _Coordinator:
         ``per_rank=True`` adds each top kernel's self time on every rank (recent windows only);
         ``run`` names an earlier run of this coordinator (``status()["previous_runs"]``).
         """
-        if not _is_int(top_k) or top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
-        if window is not None and not _is_int(window):
-            raise ValueError(f"window must be an int or None, got {window!r}")
+        if not is_int(top_k) or not 0 <= top_k <= 100_000:
+            raise ValueError(f"top_k must be an int in 0..100000, got {top_k!r:.80}")
+        if window is not None and not is_int(window):
+            raise ValueError(f"window must be an int or None, got {window!r:.80}")
+        if trainer_id is not None and (problem := trainer_id_problem(trainer_id)):
+            raise ValueError(problem)
+        if not isinstance(per_rank, bool):
+            raise ValueError(f"per_rank must be True or False, got {per_rank!r:.80}")
+        if run is not None and not isinstance(run, str):
+            raise ValueError(f"run must be a run's name or None, got {run!r:.80}")
         target = self._find_run(run)
         if target is None:
             known = [self.run.name, *(r.name for r in self.previous)]
@@ -620,6 +789,10 @@ class _Coordinator:
         out = target.state.kernel_summary(window, top_k, trainer_id, bool(per_rank))
         out["run"] = target.name
         return out
+
+    async def ping(self) -> dict[str, Any]:
+        """Cheap liveness check: the current run's name and how often this actor restarted."""
+        return {"run": self.run.name, "restarts": self.restarts}
 
     async def get_config(self) -> dict[str, Any]:
         """The current run's config, credentials redacted."""
@@ -645,6 +818,13 @@ class _Coordinator:
         rec.participants.update(keys)
         w, nxt = cur.to_dict(), run.driver.last_step + 1
         await fan_out(run, keys, "start_profile", lambda _: (w, nxt))
+
+    def _reporter_ok(self, trainer_id: object, rank: object, run: object) -> bool:
+        """A node agent's report names a trainer, a rank and a run (or None) of plain types."""
+        if trainer_id_problem(trainer_id) or not is_rank(rank):
+            self.run.state.counters["unexpected_reports"] += 1
+            return False
+        return run is None or isinstance(run, str)
 
     def _not_the_stepping_trainer(self, trainer_id: str, what: str) -> str | None:
         st = self.run.state
@@ -720,44 +900,9 @@ class _Coordinator:
         return "warmup" if nxt < cur.first else "recording"
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-
-
-def _is_step(value: Any) -> bool:
-    return _is_int(value) and value >= 0
-
-
-def _span(ranks: list[int]) -> str:
-    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    return str(ranks)
-
-
-def _rank_handles(trainer_id: str, workers: Any) -> dict[int, Any]:
-    if isinstance(workers, dict):
-        handles = {}
-        for r, h in workers.items():
-            if not _is_int(r) or r < 0:
-                raise ValueError(f"trainer {trainer_id!r}: worker rank {r!r} is not an int >= 0")
-            handles[r] = h
-    elif isinstance(workers, (list, tuple)):
-        handles = dict(enumerate(workers))
-    else:
-        raise ValueError(
-            f"trainer {trainer_id!r}: workers must be a list of actor handles in rank order "
-            f"or a dict rank -> handle, got {type(workers).__name__}"
-        )
-    if not handles:
-        raise ValueError(f"trainer {trainer_id!r}: no workers given")
-    return handles
-
-
-ProfilerCoordinator = ray.remote(num_cpus=0)(_Coordinator)
+# Ray restarts it after a crash (same name, same handle); it picks its state up from the
+# checkpoint. Calls in flight when it died fail; later ones wait for the restart.
+ProfilerCoordinator = ray.remote(num_cpus=0, max_restarts=-1)(_Coordinator)
 _WARNED: set[tuple[str, str, str]] = set()
 
 

@@ -157,6 +157,13 @@ class WindowAggregate:
         """Forget per-rank values (the running statistics stay)."""
         self._detail = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (the coordinator's checkpoint) without the per-rank values: they are the
+        bulk of a window at scale, and only the rank x kernel views need them."""
+        state = dict(self.__dict__)
+        state["_detail"] = None
+        return state
+
     def per_rank(self, names: list[str]) -> dict[str, dict[int, float]] | None:
         """Self time of each named kernel on each reporting rank, or None once dropped."""
         if self._detail is None:

@@ -13,6 +13,7 @@ plans the capture while it does, so the promised steps are the recorded ones.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -24,10 +25,17 @@ _MAX_IN_FLIGHT = 64
 class StepClient:
     """Reports steps to a coordinator for one trainer; see the module docstring."""
 
-    def __init__(self, coordinator: Any, trainer_id: str, report_interval_s: float = 0.1) -> None:
+    def __init__(
+        self,
+        coordinator: Any,
+        trainer_id: str,
+        report_interval_s: float = 0.1,
+        timeout_s: float | None = None,
+    ) -> None:
         self.coordinator = coordinator
         self.trainer_id = trainer_id
         self.report_interval_s = report_interval_s
+        self.timeout_s = timeout_s  # the longest a report waits for its answer (None: no limit)
         self.next_sync_step: int | None = 0
         self.last_reply: dict[str, Any] | None = None
         self._in_flight: list[Any] = []
@@ -36,9 +44,8 @@ class StepClient:
 
     def start(self, first_step: int) -> dict[str, Any]:
         """Blocking: the coordinator prepares the ranks for ``first_step``."""
-        return self._absorb(
-            ray.get(self.coordinator.start.remote(self.trainer_id, first_step, throttled=True))
-        )
+        ref = self.coordinator.start.remote(self.trainer_id, first_step, throttled=True)
+        return self._absorb(ray.get(ref, timeout=self.timeout_s))
 
     def step(self, k: int) -> dict[str, Any] | None:
         """Report that global step ``k`` finished; waits only when ranks must act."""
@@ -47,7 +54,7 @@ class StepClient:
         if self.next_sync_step is not None and k >= self.next_sync_step:
             ref = self._send(k, waiting=True)
             self.drain(block=True)
-            return self._absorb(ray.get(ref))
+            return self._absorb(ray.get(ref, timeout=self.timeout_s))
         if time.monotonic() - self._last_sent < self.report_interval_s:
             self._unreported = k
             return None
@@ -61,14 +68,14 @@ class StepClient:
         if self._unreported is not None:
             self._in_flight.append(self._send(self._unreported, waiting=False))
         self.drain(block=True)
-        return self._absorb(ray.get(self.coordinator.stop.remote(self.trainer_id)))
+        ref = self.coordinator.stop.remote(self.trainer_id)
+        return self._absorb(ray.get(ref, timeout=self.timeout_s))
 
     # The asyncio forms: the same protocol, awaiting instead of blocking the event loop.
 
     async def astart(self, first_step: int) -> dict[str, Any]:
-        return self._absorb(
-            await self.coordinator.start.remote(self.trainer_id, first_step, throttled=True)
-        )
+        ref = self.coordinator.start.remote(self.trainer_id, first_step, throttled=True)
+        return self._absorb(await asyncio.wait_for(ref, self.timeout_s))
 
     async def astep(self, k: int) -> dict[str, Any] | None:
         if self._in_flight:
@@ -76,7 +83,7 @@ class StepClient:
         if self.next_sync_step is not None and k >= self.next_sync_step:
             ref = self._send(k, waiting=True)
             await self.adrain()
-            return self._absorb(await ref)
+            return self._absorb(await asyncio.wait_for(ref, self.timeout_s))
         if time.monotonic() - self._last_sent < self.report_interval_s:
             self._unreported = k
             return None
@@ -89,12 +96,23 @@ class StepClient:
         if self._unreported is not None:
             self._in_flight.append(self._send(self._unreported, waiting=False))
         await self.adrain()
-        return self._absorb(await self.coordinator.stop.remote(self.trainer_id))
+        ref = self.coordinator.stop.remote(self.trainer_id)
+        return self._absorb(await asyncio.wait_for(ref, self.timeout_s))
 
     async def adrain(self) -> None:
         refs, self._in_flight = self._in_flight, []
         for ref in refs:
-            self._absorb(await ref)
+            self._absorb(await asyncio.wait_for(ref, self.timeout_s))
+
+    def resync(self) -> None:
+        """After the coordinator came back: wait for the next report's answer, to learn where
+        the plan stands (``next_sync_step``) before sending reports without waiting again."""
+        self.next_sync_step = 0
+
+    def forget_in_flight(self) -> None:
+        """Drop the reports whose answers will never come (the coordinator went down)."""
+        self._in_flight = []
+        self._unreported = None
 
     def _send(self, k: int, waiting: bool) -> Any:
         self._last_sent = time.monotonic()
@@ -106,7 +124,11 @@ class StepClient:
         if not self._in_flight:
             return
         if block:
-            done = self._in_flight
+            done, _ = ray.wait(
+                self._in_flight, num_returns=len(self._in_flight), timeout=self.timeout_s
+            )
+            if len(done) < len(self._in_flight):
+                raise TimeoutError(f"no answer from the coordinator within {self.timeout_s} s")
         else:
             done, _ = ray.wait(self._in_flight, num_returns=len(self._in_flight), timeout=0)
         if not done:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.storage import check_backend, is_remote, local_path, redact
+from coordinator.validate import MAX_WORLD
 
 ACTIVITIES = ("cpu", "cuda")
 EXPORT_TYPES = ("chrome_trace", "chrome_trace_gz", "stacks", "none")
@@ -76,6 +77,8 @@ class ProfilerConfig:
     """Most recent closed windows that keep per-rank values (rank x kernel views)."""
     straggler_threshold: float = 1.25
     """Flag a rank whose step time or kernel time exceeds this multiple of the median."""
+    max_capture_steps: int = 1000
+    """The most steps (warm-up and recorded) one on-demand capture may ask for."""
 
     @classmethod
     def from_dict(
@@ -146,6 +149,12 @@ class ProfilerConfig:
         _check_number(self, "worker_timeout_s", minimum_exclusive=0.0)
         _check_int(self, "detail_windows", minimum=0)
         _check_number(self, "straggler_threshold", minimum_exclusive=1.0)
+        _check_int(self, "max_capture_steps", minimum=1)
+        for name in ("skip_first", "wait", "warmup", "active", "repeat", "max_capture_steps"):
+            if getattr(self, name) > 2**62:
+                raise ValueError(
+                    f"profiler config: {name!r} is {getattr(self, name)}, beyond 2**62 steps"
+                )
         self._validate_ranks()
         self._validate_activities()
         self._validate_export()
@@ -175,11 +184,17 @@ class ProfilerConfig:
             )
         if len(ranks) == 0:
             raise ValueError("profiler config: 'ranks' is empty; give at least one rank or 'all'")
+        if len(ranks) > MAX_WORLD:
+            raise ValueError(
+                f"profiler config: 'ranks' lists {len(ranks)} ranks, more than {MAX_WORLD}"
+            )
         for r in ranks:
             if isinstance(r, bool) or not isinstance(r, int):
-                raise ValueError(f"profiler config: 'ranks' holds a non-int rank {r!r}")
+                raise ValueError(f"profiler config: 'ranks' holds a non-int rank {r!r:.80}")
             if r < 0:
                 raise ValueError(f"profiler config: 'ranks' holds a negative rank {r}")
+            if r >= MAX_WORLD:
+                raise ValueError(f"profiler config: 'ranks' holds rank {r}, beyond {MAX_WORLD - 1}")
         self.ranks = sorted({int(r) for r in ranks})
 
     def _validate_activities(self) -> None:
@@ -236,6 +251,8 @@ class ProfilerConfig:
                 f"profiler config: 'storage_options' keys must be strings, got {bad!r}"
             )
         self.storage_options = dict(opts)
+        if len(repr(opts)) > 64 * 1024:
+            raise ValueError("profiler config: 'storage_options' is larger than 64 KiB")
         staging: Any = self.staging_path
         if staging is not None and (
             not isinstance(staging, (str, os.PathLike)) or is_remote(str(staging))

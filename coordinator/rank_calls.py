@@ -85,11 +85,28 @@ async def run_commands(run: Run, commands: Sequence[Command]) -> None:
         if isinstance(cmd, Step):
             await fan_out(run, keys, "profile_step", same_args(cmd.step))
             if cmd.closes:
+                close_late(run, keys)
                 st.close_window(rec)
         elif isinstance(cmd, End):
             rec.stopped_at = run.driver.last_step
             await fan_out(run, keys, "stop_profile", same_args())
+            close_late(run, keys)
             st.close_window(rec)
+
+
+def close_late(run: Run, keys: Sequence[Key]) -> None:
+    """Ranks that stopped answering inside the window may still record when they come back:
+    queue a ``stop_profile`` for them (never waited for), so no profiler is left running."""
+    st = run.state
+    for key in keys:
+        if st.ranks[key].state != "unresponsive":
+            continue
+        try:
+            st.trainers[key[0]].handles[key[1]].stop_profile.remote()
+            st.counters["worker_rpcs"] += 1
+            st.counters["worker_rpcs_stop_profile_unawaited"] += 1
+        except Exception:
+            continue  # best effort: the rank is already out of the run
 
 
 def same_args(*args: Any) -> Callable[[Key], tuple[Any, ...]]:

@@ -201,6 +201,15 @@ class ProcessInfo(TypedDict):
     worker_handle_stubs: bool
 
 
+class CheckpointInfo(TypedDict):
+    """The last checkpoint written: its size, how long it took, when, or why it failed."""
+
+    bytes: int
+    seconds: float
+    at: float | None
+    error: str | None
+
+
 class PreviousRun(TypedDict):
     """A run that ended, kept for reading: its windows and the config it ran with."""
 
@@ -228,6 +237,9 @@ class Status(TypedDict):
     metrics: dict[str, Any]
     process: ProcessInfo
     previous_runs: list[PreviousRun]
+    restarts: int  # how often Ray restarted this coordinator (each time from its checkpoint)
+    last_restart: float | None  # when it last did (epoch seconds)
+    checkpoint: CheckpointInfo
 
 
 class KernelStats(TypedDict):

@@ -104,6 +104,7 @@ class WindowRecord:
     threshold: float = 1.25  # straggler threshold
     unopened: str | None = None  # why a planned window never opened (the run stopped first)
     stopped_at: int | None = None  # the last step when stop() cut the window short
+    cut: str | None = None  # why the window was cut short, when not by the trainer's stop()
 
     def aggregate(self, trainer_id: str) -> WindowAggregate:
         agg = self.aggregates.get(trainer_id)
@@ -124,6 +125,8 @@ class WindowRecord:
         if self.steps == (plan.first, plan.last) and not self.partial:
             return True, None
         got = f"{self.steps[0]}-{self.steps[1]}" if self.steps else "nothing"
+        if self.partial and self.cut:
+            return False, f"{self.cut}: recorded {got} of {want}"
         if self.partial:
             return False, (
                 f"the run stopped at step {self.stopped_at} inside the window: "

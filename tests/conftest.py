@@ -37,3 +37,68 @@ def ray_actors(ray_session):
     for h in made:
         with contextlib.suppress(Exception):
             ray_session.kill(h)
+
+
+class WorkerPool:
+    """ToyWorker actors shared by the tests of a session: a fresh actor costs a process, a torch
+    import and Kineto's first start, seconds each on 2 cores. A test takes some with
+    ``toy_workers(n)``; they are reset and come back afterwards, unless the test killed them."""
+
+    def __init__(self, ray):
+        self.ray, self.idle, self.every = ray, [], []
+
+    def take(self, n):
+        from tests.ray_workers import ToyWorker
+
+        while len(self.idle) < n:
+            h = self.ray.remote(num_cpus=0)(ToyWorker).remote()
+            self.idle.append(h)
+            self.every.append(h)
+        taken, self.idle = self.idle[:n], self.idle[n:]
+        return taken
+
+    def give_back(self, handles):
+        refs = {h: h.reset.remote() for h in handles}
+        for h, ref in refs.items():
+            try:
+                self.ray.get(ref, timeout=30)
+                self.idle.append(h)
+            except Exception:  # killed by the test, or stuck: never reused
+                with contextlib.suppress(Exception):
+                    self.ray.kill(h)
+
+    def close(self):
+        for h in self.every:
+            with contextlib.suppress(Exception):
+                self.ray.kill(h)
+
+
+@pytest.fixture(scope="session")
+def worker_pool(ray_session):
+    pool = WorkerPool(ray_session)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def toy_workers(worker_pool):
+    """``toy_workers(n)``: n ToyWorker actors for this test, returned to the pool after it."""
+    lent = []
+
+    def take(n):
+        handles = worker_pool.take(n)
+        lent.extend(handles)
+        return handles
+
+    yield take
+    worker_pool.give_back(lent)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The fault matrix's table (fault x scope -> pass), when its tests ran."""
+    import sys
+
+    matrix = sys.modules.get("tests.test_fault_matrix")
+    if matrix is not None and matrix.RESULTS:
+        terminalreporter.section("fault matrix")
+        terminalreporter.write_line(matrix.matrix_table())

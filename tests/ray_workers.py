@@ -24,6 +24,14 @@ class ToyWorker(ProfilerWorkerMixin):
 
         return os.getpid()
 
+    def reset(self) -> bool:
+        """Back to a fresh worker for the next test: close any window, forget the config."""
+        rp = self._rank_profiler
+        if rp is not None and rp.phase != "idle":
+            rp.end_window()
+        self._rank_profiler = None
+        return True
+
 
 class AsyncToyWorker(ProfilerWorkerMixin):
     def __init__(self) -> None:
@@ -72,7 +80,7 @@ class FaultyWorker(ToyWorker):
         elif kind == "slow":
 
             def slow(self, k):
-                time.sleep(8)
+                time.sleep(5)
                 return {}
 
             RankProfiler.step = slow

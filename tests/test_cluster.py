@@ -118,7 +118,7 @@ def head():
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=5)  # `ray start --block` can take half a minute to wind down
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
@@ -283,33 +283,15 @@ def test_capture_requested_from_another_process_while_training(head, tmp_path):
     assert kill.returncode == 0
 
 
-def test_demo_joins_a_cluster_and_leaves_the_coordinator_for_a_notebook(head, tmp_path):
-    demo = py(
-        head,
-        "trainers.demo",
-        "--trainer",
-        "sft",
-        "--steps",
-        "8",
-        "--address",
-        head["env"]["RAY_ADDRESS"],
-        "--save-path",
-        str(tmp_path),
-        "--run-name",
-        "joined",
-    )
-    assert demo.returncode == 0, demo.stderr[-3000:]
-    assert "coordinator left running" in demo.stdout
-    out = result_of(py(head, "tests.scripts.second_driver_reader", "--kill"))
-    assert out["status"]["global_step"] == 7 and out["kernels"]["ranks"] == [0, 1]
-    assert out["status"]["run_dir"] == str(tmp_path / "joined")
-
-
-def test_the_demo_run_twice_against_one_cluster_gives_two_runs_never_mixed(head, tmp_path):
+def test_the_demo_joins_a_cluster_and_two_runs_of_it_are_never_mixed(head, tmp_path):
     args = ["trainers.demo", "--trainer", "sft", "--steps", "8", "--address"]
     args += [head["env"]["RAY_ADDRESS"], "--save-path", str(tmp_path), "--run-name", "twice"]
     first = py(head, *args)
     assert first.returncode == 0, first.stderr[-3000:]
+    assert "coordinator left running" in first.stdout  # joined: a notebook can read it
+    read = result_of(py(head, "tests.scripts.second_driver_reader"))
+    assert read["status"]["global_step"] == 7 and read["kernels"]["ranks"] == [0, 1]
+    assert read["status"]["run_dir"] == str(tmp_path / "twice")
     second = py(head, *args, "--active", "1")  # another config, same run name
     assert second.returncode == 0, second.stderr[-3000:]
     out = result_of(py(head, "tests.scripts.second_driver_reader", "--kill"))

@@ -40,10 +40,8 @@ def wait_until(fn, timeout=60.0, every=0.05):
 
 
 @pytest.fixture
-def workers(ray_session, ray_actors):
-    made = [ray_session.remote(num_cpus=0)(ToyWorker).remote() for _ in range(2)]
-    ray_actors.extend(made)
-    return made
+def workers(toy_workers):
+    return toy_workers(2)
 
 
 def coordinator_name():
@@ -235,7 +233,7 @@ def test_a_second_run_starts_fresh_and_the_first_stays_readable(
 
 
 def test_a_restarted_driver_resumes_its_run_and_is_told_what_config_differs(
-    ray_session, ray_actors, tmp_path, caplog
+    ray_session, ray_actors, toy_workers, tmp_path
 ):
     ray = ray_session
     name = coordinator_name()
@@ -250,8 +248,7 @@ def test_a_restarted_driver_resumes_its_run_and_is_told_what_config_differs(
     run_steps(ray, coord, old_workers, "rl", range(6))  # window 0 records 3-4; no stop: a crash
     for w in old_workers:
         ray.kill(w)
-    new_workers = [ray.remote(num_cpus=0)(ToyWorker).remote() for _ in range(2)]
-    ray_actors.extend(new_workers)
+    new_workers = toy_workers(2)
     changed = profiler_config(tmp_path, run_name="long", wait=2, warmup=1, active=3, repeat=0)
     again = ProfilingHooks.attach(
         changed, new_workers, trainer_id="rl", name=name, namespace="profiler-tests"

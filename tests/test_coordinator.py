@@ -13,16 +13,21 @@ from worker_ext.node_agent import agent_name
 
 
 @pytest.fixture
-def make(ray_session, ray_actors, tmp_path):
-    """make(n, cls=ToyWorker, **config) -> (coordinator, workers)."""
+def make(ray_session, ray_actors, toy_workers, tmp_path):
+    """make(n, cls=ToyWorker, fresh=False, **config) -> (coordinator, workers).
+
+    ToyWorkers come from the session's pool unless ``fresh`` (a test that kills them).
+    """
     ray = ray_session
 
-    def _make(n, cls=ToyWorker, **kw):
+    def _make(n, cls=ToyWorker, fresh=False, **kw):
         base = dict(skip_first=0, wait=1, warmup=1, active=2, repeat=2, worker_timeout_s=20.0)
         cfg = profiler_config(tmp_path, **{**base, **kw})
         name = f"profiler-{uuid.uuid4().hex[:8]}"
         coord = get_or_create_coordinator(cfg, name=name, namespace="profiler-tests")
         ray_actors.append(coord)
+        if cls is ToyWorker and not fresh:
+            return coord, toy_workers(n)
         workers = [ray.remote(num_cpus=0)(cls).remote() for _ in range(n)]
         ray_actors.extend(workers)
         return coord, workers
@@ -212,13 +217,12 @@ def test_stop_closes_an_open_window_as_partial_and_is_safe_to_repeat(ray_session
     assert ks["partial"] is True and ks["ranks"] == [0, 1]  # stop collected the summaries
 
 
-def test_reregistering_keeps_the_step_and_history(ray_session, ray_actors, make):
+def test_reregistering_keeps_the_step_and_history(ray_session, toy_workers, make):
     ray = ray_session
     coord, workers = make(2)
     ray.get(coord.register.remote("t", workers))
     train(ray, coord, workers, steps=5, stop=False)
-    fresh = [ray.remote(num_cpus=0)(ToyWorker).remote() for _ in range(2)]
-    ray_actors.extend(fresh)
+    fresh = toy_workers(2)
     ray.get(coord.register.remote("t", fresh))  # the driver restarted with new workers
     st = ray.get(coord.status.remote())
     assert st["global_step"] == 4 and [w["index"] for w in st["windows"]] == [0]
@@ -303,7 +307,7 @@ def test_a_malformed_summary_marks_only_that_ranks_window_bad(ray_session, make)
 
 def test_a_killed_worker_is_lost_and_the_window_closes_on_the_others(ray_session, make):
     ray = ray_session
-    coord, workers = make(3, wait=0, warmup=1, active=4, repeat=1)
+    coord, workers = make(3, fresh=True, wait=0, warmup=1, active=4, repeat=1)
     ray.get(coord.register.remote("t", workers))
     ray.get(coord.start.remote("t", 0))
     for k in range(6):

@@ -6,7 +6,7 @@ import pytest
 import ray as ray_module
 
 from tests.configs import profiler_config
-from tests.ray_workers import FaultyWorker, ToyWorker
+from tests.ray_workers import FaultyWorker
 from trainers.hooks import ProfilingHooks
 
 
@@ -53,12 +53,11 @@ def make_hooks(ray, tmp_path, workers, **kw):
     )
 
 
-def test_coordinator_dying_mid_run_switches_profiling_off_once(
-    ray_session, ray_actors, tmp_path, caplog
+def test_coordinator_dying_mid_run_pauses_profiling_with_one_warning(
+    ray_session, ray_actors, toy_workers, tmp_path, caplog
 ):
     ray = ray_session
-    workers = [ray.remote(num_cpus=0)(ToyWorker).remote() for _ in range(2)]
-    ray_actors.extend(workers)
+    workers = toy_workers(2)
     hooks = make_hooks(ray, tmp_path, workers)
     ray_actors.append(hooks.coordinator)
     caplog.set_level(logging.WARNING, logger="trainers.hooks")
@@ -69,8 +68,8 @@ def test_coordinator_dying_mid_run_switches_profiling_off_once(
             if k == 2:
                 ray.kill(hooks.coordinator)
     assert not hooks.enabled and "step" in hooks.disabled_reason
-    warnings = [r for r in caplog.records if "switched off" in r.getMessage()]
-    assert len(warnings) == 1
+    warnings = [r for r in caplog.records if "profiling paused" in r.getMessage()]
+    assert len(warnings) == 1 and "training goes on" in warnings[0].getMessage()
 
 
 def test_unreachable_coordinator_at_attach_switches_profiling_off(tmp_path, caplog, monkeypatch):

@@ -8,13 +8,12 @@ import pytest
 from coordinator import get_or_create_coordinator, plots
 from coordinator import notebook as nb
 from tests.configs import profiler_config
-from tests.ray_workers import ToyWorker
 
 matplotlib.use("Agg")
 
 
 @pytest.fixture(scope="module")
-def run(ray_session, tmp_path_factory):
+def run(ray_session, worker_pool, tmp_path_factory):
     """3 ranks, 2 windows; rank 2 does 6x the work of the others.
 
     Each rank's step is a few milliseconds of ops, well above a scheduler time slice: on a
@@ -35,7 +34,7 @@ def run(ray_session, tmp_path_factory):
     coord = get_or_create_coordinator(
         cfg, name=f"p-{uuid.uuid4().hex[:8]}", namespace="profiler-tests"
     )
-    workers = [ray.remote(num_cpus=0)(ToyWorker).remote() for _ in range(3)]
+    workers = worker_pool.take(3)
     ray.get(coord.register.remote("t", workers))
     ray.get(coord.start.remote("t", 0))
     for k in range(6):
@@ -48,8 +47,8 @@ def run(ray_session, tmp_path_factory):
         for w in status["windows"]
     ]
     yield status, summaries
-    for h in (coord, *workers):
-        ray.kill(h)
+    ray.kill(coord)
+    worker_pool.give_back(workers)
 
 
 def test_stragglers_are_flagged_in_status_and_summary(run):

@@ -15,7 +15,6 @@ from coordinator.collect import collect_window
 from coordinator.config import ProfilerConfig
 from coordinator.storage import REDACTED, redact
 from tests.configs import ROOT, profiler_config
-from tests.ray_workers import ToyWorker
 from tests.s3_server import s3_server
 
 FAKE_SECRET = "FAKE-SECRET-must-never-be-printed-7e1f"
@@ -89,7 +88,7 @@ def wait_for_traces(ray, coord, timeout=90):
         time.sleep(0.2)
 
 
-def s3_run(ray, ray_actors, s3, tmp_path, **kw):
+def s3_run(ray, ray_actors, toy_workers, s3, tmp_path, **kw):
     cfg = profiler_config(
         "s3://traces/runs",
         export_type="chrome_trace_gz",
@@ -104,17 +103,17 @@ def s3_run(ray, ray_actors, s3, tmp_path, **kw):
     coord, _ = attach_coordinator(
         cfg, name=f"s3-{uuid.uuid4().hex[:8]}", namespace="profiler-tests", trainer_id="t"
     )
-    workers = [ray.remote(num_cpus=0)(ToyWorker).remote() for _ in range(2)]
-    ray_actors.extend([coord, *workers])
+    workers = toy_workers(2)
+    ray_actors.append(coord)
     ray.get(coord.register.remote("t", workers))
     return coord, workers
 
 
 def test_every_window_of_every_rank_lands_in_the_bucket_and_staging_is_emptied(
-    ray_session, ray_actors, s3, tmp_path
+    ray_session, ray_actors, toy_workers, s3, tmp_path
 ):
     ray = ray_session
-    coord, workers = s3_run(ray, ray_actors, s3, tmp_path)
+    coord, workers = s3_run(ray, ray_actors, toy_workers, s3, tmp_path)
     train(ray, coord, workers, steps=9)
     st = wait_for_traces(ray, coord)
     dirs = ["window_0000_steps_2-3", "window_0001_steps_6-7"]
@@ -139,10 +138,10 @@ def test_every_window_of_every_rank_lands_in_the_bucket_and_staging_is_emptied(
 
 
 def test_a_stopped_server_costs_nothing_but_the_upload_and_collect_still_gets_the_traces(
-    ray_session, ray_actors, s3, tmp_path, monkeypatch
+    ray_session, ray_actors, toy_workers, s3, tmp_path, monkeypatch
 ):
     ray = ray_session
-    coord, workers = s3_run(ray, ray_actors, s3, tmp_path)
+    coord, workers = s3_run(ray, ray_actors, toy_workers, s3, tmp_path)
     ray.get(coord.start.remote("t", 0))
     for k in range(9):
         if k == 4:  # window 0 (steps 2-3) is closed; wait for its upload, then stop the server
@@ -172,10 +171,10 @@ def test_a_stopped_server_costs_nothing_but_the_upload_and_collect_still_gets_th
 
 
 def test_collect_downloads_a_window_already_in_the_bucket_and_the_cli_shows_no_secret(
-    ray_session, ray_actors, s3, tmp_path, monkeypatch
+    ray_session, ray_actors, toy_workers, s3, tmp_path, monkeypatch
 ):
     ray = ray_session
-    coord, workers = s3_run(ray, ray_actors, s3, tmp_path)
+    coord, workers = s3_run(ray, ray_actors, toy_workers, s3, tmp_path)
     train(ray, coord, workers, steps=5)
     wait_for_traces(ray, coord)
     # The collector's own credentials (the run's are redacted): the usual environment variables.

@@ -249,20 +249,27 @@ def test_gpu_trace_on_a_cpu_rank_summarises_cpu_ops(tmp_path):
     assert s.breakdown.comm_us == 30.0  # c10d::allreduce_ on the CPU thread
 
 
-@pytest.mark.parametrize("with_stack", [False, True], ids=["plain", "with_stack"])
-def test_reference_trainer_windows_equal_key_averages(
-    ray_session, ray_actors, tmp_path, with_stack
-):
-    """Two gloo ranks of the reference policy worker: SFT and RL steps with all-reduce."""
-    import ray
-
+@pytest.fixture(scope="module")
+def gloo_ranks(ray_session):
+    """Two gloo ranks of the reference policy worker, shared by the equality tests."""
     from tests.ray_workers import ProfiledPolicyWorker
 
+    ray = ray_session
     cls = ray.remote(num_cpus=0)(ProfiledPolicyWorker)
     workers = [cls.remote(r, 2) for r in range(2)]
-    ray_actors.extend(workers)
     host, port = ray.get(workers[0].address.remote())
     ray.get([w.init_group.remote(host, port) for w in workers])
+    yield workers
+    for w in workers:
+        ray.kill(w)
+
+
+@pytest.mark.parametrize("with_stack", [False, True], ids=["plain", "with_stack"])
+def test_reference_trainer_windows_equal_key_averages(
+    ray_session, gloo_ranks, tmp_path, with_stack
+):
+    """Two gloo ranks of the reference policy worker: SFT and RL steps with all-reduce."""
+    ray, workers = ray_session, gloo_ranks
     paths = [str(tmp_path / f"rank{r}.json") for r in range(2)]
     tables = ray.get(
         [w.profile_window.remote(p, 3, with_stack) for w, p in zip(workers, paths, strict=True)]

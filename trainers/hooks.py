@@ -7,18 +7,23 @@
             hooks.step(step)
 
 Async trainers use ``async with hooks.session(...)`` and ``await hooks.astep(step)``. A disabled
-config makes every call a no-op without a single Ray call. If the coordinator cannot be reached,
-or dies mid-run, the hooks log one warning and switch profiling off; training goes on.
+config makes every call a no-op without a single Ray call. If the coordinator cannot be reached
+at ``attach``, the hooks log one warning and switch profiling off. If it stops answering mid-run
+(it died and Ray restarts it), a step pays one bounded wait once; later steps skip cheaply, and
+profiling resumes when it answers again. Training never stops or raises.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from coordinator.config import ProfilerConfig
 
 log = logging.getLogger(__name__)
+# How much longer than worker_timeout_s a trainer waits for a report's answer.
+REPORT_MARGIN_S = 5.0
 
 
 class ProfilingHooks:
@@ -45,6 +50,9 @@ class ProfilingHooks:
         """The config the run uses: the coordinator's, when an active run kept its own."""
         self.config_mismatch: list[str] = list(info.get("mismatch", []))
         """Fields of the config given to ``attach`` that the running run does not use."""
+        self._down_since: float | None = None  # the coordinator stopped answering (monotonic)
+        self._next_probe = 0.0
+        self._probe: Any = None
 
     @classmethod
     def attach(
@@ -90,22 +98,27 @@ class ProfilingHooks:
             hooks = cls(None, trainer_id)
             hooks._switch_off("attach", exc)
             return hooks
-        return cls(StepClient(coord, trainer_id), trainer_id, coord, dict(run))
+        # The coordinator itself waits up to worker_timeout_s for the ranks of a report.
+        client = StepClient(coord, trainer_id, timeout_s=cfg.worker_timeout_s + REPORT_MARGIN_S)
+        return cls(client, trainer_id, coord, dict(run))
 
     @property
     def enabled(self) -> bool:
-        return self._client is not None
+        """Profiling is on and the coordinator answers."""
+        return self._client is not None and self._down_since is None
 
     @property
     def phase(self) -> str:
         """What the last step report said the next step does: idle, warmup or recording."""
         c = self._client
-        if c is None or c.last_reply is None:
-            return "off" if c is None else "idle"
+        if c is None or self._down_since is not None:
+            return "off"
+        if c.last_reply is None:
+            return "idle"
         nxt = c.next_sync_step
         if self._last_step is not None and (nxt is None or self._last_step + 1 < nxt):
             return "idle"
-        return c.last_reply.get("phase", "idle")
+        return str(c.last_reply.get("phase", "idle"))
 
     def session(self, first_step: int = 0) -> _Session:
         """``start`` now and ``stop`` at the end, even on an exception (sync or async with)."""
@@ -133,21 +146,75 @@ class ProfilingHooks:
     async def astop(self) -> None:
         await self._acall("stop", lambda c: c.astop())
 
+    # A coordinator that stops answering (it died and Ray restarts it, or it is gone) costs the
+    # trainer one bounded wait, once; then reports are skipped, and a probe sent at most every
+    # RECONNECT_INTERVAL_S (never waited for) tells when it is back.
+    RECONNECT_INTERVAL_S = 2.0
+
     def _call(self, what: str, fn: Any) -> None:
-        if self._client is None:
+        if self._client is None or not self._reachable(what):
             return
         try:
             fn(self._client)
         except Exception as exc:
-            self._switch_off(what, exc)
+            self._went_down(what, exc)
 
     async def _acall(self, what: str, fn: Any) -> None:
-        if self._client is None:
+        if self._client is None or not self._reachable(what):
             return
         try:
             await fn(self._client)
         except Exception as exc:
-            self._switch_off(what, exc)
+            self._went_down(what, exc)
+
+    def _reachable(self, what: str) -> bool:
+        """True when reports can go out; while the coordinator is down, a non-blocking check
+        of the last probe (and a new probe now and then). ``stop`` waits a moment for it."""
+        if self._down_since is None:
+            return True
+        import ray
+
+        if what == "stop" and self._probe is None and self.coordinator is not None:
+            self._probe = self.coordinator.ping.remote()
+        probe, now = self._probe, time.monotonic()
+        if probe is not None:
+            wait_s = self.RECONNECT_INTERVAL_S if what == "stop" else 0
+            ready, _ = ray.wait([probe], timeout=wait_s)
+            if not ready:
+                return False
+            self._probe = None
+            try:
+                ray.get(probe)
+            except Exception:
+                self._next_probe = now + self.RECONNECT_INTERVAL_S
+                return False
+            assert self._client is not None
+            self._client.resync()  # the next report waits, to learn where the plan stands
+            log.warning(
+                "profiling for trainer %r reconnected to the coordinator after %.1f s",
+                self.trainer_id,
+                now - self._down_since,
+            )
+            self._down_since, self.disabled_reason = None, None
+            return True
+        if now >= self._next_probe and self.coordinator is not None:
+            self._probe = self.coordinator.ping.remote()
+        return False
+
+    def _went_down(self, what: str, exc: BaseException) -> None:
+        self.disabled_reason = f"{what}: {type(exc).__name__}: {exc}"[:2000]
+        if self._down_since is None:
+            log.warning(
+                "profiling paused for trainer %r: the coordinator does not answer (%s); "
+                "training goes on, and profiling resumes if it comes back",
+                self.trainer_id,
+                self.disabled_reason,
+            )
+        self._down_since = time.monotonic()
+        self._next_probe = self._down_since + self.RECONNECT_INTERVAL_S
+        self._probe = None
+        if self._client is not None:
+            self._client.forget_in_flight()
 
     def _switch_off(self, what: str, exc: BaseException) -> None:
         self._client = None

@@ -260,7 +260,11 @@ class RayNodeAgentHelper:
     def prepare(self) -> int | None:
         import ray
 
-        return int(ray.get(self._handle().ping.remote(), timeout=START_TIMEOUT_S))
+        try:
+            return int(ray.get(self._handle().ping.remote(), timeout=START_TIMEOUT_S))
+        except ray.exceptions.RayActorError:  # the agent this process knew died: a new one
+            self.forget()
+            return int(ray.get(self._handle().ping.remote(), timeout=START_TIMEOUT_S))
 
     def submit(self, job: TraceJob) -> concurrent.futures.Future[JobResult]:
         fut: concurrent.futures.Future[JobResult] = self._handle().process.remote(job).future()

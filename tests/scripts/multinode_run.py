@@ -12,7 +12,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import ray
 from ray.cluster_utils import Cluster
@@ -20,16 +19,8 @@ from ray.cluster_utils import Cluster
 from coordinator import get_or_create_coordinator
 from coordinator.collect import collect_window
 from tests.configs import join_cluster, profiler_config
+from tests.fault_cases import wait_for_windows
 from tests.ray_workers import ToyWorker
-
-
-def wait_for_traces(coord, timeout=120):
-    deadline = time.monotonic() + timeout
-    while True:
-        st = ray.get(coord.status.remote())
-        if not any(w["traces_pending"] for w in st["windows"]) or time.monotonic() > deadline:
-            return st
-        time.sleep(0.2)
 
 
 def files_under(root):
@@ -48,6 +39,8 @@ def main(endpoint: str) -> None:
             "resources": {"head": 8},
             "include_dashboard": False,
             "env_vars": {"RAY_PROFILER_STAGING": staging["head"]},
+            # notice a removed node within a second or two, not half a minute
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
         },
     )
     try:
@@ -88,7 +81,7 @@ def main(endpoint: str) -> None:
             ray.get([w.train_step.remote() for w in workers])
             ray.get(s3_coord.step.remote("t", k))
         ray.get(s3_coord.stop.remote("t"))
-        s3_st = wait_for_traces(s3_coord)
+        s3_st = wait_for_windows(ray, s3_coord, timeout=120)
         import s3fs
 
         fs = s3fs.S3FileSystem(
@@ -108,7 +101,7 @@ def main(endpoint: str) -> None:
             ray.get([w.train_step.remote() for w in live])
             ray.get(coord.step.remote("t", k))
         ray.get(coord.stop.remote("t"))
-        st = wait_for_traces(coord)
+        st = wait_for_windows(ray, coord, timeout=120)
         dest = tempfile.mkdtemp(prefix="collected-")
         collected = collect_window(coord, 0, dest)
         out = {

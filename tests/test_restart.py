@@ -1,0 +1,135 @@
+"""The coordinator survives its own death: Ray restarts it and it picks its state up again."""
+
+import os
+import signal
+import time
+import uuid
+
+from tests.configs import profiler_config
+from trainers.hooks import ProfilingHooks
+
+
+def kill_hard(ray, coord, wait_back=True):
+    """SIGKILL the coordinator's process, as an OOM killer or a lost node would; with
+    ``wait_back``, return once Ray has restarted it (a trainer whose steps are long)."""
+    pid = ray.get(coord.status.remote())["process"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while wait_back:
+        try:
+            ray.get(coord.ping.remote(), timeout=5)
+            break
+        except ray.exceptions.RayError:
+            assert time.monotonic() < deadline, "the coordinator did not come back"
+            time.sleep(0.2)
+    return pid
+
+
+def attach(ray_actors, workers, tmp_path, **schedule):
+    """Hooks on a fresh coordinator for 2 ranks; the coordinator is killed after the test."""
+    cfg = profiler_config(tmp_path, **schedule)
+    hooks = ProfilingHooks.attach(
+        cfg, workers, trainer_id="t", name=f"rs-{uuid.uuid4().hex[:8]}", namespace="profiler-tests"
+    )
+    ray_actors.append(hooks.coordinator)
+    return hooks
+
+
+def test_sigkill_outside_and_inside_a_window_loses_nothing(
+    ray_session, ray_actors, toy_workers, tmp_path
+):
+    ray = ray_session
+    workers = toy_workers(2)
+    # cycle of 5: wait 0-1, warm-up 2, record 3-4 | 8-9 | 13-14 | 18-19
+    hooks = attach(ray_actors, workers, tmp_path, wait=2, warmup=1, active=2, repeat=0)
+    coord = hooks.coordinator
+    pids, before = [], None
+    with hooks.session(first_step=0):
+        for k in range(22):
+            ray.get([w.train_step.remote() for w in workers])
+            hooks.step(k)
+            if k == 5:  # outside a window, once window 0's summaries are in
+                deadline = time.monotonic() + 60
+                while ray.get(coord.kernel_summary.remote(window=0))["ranks"] != [0, 1]:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+                time.sleep(1.5)  # past the checkpoint interval: the summaries are saved too
+                before = ray.get(coord.kernel_summary.remote(window=0, top_k=10))
+                pids.append(kill_hard(ray, coord))
+            if k == 13:  # inside window 2, which records steps 13-14
+                pids.append(kill_hard(ray, coord))
+    assert hooks.enabled, hooks.disabled_reason
+    st = ray.get(coord.status.remote())
+    assert st["restarts"] == 2 and st["last_restart"] is not None
+    assert st["process"]["pid"] not in pids and st["global_step"] == 21
+    windows = {w["index"]: w for w in st["windows"]}
+    assert (windows[0]["steps"], windows[0]["ranks"], windows[0]["kept"]) == ([3, 4], [0, 1], True)
+    after = ray.get(coord.kernel_summary.remote(window=0, top_k=10))
+    for key in ("kernels", "rank_totals", "breakdown", "stragglers", "steps", "ranks"):
+        assert after[key] == before[key], key
+    assert (windows[1]["steps"], windows[1]["ranks"]) == ([8, 9], [0, 1])
+    cut = windows[2]
+    assert cut["partial"] and not cut["kept"] and cut["steps"] == [13, 13]
+    assert "the coordinator restarted inside the window" in cut["reason"]
+    assert (windows[3]["steps"], windows[3]["ranks"], windows[3]["kept"]) == (
+        [18, 19],
+        [0, 1],
+        True,
+    )
+    assert ray.get(coord.kernel_summary.remote(window=3))["ranks"] == [0, 1]
+    # No rank is left with a profiler running.
+    for w in workers:
+        assert ray.get(w.dump_profiler_summary.remote())["phase"] == "idle"
+        assert not ray.get(
+            w.__ray_call__.remote(lambda self: __import__("torch")._C._autograd._profiler_enabled())
+        )
+
+
+def test_a_dead_coordinator_costs_one_bounded_wait_then_nothing(
+    ray_session, ray_actors, toy_workers, tmp_path
+):
+    ray = ray_session
+    workers = toy_workers(2)
+    hooks = attach(
+        ray_actors, workers, tmp_path, wait=0, warmup=1, active=30, repeat=1, worker_timeout_s=2.0
+    )
+    costs = []
+    with hooks.session(first_step=0):
+        for k in range(12):
+            ray.get([w.train_step.remote() for w in workers])
+            if k == 3:  # inside the window, where every report waits
+                ray.kill(hooks.coordinator)  # gone for good: no restart
+            t0 = time.perf_counter()
+            hooks.step(k)
+            costs.append(time.perf_counter() - t0)
+    assert not hooks.enabled and "step" in hooks.disabled_reason
+    assert max(costs[3:]) < 2.0 + 5.0 + 1.0  # one wait: worker_timeout_s + REPORT_MARGIN_S
+    assert sum(c > 0.5 for c in costs[3:]) <= 1  # ...once; then the steps skip cheaply
+
+
+def test_the_hooks_reconnect_by_themselves_after_a_restart(
+    ray_session, ray_actors, toy_workers, tmp_path
+):
+    ray = ray_session
+    workers = toy_workers(2)
+    # cycle of 6: wait 0-2, warm-up 3, record 4-5 | 10-11 | 16-17 | ...
+    hooks = attach(
+        ray_actors, workers, tmp_path, wait=3, warmup=1, active=2, repeat=0, worker_timeout_s=5.0
+    )
+    coord = hooks.coordinator
+    down_seen = False
+    with hooks.session(first_step=0):
+        for k in range(40):
+            ray.get([w.train_step.remote() for w in workers])
+            hooks.step(k)
+            down_seen = down_seen or not hooks.enabled
+            if k == 6:
+                kill_hard(ray, coord, wait_back=False)  # the trainer steps on at once
+            time.sleep(0.15)  # steps of 0.15 s: the restart and the probe take a few
+    assert down_seen and hooks.enabled, hooks.disabled_reason
+    st = ray.get(coord.status.remote())
+    assert st["restarts"] == 1 and st["global_step"] == 39
+    closed = [w for w in st["windows"] if w["steps"]]
+    assert closed[0]["steps"] == [4, 5]  # before the kill
+    later = [w for w in closed if w["steps"][0] > 20]
+    assert later and all(w["ranks"] == [0, 1] for w in later)  # captured again after it
