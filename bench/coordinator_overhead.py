@@ -204,6 +204,12 @@ def bench_aggregation(ranks: int, kernels: int, top: int) -> dict[str, float]:
         t0 = time.perf_counter()
         table = st.kernel_summary(None, top, None)
         queries.append(time.perf_counter() - t0)
+    # What a checkpoint of this window costs (the coordinator pickles its runs into Ray's KV).
+    import ray.cloudpickle as cloudpickle
+
+    t0 = time.perf_counter()
+    blob = cloudpickle.dumps(st)
+    pickle_s = time.perf_counter() - t0
     assert len(table["ranks"]) == ranks and len(table["kernels"]) == top
     return {
         "ingest_ms_per_rank": ingest * 1e3,
@@ -211,6 +217,8 @@ def bench_aggregation(ranks: int, kernels: int, top: int) -> dict[str, float]:
         "retained_mb": retained / 2**20,
         "peak_mb": (peak - before) / 2**20,
         "payload_kb_per_rank": statistics.mean(len(b) for b in blobs) / 1024,
+        "checkpoint_mb": len(blob) / 2**20,
+        "checkpoint_ms": pickle_s * 1e3,
     }
 
 
@@ -252,7 +260,8 @@ def main() -> None:
         f"ingest {agg['ingest_ms_per_rank']:.2f} ms/rank "
         f"({agg['payload_kb_per_rank']:.0f} KB msgpack each), "
         f"top-20 query {agg['query_ms']:.2f} ms, retained {agg['retained_mb']:.2f} MB "
-        f"(peak {agg['peak_mb']:.1f} MB while ingesting)"
+        f"(peak {agg['peak_mb']:.1f} MB while ingesting); its checkpoint "
+        f"{agg['checkpoint_mb']:.2f} MB, pickled in {agg['checkpoint_ms']:.0f} ms"
     )
 
 
