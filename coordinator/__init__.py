@@ -15,8 +15,12 @@ __all__ = ["ProfilerAction", "ProfilerConfig", "Schedule", "Window", *_ACTOR_NAM
 
 
 def __getattr__(name: str) -> Any:
-    if name in _ACTOR_NAMES:
+    if name == "ProfilerCoordinator":
         from coordinator import actor
 
-        return getattr(actor, name)
+        return actor.ProfilerCoordinator
+    if name in _ACTOR_NAMES:
+        from coordinator import attach
+
+        return getattr(attach, name)
     raise AttributeError(f"module 'coordinator' has no attribute {name!r}")

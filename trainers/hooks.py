@@ -79,7 +79,7 @@ class ProfilingHooks:
             return cls(None, trainer_id)
         import ray
 
-        from coordinator.actor import attach_coordinator
+        from coordinator.attach import attach_coordinator
         from coordinator.client import StepClient
 
         try:
