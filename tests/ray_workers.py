@@ -59,16 +59,15 @@ class FaultyWorker(ToyWorker):
         elif kind == "garbage_summary":  # the helper answers with bytes that are not a summary
             from concurrent.futures import Future
 
+            from worker_ext.hand_off import HandOff
             from worker_ext.trace_jobs import JobResult
 
-            def garbage_hand_off(self, job):
-                with self._cond:
-                    self._pending.add(job.window)
+            def garbage_submit(self, job):
                 done = Future()
                 done.set_result(JobResult(window=job.window, pid=0, summary=b"\xc1garbage"))
-                self._job_done(job, done)
+                self.done(job, done)
 
-            RankProfiler._hand_off = garbage_hand_off
+            HandOff.submit = garbage_submit
         elif kind == "slow_step_1s":
             real_step = RankProfiler.step
 

@@ -15,7 +15,6 @@ node's helper process (``worker_ext.node_agent``), which reads the trace from di
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -31,12 +30,13 @@ from torch.profiler import ProfilerAction as TorchAction
 from torch.profiler import ProfilerActivity
 
 from coordinator.config import ProfilerConfig
-from coordinator.replies import ClosedWindow, HelperError, Phase, RankStatus, Reason
+from coordinator.replies import ClosedWindow, Phase, RankStatus, Reason
 from coordinator.schedule import Window
 from coordinator.storage import is_remote, join
 from coordinator.trace_layout import contained, trace_path, window_dir
-from worker_ext.node_agent import TraceHelper, default_helper
-from worker_ext.trace_jobs import JobResult, TraceJob
+from worker_ext.hand_off import HandOff
+from worker_ext.node_agent import TraceHelper
+from worker_ext.trace_jobs import TraceJob
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +84,7 @@ class RankProfiler:
         self.node_id = _node_id()
         self.selected = bool(config.enable and config.selects(self.rank))
         self.report_to = report_to  # the coordinator the helper pushes summaries to
-        self._helper = helper
-        self.helper_pid: int | None = None
-        self.last_helper_error: HelperError | None = None
+        self.hand_off = HandOff(self.rank, helper, report_to)
         self.windows_captured = 0
         self.windows_skipped = 0
         self.last_trace_path: str | None = None
@@ -100,10 +98,6 @@ class RankProfiler:
         self._closing: _Closing | None = None
         self._closed: ClosedWindow | None = None
         self._abandoned: list[Any] = []  # torch objects we must never touch again
-        self._ready: list[bytes] = []
-        self._failures: list[HelperError] = []  # windows whose summary is lost, and why
-        self._pending: set[int] = set()
-        self._cond = threading.Condition()
         self.device, self.note = _pick_device(config)
         if not self.selected:
             return
@@ -113,11 +107,9 @@ class RankProfiler:
         if run_directory is None:
             self._disable("configure", ValueError("no run directory was given"))
             return
-        if self._helper is None:
-            self._helper = default_helper()
         if warm_up:
             self._guarded("warm_up", self._warm_up)
-        self._start_helper()
+        self.hand_off.start()
 
     # ----------------------------------------------------------------- commands
 
@@ -135,8 +127,7 @@ class RankProfiler:
 
     def wait_for_summaries(self, timeout_s: float) -> RankStatus:
         """Wait up to ``timeout_s`` for pending summaries, then return the status."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._pending, timeout=max(0.0, timeout_s))
+        self.hand_off.wait(timeout_s)
         return self.status()
 
     @property
@@ -147,10 +138,7 @@ class RankProfiler:
 
     def status(self) -> RankStatus:
         """A small, msgpack- and JSON-friendly status; drains ready summaries."""
-        with self._cond:
-            summaries, self._ready = self._ready, []
-            failures, self._failures = self._failures, []
-            pending = sorted(self._pending)
+        summaries, failures, pending = self.hand_off.drain()
         closed, self._closed = self._closed, None
         state: Literal["ok", "disabled", "not_selected"] = (
             "not_selected" if not self.selected else "disabled" if self.fault else "ok"
@@ -172,11 +160,8 @@ class RankProfiler:
             "summaries": summaries,
             "summary_failures": failures,
             "summary_pending": pending,
-            "summary_helper": {
-                "kind": self._helper.kind if self._helper is not None else None,
-                "pid": self.helper_pid,
-            },
-            "last_helper_error": self.last_helper_error,
+            "summary_helper": self.hand_off.info(),
+            "last_helper_error": self.hand_off.last_error,
         }
 
     # ------------------------------------------------------------------ guards
@@ -346,7 +331,7 @@ class RankProfiler:
             steps=list(steps) if steps else None,
             partial=partial,
             trace_path=closing.trace_path if closing else None,
-            summary_pending=w.index in self._pending,
+            summary_pending=self.hand_off.is_pending(w.index),
         )
         if steps is not None and self.fault is None:
             self.windows_captured += 1
@@ -381,7 +366,7 @@ class RankProfiler:
             os.replace(tmp, raw)  # a reader never sees half a trace
             tmp = None
             closing.trace_path = upload or final
-            self._hand_off(
+            self.hand_off.submit(
                 TraceJob(
                     rank=self.rank,
                     window=w.index,
@@ -402,108 +387,6 @@ class RankProfiler:
         except BaseException as exc:  # an exception escaping here segfaults the next stop()
             self._disable("export", exc)
             _remove_quietly(tmp)
-
-    # ------------------------------------------------------ the node's helper
-
-    def _start_helper(self) -> None:
-        """Start the helper process at configure time; a failure costs summaries, not profiling."""
-        assert self._helper is not None
-        try:
-            self.helper_pid = self._helper.prepare()
-        except BaseException as exc:
-            self._helper.forget()
-            message = f"the {self._helper.kind} could not be started: {exc}"[:1000]
-            self.last_helper_error = HelperError(
-                window=None, where="helper", type=type(exc).__name__, message=message
-            )
-            log.warning("rank %d: %s", self.rank, message)
-
-    def _hand_off(self, job: TraceJob) -> None:
-        """Queue the job on the helper; the training thread never waits for it."""
-        assert self._helper is not None
-        with self._cond:
-            self._pending.add(job.window)
-        try:
-            fut = self._helper.submit(job)
-        except BaseException as exc:
-            self._helper.forget()
-            self._job_lost(job, exc)
-            return
-        fut.add_done_callback(lambda f: self._job_done(job, f))
-
-    def _job_done(self, job: TraceJob, fut: concurrent.futures.Future[JobResult]) -> None:
-        """On the future's thread (not the training thread): record what the helper did."""
-        try:
-            try:
-                res = fut.result()
-            except BaseException as exc:
-                assert self._helper is not None
-                self._helper.forget()
-                self._job_lost(job, exc)
-                return
-            self.helper_pid = res.pid
-            with self._cond:
-                if res.summary is not None:
-                    self._ready.append(res.summary)
-                for err in res.errors:
-                    failed = HelperError(
-                        window=job.window,
-                        where=err["where"],
-                        type=err["type"],
-                        message=err["message"],
-                        trace_path=res.trace_path,
-                    )
-                    self.last_helper_error = failed
-                    if err["where"] == "summary":
-                        self._failures.append(failed)
-                if res.errors:
-                    log.warning("rank %d: %s", self.rank, self.last_helper_error)
-        except BaseException:  # a callback must never raise
-            log.debug("recording a helper result failed", exc_info=True)
-        finally:
-            with self._cond:
-                self._pending.discard(job.window)
-                self._cond.notify_all()
-
-    def _job_lost(self, job: TraceJob, exc: BaseException) -> None:
-        """The helper died or was unreachable: that window's summary is lost; the trace stays."""
-        assert self._helper is not None
-        err = HelperError(
-            window=job.window,
-            where="helper",
-            type=type(exc).__name__,
-            message=(
-                f"the {self._helper.kind} died or could not be reached before it finished "
-                f"window {job.window} (its summary is lost unless it had been pushed); the raw "
-                f"trace stays at {job.raw_path}: {exc}"
-            )[:1000],
-            trace_path=job.raw_path,
-        )
-        with self._cond:
-            self.last_helper_error = err
-            self._failures.append(err)
-            self._pending.discard(job.window)
-            self._cond.notify_all()
-        log.warning("rank %d: %s", self.rank, err["message"])
-        if self.report_to:
-            # Never call Ray from a future's callback: it may run on Ray's own I/O thread.
-            threading.Thread(
-                target=_notify_failure,
-                args=(self.report_to, self.rank, job.window, err),
-                name="profiler-notify",
-                daemon=True,
-            ).start()
-
-
-def _notify_failure(report_to: dict[str, str], rank: int, window: int, err: dict[str, Any]) -> None:
-    """Tell the coordinator at once (one call, not awaited); the reply path tells it again."""
-    try:
-        import ray
-
-        handle = ray.get_actor(report_to["name"], namespace=report_to["namespace"])
-        handle.summary_failed.remote(report_to["trainer_id"], rank, window, err)
-    except Exception:
-        log.debug("could not tell the coordinator about a lost summary", exc_info=True)
 
 
 STAGING_ENV = "RAY_PROFILER_STAGING"
