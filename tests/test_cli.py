@@ -58,3 +58,50 @@ def test_top_level_help_names_the_exit_codes(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     assert "exit status: 0 ok, 1 error, 2 usage" in capsys.readouterr().out
+
+
+def _window_of_three_ranks():
+    from coordinator.aggregate import WindowAggregate
+    from coordinator.summary_codec import Breakdown, KernelRow, MemoryRow, RankSummary
+
+    agg = WindowAggregate(2)
+    for rank, gemm_us in ((0, 900.0), (1, 1000.0), (2, 3000.0)):
+        agg.add(
+            RankSummary(
+                rank,
+                2,
+                (10, 12),
+                False,
+                "cpu",
+                [KernelRow("aten::addmm", gemm_us, 6, 0), KernelRow("gloo:all_reduce", 50.0, 3, 0)],
+                step_us=[(10 + i, gemm_us) for i in range(3)],
+                breakdown=Breakdown(compute_us=gemm_us, comm_us=4000.0 - gemm_us, window_us=5000.0),
+                peak_bytes=(rank + 1) * 2**20,
+                memory=[MemoryRow("aten::empty", 2**20, 4)],
+            )
+        )
+    return agg.to_dict(5, straggler_threshold=1.5)
+
+
+def test_the_tables_show_every_rank_kernel_and_the_straggler():
+    from coordinator.tables import render_stragglers, render_top
+
+    ks = _window_of_three_ranks()
+    top = render_top(ks)
+    assert top.splitlines()[0].startswith("window 2 steps [10, 12], ranks [0, 1, 2]")
+    assert "aten::addmm" in top and "gloo:all_reduce" in top
+    assert "memory: peak 3.0 MB on rank 2" in top and "aten::empty" in top
+    rows = {line.split()[0]: line for line in top.splitlines() if line.endswith("%")}
+    assert set(rows) >= {"0", "1", "2"}  # the breakdown: one row per rank
+    assert rows["2"].split()[2] == "60.0%"  # rank 2: 3,000 of 5,000 us computing
+    strag = render_stragglers(ks)
+    flagged = [line.split()[0] for line in strag.splitlines() if line.endswith("STRAGGLER")]
+    assert flagged == ["2"] and "flagged [2]" in strag
+
+
+def test_the_tables_say_when_no_window_has_closed():
+    from coordinator.aggregate import empty_summary
+    from coordinator.tables import render_stragglers, render_top
+
+    assert render_top(empty_summary()) == "no closed window yet"
+    assert render_stragglers(empty_summary()) == "no closed window yet"
