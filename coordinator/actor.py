@@ -222,13 +222,11 @@ class _Coordinator(CaptureRPCs, AgentReports):
         """
         async with self._lock:
             await self._recover()
-            no = self._not_the_stepping_trainer(trainer_id, "start")
+            no = self._trainer_call_problem(
+                trainer_id, "start", ("first_step", first_step), ("throttled", throttled)
+            )
             if no:
                 return self._step_reply(False, no)
-            problem = step_problem("first_step", first_step)
-            if problem or not isinstance(throttled, bool):
-                why = problem or f"throttled must be True or False, got {throttled!r:.80}"
-                return self._step_reply(False, self._refuse("start", why))
             if self.run.phase == "stopped":
                 await self._begin_run(self.run.config, "started again after it stopped", carry=True)
             run = self.run
@@ -238,8 +236,7 @@ class _Coordinator(CaptureRPCs, AgentReports):
             self._throttled = bool(throttled)
             await run_commands(run, run.driver.start(first_step))
             reply = self._step_reply(True)
-            ns = reply["next_sync_step"]
-            self._next_report_waits = not self._throttled or (ns is not None and ns <= first_step)
+            self._expect_next_report(reply, first_step, waited=True)
             self._save()
             return reply
 
@@ -251,13 +248,9 @@ class _Coordinator(CaptureRPCs, AgentReports):
         """
         async with self._lock:
             await self._recover()
-            no = self._not_the_stepping_trainer(trainer_id, "step")
+            no = self._trainer_call_problem(trainer_id, "step", ("step", k), ("waiting", waiting))
             if no:
                 return self._step_reply(False, no)
-            problem = step_problem("step", k)
-            if problem or not isinstance(waiting, bool):
-                why = problem or f"waiting must be True or False, got {waiting!r:.80}"
-                return self._step_reply(False, self._refuse("step", why))
             run = self.run
             if run.phase == "stopped":
                 return self._step_reply(
@@ -280,10 +273,7 @@ class _Coordinator(CaptureRPCs, AgentReports):
             run.state.global_step = k
             await run_commands(run, result)
             reply = self._step_reply(True)
-            ns = reply["next_sync_step"]
-            self._next_report_waits = not self._throttled or (
-                bool(waiting) and ns is not None and ns <= k + 1
-            )
+            self._expect_next_report(reply, k + 1, waited=waiting)
             self._save(force=bool(result))  # a window changed: now; only the step: soon
             return reply
 
@@ -325,13 +315,13 @@ class _Coordinator(CaptureRPCs, AgentReports):
         return {
             "name": self.name,
             "namespace": self.namespace,
-            "run": run.info(),  # type: ignore[typeddict-item]
+            "run": run.info(),
             "phase": self._phase(),
             "config": run.config.public_dict(),
             "run_dir": run.run_dir,
             "global_step": st.global_step,
-            "current_window": cur.to_dict() if cur else None,  # type: ignore[typeddict-item]
-            "next_window": nxt.to_dict() if nxt else None,  # type: ignore[typeddict-item]
+            "current_window": cur.to_dict() if cur else None,
+            "next_window": nxt.to_dict() if nxt else None,
             "windows": [w.to_dict() for w in st.closed_windows()],
             "trainers": [
                 t.to_dict(t.trainer_id == st.stepping_trainer) for t in st.trainers.values()
@@ -354,7 +344,7 @@ class _Coordinator(CaptureRPCs, AgentReports):
             "checkpoint": dict(self._ckpt),  # type: ignore[typeddict-item]
             "previous_runs": [
                 {
-                    "run": r.info(),  # type: ignore[typeddict-item]
+                    "run": r.info(),
                     "config": r.config.public_dict(),
                     "windows": [w.to_dict() for w in r.state.closed_windows()],
                 }
@@ -400,6 +390,27 @@ class _Coordinator(CaptureRPCs, AgentReports):
     async def get_config(self) -> dict[str, Any]:
         """The current run's config, credentials redacted."""
         return self.run.config.public_dict()
+
+    def _trainer_call_problem(
+        self, trainer_id: str, what: str, step: tuple[str, object], flag: tuple[str, object]
+    ) -> str | None:
+        """Why a ``start``/``step`` call is refused (its trainer, its step, its flag), or None."""
+        no = self._not_the_stepping_trainer(trainer_id, what)
+        if no:
+            return no
+        problem = step_problem(*step)
+        if problem is None and not isinstance(flag[1], bool):
+            problem = f"{flag[0]} must be True or False, got {flag[1]!r:.80}"
+        return self._refuse(what, problem) if problem else None
+
+    def _expect_next_report(self, reply: StepReply, next_step: int, waited: bool) -> None:
+        """Whether the trainer will wait for its next report's answer (a capture can then be
+        planned at once): always, unless it is throttled; then only if it read this answer
+        before running ``next_step`` and that answer told it to wait from ``next_step``."""
+        ns = reply["next_sync_step"]
+        self._next_report_waits = not self._throttled or (
+            waited and ns is not None and ns <= next_step
+        )
 
     async def _join_open_window(self, keys: list[Key]) -> None:
         """Ranks registered while a window is open (a restarted driver) join it now."""

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from coordinator.run import Run
 from coordinator.shell import CoordinatorShell
-from coordinator.validate import MAX_SUMMARY_BYTES, is_int, is_rank, trainer_id_problem
+from coordinator.validate import MAX_SUMMARY_BYTES, MAX_TEXT, is_int, is_rank, trainer_id_problem
 
 
 class AgentReports(CoordinatorShell):
@@ -32,13 +33,11 @@ class AgentReports(CoordinatorShell):
             )
             self._refuse("ingest_summary", f"a summary must be bytes, at most 4 MiB; got {size}")
             return True  # refused before it is decoded; sending it again would not help
-        target = self._find_run(run)
-        key = (trainer_id, rank)
-        if target is None or key not in target.state.ranks:
-            self.run.state.counters["unexpected_summaries"] += 1
+        target = self._report_run(trainer_id, rank, run, "unexpected_summaries")
+        if target is None:
             return True
         target.state.counters["summaries_pushed"] += 1
-        target.state.ingest_summary(key, blob)
+        target.state.ingest_summary((trainer_id, rank), blob)
         self._metrics.export(self.run.state)
         self._save(force=False)
         return True
@@ -49,14 +48,14 @@ class AgentReports(CoordinatorShell):
         """A rank's node agent could not build its summary of ``window`` (or died): say why."""
         if not self._reporter_ok(trainer_id, rank, run) or not is_int(window):
             return False
-        target = self._find_run(run)
-        key = (trainer_id, rank)
-        if target is None or key not in target.state.ranks or not isinstance(reason, dict):
+        target = self._report_run(trainer_id, rank, run, "unexpected_summaries")
+        if target is None:
+            return False
+        if not isinstance(reason, dict):
             self.run.state.counters["unexpected_summaries"] += 1
             return False
-        reason = {str(k): str(v)[:1000] for k, v in list(reason.items())[:8]}
         self._save(force=False)
-        return target.state.summary_failed(key, window, reason)
+        return target.state.summary_failed((trainer_id, rank), window, _bounded(reason))
 
     async def trace_stored(
         self,
@@ -72,25 +71,21 @@ class AgentReports(CoordinatorShell):
         """The node agent finished a rank's trace of ``window``: its final ``path``, or why not."""
         if not self._reporter_ok(trainer_id, rank, run) or not is_int(window):
             return False
-        target = self._find_run(run)
-        key = (trainer_id, rank)
-        if target is None or key not in target.state.ranks:
-            self.run.state.counters["unexpected_trace_reports"] += 1
+        target = self._report_run(trainer_id, rank, run, "unexpected_trace_reports")
+        if target is None:
             return False
         if not all(v is None or isinstance(v, str) for v in (path, local_path, node)):
             target.state.counters["unexpected_trace_reports"] += 1
             return False
         if error is not None:
-            if not isinstance(error, dict):
-                error = {"message": str(error)}
-            error = {str(k): str(v)[:1000] for k, v in list(error.items())[:8]}
+            error = _bounded(error if isinstance(error, dict) else {"message": error})
         self._save(force=False)
         return target.state.trace_stored(
-            key,
+            (trainer_id, rank),
             window,
-            path[:4096] if isinstance(path, str) else None,
+            path[:MAX_TEXT] if isinstance(path, str) else None,
             error,
-            local_path=local_path[:4096] if isinstance(local_path, str) else None,
+            local_path=local_path[:MAX_TEXT] if isinstance(local_path, str) else None,
             node=node[:128] if isinstance(node, str) else None,
         )
 
@@ -100,3 +95,16 @@ class AgentReports(CoordinatorShell):
             self.run.state.counters["unexpected_reports"] += 1
             return False
         return run is None or isinstance(run, str)
+
+    def _report_run(self, trainer_id: str, rank: int, run: str | None, counter: str) -> Run | None:
+        """The run a report belongs to, if it knows that rank; else None, counted."""
+        target = self._find_run(run)
+        if target is None or (trainer_id, rank) not in target.state.ranks:
+            self.run.state.counters[counter] += 1
+            return None
+        return target
+
+
+def _bounded(reason: dict[Any, Any]) -> dict[str, str]:
+    """A reason from a report, as at most 8 short strings."""
+    return {str(k): str(v)[:1000] for k, v in list(reason.items())[:8]}

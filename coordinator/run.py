@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from coordinator.config import ProfilerConfig
+from coordinator.replies import RunEntry
 from coordinator.schedule import Schedule
 from coordinator.state import CoordinatorState
 from coordinator.trace_layout import child, default_run_name
@@ -44,8 +45,8 @@ class Run:
         """Started (or with trainers registered) and not stopped."""
         return self.phase == "running" or (self.phase == "configured" and bool(self.state.trainers))
 
-    def info(self) -> dict[str, Any]:
-        """The run as ``status()`` shows it (``coordinator.replies.RunEntry``)."""
+    def info(self) -> RunEntry:
+        """The run as ``status()`` shows it."""
         return {
             "name": self.name,
             "phase": self.phase,

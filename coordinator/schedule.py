@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.replies import WindowPlan
+
 
 class ProfilerAction(enum.Enum):
     """Same names as ``torch.profiler.ProfilerAction``."""
@@ -52,7 +54,7 @@ class Window:
         """Whether the two windows share a warm-up or recorded step."""
         return self.warmup_start <= other.last and other.warmup_start <= self.last
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> WindowPlan:
         return {
             "index": self.index,
             "warmup_start": self.warmup_start,

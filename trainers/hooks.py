@@ -87,14 +87,11 @@ class ProfilingHooks:
             ray.get(coord.register.remote(trainer_id, workers, role, advances_step))
         except ValueError:
             raise
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.as_instanceof_cause()
-            if isinstance(cause, ValueError):  # a bad registration or a clash of runs
-                raise ValueError(str(cause).strip().splitlines()[-1]) from None
-            hooks = cls(None, trainer_id)
-            hooks._switch_off("attach", exc)
-            return hooks
         except Exception as exc:
+            if isinstance(exc, ray.exceptions.RayTaskError):
+                cause = exc.as_instanceof_cause()
+                if isinstance(cause, ValueError):  # a bad registration or a clash of runs
+                    raise ValueError(str(cause).strip().splitlines()[-1]) from None
             hooks = cls(None, trainer_id)
             hooks._switch_off("attach", exc)
             return hooks

@@ -75,7 +75,6 @@ class NodeAgent:
         self._files = concurrent.futures.ThreadPoolExecutor(
             1, "profiler-files", initializer=lowest_cpu_priority
         )
-        self._jobs = 0
         import ray
 
         self._node = str(ray.get_runtime_context().get_node_id())
@@ -83,10 +82,6 @@ class NodeAgent:
     async def ping(self) -> int:
         """The agent's pid."""
         return os.getpid()
-
-    async def jobs_in_flight(self) -> int:
-        """Jobs accepted and not yet finished (their trace files included)."""
-        return self._jobs
 
     async def read_trace_chunk(self, path: str, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes of a trace file on this node from ``offset`` (b"" at its end).
@@ -102,25 +97,21 @@ class NodeAgent:
         return await loop.run_in_executor(None, _read_chunk, path, offset, min(size, MAX_CHUNK))
 
     async def process(self, job: TraceJob) -> JobResult:
-        """Summarise and push, then finish the trace file; never raises (see ``run_job``)."""
+        """Summarise and push, then finish and upload the trace file; never raises."""
         loop = asyncio.get_running_loop()
-        self._jobs += 1
-        try:
-            res, blob, folded = await loop.run_in_executor(self._summaries, summarise_job, job)
-            if blob is not None:
-                res.pushed = await self._publish(job, blob, res)
-                if not res.pushed:
-                    res.summary = blob  # it rides on the rank's next reply
-            elif job.report_to:
-                await self._notify(job, res.errors[-1])
-            await loop.run_in_executor(self._files, finish_trace, job, folded, res)
-            if job.upload_to is not None:
-                await loop.run_in_executor(self._files, upload_trace, job, res)
-            if job.report_to and job.final_path is not None:
-                await self._stored(job, res)
-            return res
-        finally:
-            self._jobs -= 1
+        res, blob, folded = await loop.run_in_executor(self._summaries, summarise_job, job)
+        if blob is not None:
+            res.pushed = await self._publish(job, blob, res)
+            if not res.pushed:
+                res.summary = blob  # it rides on the rank's next reply
+        elif job.report_to:
+            await self._notify(job, res.errors[-1])
+        await loop.run_in_executor(self._files, finish_trace, job, folded, res)
+        if job.upload_to is not None:
+            await loop.run_in_executor(self._files, upload_trace, job, res)
+        if job.report_to and job.final_path is not None:
+            await self._stored(job, res)
+        return res
 
     async def _call(self, report_to: dict[str, str], method: str, *args: Any, **kwargs: Any) -> Any:
         """Call the coordinator ``report_to`` names; a handle that has gone stale (the

@@ -1,9 +1,10 @@
 """What happens to a window's trace after the rank wrote it, in a process other than the rank's.
 
 A rank's training process only stops the profiler and writes the raw chrome trace; it then hands
-a ``TraceJob`` to its node's helper (``worker_ext.node_agent``), which runs ``run_job``: build the
-summary from the trace, push it to the coordinator, then compress the trace, write folded stacks,
-or delete the temporary trace (``export_type: none``). Imports neither torch nor Ray.
+a ``TraceJob`` to its node's helper (``worker_ext.node_agent``), which builds the summary from the
+trace (``summarise_job``), pushes it to the coordinator, then compresses the trace, writes folded
+stacks or deletes the temporary trace (``finish_trace``), and uploads it (``upload_trace``).
+``run_job`` is the same without the push, for a helper outside Ray. Imports neither torch nor Ray.
 """
 
 from __future__ import annotations
@@ -21,11 +22,6 @@ from typing import Any
 
 from coordinator.summary_codec import encode_summary
 from worker_ext.trace_summary import summarise_trace
-
-# report_to (name, namespace, trainer_id), rank, encoded summary -> whether the coordinator has it
-Publish = Callable[[dict[str, str], int, bytes], bool]
-# report_to, rank, window, reason -> None (best effort)
-Notify = Callable[[dict[str, str], int, int, dict[str, str]], None]
 
 
 @dataclass(frozen=True)
@@ -70,19 +66,12 @@ class JobResult:
     """``where`` (summary, publish, compress, stacks, cleanup, upload), ``type``, ``message``."""
 
 
-def run_job(
-    job: TraceJob, publish: Publish | None = None, notify: Notify | None = None
-) -> JobResult:
-    """Summarise, publish, then finish the trace file. Never raises: failures go in ``errors``."""
+def run_job(job: TraceJob) -> JobResult:
+    """Summarise, then finish the trace file, for a helper that does not push (the summary
+    rides on the rank's next reply). Never raises: failures go in ``errors``."""
     t0 = time.perf_counter()
     res, blob, folded = summarise_job(job)
-    if blob is not None:
-        res.pushed = _publish(publish, job, blob, res)
-        if not res.pushed:
-            res.summary = blob
-    elif notify is not None and job.report_to:
-        with contextlib.suppress(Exception):
-            notify(job.report_to, job.rank, job.window, res.errors[-1])
+    res.summary = blob
     finish_trace(job, folded, res)
     upload_trace(job, res)
     res.seconds = time.perf_counter() - t0
@@ -109,16 +98,6 @@ def summarise_job(job: TraceJob) -> tuple[JobResult, bytes | None, list[str] | N
     except BaseException as exc:  # noqa: BLE001 - the reason goes to the rank's status
         res.errors.append(reason("summary", exc))
         return res, None, None
-
-
-def _publish(publish: Publish | None, job: TraceJob, blob: bytes, res: JobResult) -> bool:
-    if publish is None or not job.report_to:
-        return False
-    try:
-        return bool(publish(job.report_to, job.rank, blob))
-    except Exception as exc:
-        res.errors.append(reason("publish", exc))
-        return False
 
 
 def finish_trace(job: TraceJob, folded: list[str] | None, res: JobResult) -> None:
