@@ -13,6 +13,7 @@ Run: .venv/bin/python bench/coordinator_overhead.py [--ranks 2 4 8] [--steps 200
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import random
 import statistics
@@ -210,6 +211,17 @@ def bench_aggregation(ranks: int, kernels: int, top: int) -> dict[str, float]:
     t0 = time.perf_counter()
     blob = cloudpickle.dumps(st)
     pickle_s = time.perf_counter() - t0
+    # A full history (max_windows of them): what a step outside windows would rewrite if it
+    # saved the whole run, against the step counters it does save.
+    history = ProfilerConfig().max_windows
+    for i in range(1, history):
+        st.windows[i] = copy.deepcopy(rec)
+    t0 = time.perf_counter()
+    full = cloudpickle.dumps(st)
+    full_s = time.perf_counter() - t0
+    progress = cloudpickle.dumps(
+        {"version": 1, "run": "run", "last_step": 10**6, "global_step": 10**6}
+    )
     assert len(table["ranks"]) == ranks and len(table["kernels"]) == top
     return {
         "ingest_ms_per_rank": ingest * 1e3,
@@ -219,6 +231,10 @@ def bench_aggregation(ranks: int, kernels: int, top: int) -> dict[str, float]:
         "payload_kb_per_rank": statistics.mean(len(b) for b in blobs) / 1024,
         "checkpoint_mb": len(blob) / 2**20,
         "checkpoint_ms": pickle_s * 1e3,
+        "history_windows": history,
+        "history_mb": len(full) / 2**20,
+        "history_ms": full_s * 1e3,
+        "progress_bytes": len(progress),
     }
 
 
@@ -262,6 +278,11 @@ def main() -> None:
         f"top-20 query {agg['query_ms']:.2f} ms, retained {agg['retained_mb']:.2f} MB "
         f"(peak {agg['peak_mb']:.1f} MB while ingesting); its checkpoint "
         f"{agg['checkpoint_mb']:.2f} MB, pickled in {agg['checkpoint_ms']:.0f} ms"
+    )
+    print(
+        f"checkpoint with a full history of {agg['history_windows']} such windows: "
+        f"{agg['history_mb']:.1f} MB, pickled in {agg['history_ms']:.0f} ms (written at window "
+        f"changes); a step outside windows writes {agg['progress_bytes']} bytes instead"
     )
 
 

@@ -268,13 +268,17 @@ class _Coordinator(CaptureRPCs, AgentReports):
                 run.state.counters["ignored_steps"] += 1
                 run.state.counters[f"ignored_steps_{result.reason}"] += 1
                 return self._step_reply(False, ignored=result.reason)
+            changed = bool(result) or run.phase == "configured"
             if run.phase == "configured":
                 run.phase, run.started_at = "running", time.time()
             run.state.global_step = k
             await run_commands(run, result)
             reply = self._step_reply(True)
             self._expect_next_report(reply, k + 1, waited=waiting)
-            self._save(force=bool(result))  # a window changed: now; only the step: soon
+            if changed:
+                self._save()  # a window opened, moved on or closed: the whole run, now
+            else:
+                self._save_progress()  # only the step moved: its counters, soon
             return reply
 
     async def stop(self, trainer_id: str) -> StepReply:

@@ -8,7 +8,9 @@ GCS, and neither does the detached coordinator it serves.
 
 The checkpoint is a cloudpickle of the coordinator's runs (config, window plan, bookkeeping,
 closed-window aggregates without their per-rank detail, the trainers' registrations with their
-actor handles) under ``ray_profiler/<namespace>/<name>``.
+actor handles) under ``ray_profiler/<namespace>/<name>``. A step outside a window changes only
+the step counters, so it rewrites only those, a few bytes under ``<name>/progress`` (the
+``PROGRESS`` part), never the whole run.
 """
 
 from __future__ import annotations
@@ -20,31 +22,33 @@ log = logging.getLogger(__name__)
 
 KV_NAMESPACE = "ray_profiler"
 VERSION = 1
+STATE, PROGRESS = "", "progress"  # the parts of a checkpoint
 
 
-def _key(namespace: str, name: str) -> bytes:
-    return f"{namespace}/{name}".encode()
+def _key(namespace: str, name: str, part: str) -> bytes:
+    return f"{namespace}/{name}{'/' + part if part else ''}".encode()
 
 
-def save(namespace: str, name: str, payload: dict[str, Any]) -> int:
-    """Store ``payload``; returns its size in bytes. Raises what Ray or pickling raises."""
+def save(namespace: str, name: str, payload: dict[str, Any], part: str = STATE) -> int:
+    """Store ``payload`` as ``part``; returns its size in bytes. Raises what Ray or pickling
+    raises."""
     import ray.cloudpickle as cloudpickle
     from ray.experimental import internal_kv
 
     blob = cloudpickle.dumps({"version": VERSION, **payload})
     internal_kv._internal_kv_put(
-        _key(namespace, name), blob, overwrite=True, namespace=KV_NAMESPACE
+        _key(namespace, name, part), blob, overwrite=True, namespace=KV_NAMESPACE
     )
     return len(blob)
 
 
-def load(namespace: str, name: str) -> dict[str, Any] | None:
-    """The last checkpoint stored, or None (none, unreadable, or of another version)."""
+def load(namespace: str, name: str, part: str = STATE) -> dict[str, Any] | None:
+    """The last ``part`` stored, or None (none, unreadable, or of another version)."""
     try:
         import ray.cloudpickle as cloudpickle
         from ray.experimental import internal_kv
 
-        blob = internal_kv._internal_kv_get(_key(namespace, name), namespace=KV_NAMESPACE)
+        blob = internal_kv._internal_kv_get(_key(namespace, name, part), namespace=KV_NAMESPACE)
         if not blob:
             return None
         payload = cloudpickle.loads(blob)
@@ -61,6 +65,7 @@ def delete(namespace: str, name: str) -> None:
     try:
         from ray.experimental import internal_kv
 
-        internal_kv._internal_kv_del(_key(namespace, name), namespace=KV_NAMESPACE)
+        for part in (STATE, PROGRESS):
+            internal_kv._internal_kv_del(_key(namespace, name, part), namespace=KV_NAMESPACE)
     except Exception:
         log.debug("could not delete the coordinator's checkpoint", exc_info=True)

@@ -68,6 +68,7 @@ class CoordinatorShell:
         self._recovering = False  # restored with a window open: close it on the ranks first
         self._ckpt: dict[str, Any] = {"bytes": 0, "seconds": 0.0, "at": None, "error": None}
         self._dirty = False
+        self._progress_dirty = False  # only the step counters moved since the last save
         self._flusher: asyncio.Task[None] | None = None
         self._restore()
 
@@ -91,6 +92,7 @@ class CoordinatorShell:
             return
         self.run = saved["run"]
         self.previous = collections.deque(saved["previous"], maxlen=PREVIOUS_RUNS)
+        self._restore_progress(checkpoint.load(self.namespace, self.name, checkpoint.PROGRESS))
         self._throttled = saved["throttled"]
         self._recovering = self.run.driver.current is not None
         log.warning(
@@ -100,6 +102,15 @@ class CoordinatorShell:
             self.run.name,
             self.run.state.global_step,
         )
+
+    def _restore_progress(self, progress: dict[str, Any] | None) -> None:
+        """Steps outside windows saved after the last full checkpoint of the same run."""
+        drv, st = self.run.driver, self.run.state
+        if not progress or progress.get("run") != self.run.name:
+            return
+        last, step = progress.get("last_step"), progress.get("global_step")
+        if isinstance(last, int) and (drv.last_step is None or last > drv.last_step):
+            drv.last_step, st.global_step = last, step if isinstance(step, int) else last
 
     async def _recover(self) -> None:
         """A window was open when the coordinator died: close it as partial on every rank
@@ -120,10 +131,9 @@ class CoordinatorShell:
         """Checkpoint now (``force``), or within ``CHECKPOINT_INTERVAL_S``."""
         self._dirty = True
         if not force:
-            if self._flusher is None or self._flusher.done():
-                self._flusher = asyncio.ensure_future(self._flush_later())
+            self._flush_soon()
             return
-        self._dirty = False
+        self._dirty = self._progress_dirty = False
         t0 = time.perf_counter()
         try:
             size = checkpoint.save(
@@ -146,12 +156,34 @@ class CoordinatorShell:
             self._ckpt["error"] = f"{type(exc).__name__}: {exc}"[:500]
             log.warning("checkpoint failed: %s", self._ckpt["error"])
 
+    def _save_progress(self) -> None:
+        """A step that changed nothing but the step counters: within ``CHECKPOINT_INTERVAL_S``,
+        save those (a few bytes), not the whole run."""
+        self._progress_dirty = True
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush_later())
+
     async def _flush_later(self) -> None:
         await asyncio.sleep(CHECKPOINT_INTERVAL_S)
-        if self._dirty:
-            async with self._lock:
-                if self._dirty:
-                    self._save(force=True)
+        if not (self._dirty or self._progress_dirty):
+            return
+        async with self._lock:
+            if self._dirty:
+                self._save(force=True)
+            elif self._progress_dirty:
+                self._progress_dirty = False
+                progress = {
+                    "run": self.run.name,
+                    "last_step": self.run.driver.last_step,
+                    "global_step": self.run.state.global_step,
+                }
+                try:
+                    checkpoint.save(self.namespace, self.name, progress, checkpoint.PROGRESS)
+                except Exception as exc:
+                    self._ckpt["error"] = f"{type(exc).__name__}: {exc}"[:500]
 
     def _find_run(self, name: str | None) -> Run | None:
         if name is None or name == self.run.name:

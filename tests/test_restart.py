@@ -133,3 +133,29 @@ def test_the_hooks_reconnect_by_themselves_after_a_restart(
     assert closed[0]["steps"] == [4, 5]  # before the kill
     later = [w for w in closed if w["steps"][0] > 20]
     assert later and all(w["ranks"] == [0, 1] for w in later)  # captured again after it
+
+
+def test_steps_outside_windows_save_only_the_step_counters(
+    ray_session, ray_actors, toy_workers, tmp_path
+):
+    from coordinator import checkpoint
+
+    ray = ray_session
+    hooks = attach(ray_actors, toy_workers(2), tmp_path, wait=1000, warmup=1, active=1, repeat=0)
+    coord = hooks.coordinator
+    assert ray.get(coord.start.remote("t", 0))["applied"]
+    time.sleep(1.5)  # past the checkpoint interval: nothing is left to flush
+    saved = ray.get(coord.status.remote())["checkpoint"]
+    for k in range(30):
+        assert ray.get(coord.step.remote("t", k))["applied"]
+    time.sleep(1.5)
+    st = ray.get(coord.status.remote())
+    assert st["checkpoint"] == saved  # the whole run was not written again for idle steps
+    progress = checkpoint.load(st["namespace"], st["name"], checkpoint.PROGRESS)
+    assert progress == {"version": 1, "run": st["run"]["name"], "last_step": 29, "global_step": 29}
+    kill_hard(ray, coord)
+    st = ray.get(coord.status.remote())
+    assert st["restarts"] == 1 and st["global_step"] == 29
+    assert ray.get(coord.step.remote("t", 29))["ignored"] == "duplicate"
+    assert ray.get(coord.step.remote("t", 30))["applied"]
+    assert ray.get(coord.stop.remote("t"))["applied"]
