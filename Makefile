@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: venv test lint format demo bench fuzz clean
+.PHONY: venv test test-fast lint format demo bench fuzz clean
 
 venv: $(STAMP)
 
@@ -29,11 +29,13 @@ format: venv
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: venv
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy
+# The whole suite: lint, types, then every test (Ray clusters, subprocesses, S3, the demo).
+test: lint
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q
+
+# Lint, types and every test that needs no Ray and no subprocess (starting either fails there).
+test-fast: lint
+	PROFILER_FAST_TIER=1 $(PY) -m pytest -q -m "not ray and not subprocess"
 
 demo: venv
 	RAY_AUTH_MODE=$${RAY_AUTH_MODE:-disabled} $(PY) -m trainers.demo $(DEMO_ARGS)

@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from coordinator.config import ProfilerConfig
-from coordinator.schedule import Window
-from worker_ext.rank_profiler import RankProfiler
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.schedule import Window
+from worker_ext.rank.rank_profiler import RankProfiler
 
 
 def make_step(width: int, depth: int, batch: int):
@@ -79,7 +79,7 @@ def main() -> None:
             idle.append(timed(lambda k=k: (step(), rp.step(k))))
             k += 1
         window = Window(i, k, k + w, k + w + a - 1)
-        summaries += rp.begin_window(window, k)["summaries"]
+        summaries += rp.start_window(window, k)["summaries"]
         for j in range(w + a):
             t0 = time.perf_counter()
             step()

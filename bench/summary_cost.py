@@ -32,10 +32,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from coordinator import ProfilerConfig, get_or_create_coordinator  # noqa: E402
-from coordinator.schedule import Schedule  # noqa: E402
+from coordinator.core.schedule import Schedule  # noqa: E402
 from worker_ext import ProfilerWorkerMixin  # noqa: E402
-from worker_ext.trace_reader import read_trace  # noqa: E402
-from worker_ext.trace_summary import summarise_trace  # noqa: E402
+from worker_ext.agent.trace_reader import read_trace  # noqa: E402
+from worker_ext.agent.trace_summary import summarise_trace  # noqa: E402
 
 WARMUP, ACTIVE = 1, 40
 

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = """
 import sys, time
 sys.path.insert(0, {root!r})
-from worker_ext.trace_summary import summarise_trace
+from worker_ext.agent.trace_summary import summarise_trace
 t0 = time.perf_counter()
 s, _ = summarise_trace({path!r}, rank=0, window=0, steps=(0, 10**9), partial=False,
                        device="cpu", top_k=50)

@@ -1,7 +1,8 @@
-"""``python -m coordinator``: the command-line client (see ``coordinator.cli``)."""
+"""``python -m coordinator``: the command-line client (see ``coordinator.ops.cli``)."""
 
 import sys
 
-from coordinator.cli import main
+from coordinator.ops.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from coordinator.config import ProfilerConfig
+from coordinator.core.config import ProfilerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

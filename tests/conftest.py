@@ -1,5 +1,7 @@
 import contextlib
+import multiprocessing.process
 import os
+import subprocess
 
 import pytest
 from hypothesis import settings
@@ -13,12 +15,55 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Fixtures that start Ray or another process: a test that uses one (directly or through another
+# fixture) is marked ``ray`` or ``subprocess``; ``make test-fast`` runs every test without these.
+PROCESS_FIXTURES = {"ray_session": "ray", "head": "ray", "s3": "subprocess"}
+FAST_TIER = os.environ.get("PROFILER_FAST_TIER") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "ray: the test needs a Ray cluster")
+    config.addinivalue_line("markers", "subprocess: the test starts another process")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for fixture, mark in PROCESS_FIXTURES.items():
+            if fixture in item.fixturenames:
+                item.add_marker(mark)
+
+
+def _forbidden(what):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            f"the fast tier runs no {what}: mark this test @pytest.mark.subprocess (or use a "
+            "Ray fixture), so that only `make test` runs it"
+        )
+
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_guard(monkeypatch):
+    """In ``make test-fast``, a test that starts a process or Ray fails instead of running
+    slowly: the tier's promise (no Ray, no subprocess) is checked, not assumed."""
+    if FAST_TIER:
+        monkeypatch.setattr(subprocess.Popen, "__init__", _forbidden("subprocess"))
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _forbidden("process"))
+        with contextlib.suppress(ImportError):
+            import ray
+
+            monkeypatch.setattr(ray, "init", _forbidden("Ray cluster"))
+    yield
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray cluster for the whole test session."""
     import ray
 
     ray.init(
+        address="local",  # a cluster of its own, never one a `ray start` left running
         num_cpus=32,  # logical slots: actors are mostly idle, the machine has 2 cores
         include_dashboard=False,
         log_to_driver=False,

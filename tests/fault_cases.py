@@ -29,7 +29,7 @@ def _inject(self: Any, fault: str, arg: Any = None) -> bool:
     """Runs inside a rank (``w.__ray_call__.remote(_inject, fault)``): make ``fault`` happen."""
     import torch
 
-    from worker_ext import rank_profiler
+    from worker_ext.rank import rank_profiler
 
     prof = torch.profiler.profile
     saved = self.__dict__.setdefault("_saved", {})
@@ -122,7 +122,7 @@ def train(
     ray: Any, workers: list[Any], hooks: Any, at_step: dict[int, Any] | None = None
 ) -> Outcome:
     """``STEPS`` SFT steps on every rank still alive; ``at_step[k]()`` runs after step k."""
-    from trainers.model import ModelConfig, sft_batch, sft_corpus
+    from trainers.reference.model import ModelConfig, sft_batch, sft_corpus
 
     corpus, seq = sft_corpus(), ModelConfig().seq_len
     alive = dict(enumerate(workers))
@@ -177,7 +177,7 @@ def alive_actors(ray: Any, starting_too: bool = False) -> set[str]:
     node agents left out (they are the cluster's daemons)."""
     from ray._private import state
 
-    from worker_ext.node_agent import AGENT_NAMESPACE
+    from coordinator.protocol.names import AGENT_NAMESPACE
 
     agents = {
         ray.get_actor(a["name"], namespace=AGENT_NAMESPACE)._actor_id.hex()

@@ -1,12 +1,12 @@
-"""Replays WindowDriver commands the way a rank applies them, without torch."""
+"""Replays WindowPlan commands the way a rank applies them, without torch."""
 
 from __future__ import annotations
 
-from coordinator.window_driver import Begin, End, Ignored, Step, WindowDriver
+from coordinator.core.window_plan import Ignored, Start, Step, Stop, WindowPlan
 
 
-def recorded_steps(driver: WindowDriver, first_step: int, steps: list[int]) -> dict[int, list[int]]:
-    """Run the driver over ``steps`` (the order the trainer reports them) and stop.
+def recorded_steps(plan: WindowPlan, first_step: int, steps: list[int]) -> dict[int, list[int]]:
+    """Run the plan over ``steps`` (the order the trainer reports them) and stop.
 
     Returns window index -> the global steps a rank records in it.
     """
@@ -24,20 +24,20 @@ def recorded_steps(driver: WindowDriver, first_step: int, steps: list[int]) -> d
         if isinstance(cmds, Ignored):
             return
         for c in cmds:
-            if isinstance(c, Begin):
+            if isinstance(c, Start):
                 open_w, last_done = c.window, None
                 recording_from = max(c.step, c.window.first)
             elif isinstance(c, Step):
                 last_done = c.step
-                if c.closes:
+                if c.stops:
                     close(c.step)
                     open_w = None
-            elif isinstance(c, End):
+            elif isinstance(c, Stop):
                 close(last_done)
                 open_w = None
 
-    apply(driver.start(first_step))
+    apply(plan.start(first_step))
     for k in steps:
-        apply(driver.step(k))
-    apply(driver.stop())
+        apply(plan.step(k))
+    apply(plan.stop())
     return out

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from tests.torch_helpers import TinyMLP
-from trainers.workers import PolicyWorker
+from trainers.reference.workers import PolicyWorker
 from worker_ext import ProfilerWorkerMixin
-from worker_ext.rank_profiler import RankProfiler
+from worker_ext.rank.rank_profiler import RankProfiler
 
 
 class ToyWorker(ProfilerWorkerMixin):
@@ -28,7 +28,7 @@ class ToyWorker(ProfilerWorkerMixin):
         """Back to a fresh worker for the next test: close any window, forget the config."""
         rp = self._rank_profiler
         if rp is not None and rp.phase != "idle":
-            rp.end_window()
+            rp.stop_window()
         self._rank_profiler = None
         return True
 
@@ -56,11 +56,11 @@ class FaultyWorker(ToyWorker):
                 raise RuntimeError("injected: CUPTI_ERROR_NOT_INITIALIZED")
 
             torch.profiler.profile.start = broken_start
-        elif kind == "garbage_summary":  # the helper answers with bytes that are not a summary
+        elif kind == "garbage_summary":  # the agent answers with bytes that are not a summary
             from concurrent.futures import Future
 
-            from worker_ext.hand_off import HandOff
-            from worker_ext.trace_jobs import JobResult
+            from worker_ext.agent.trace_jobs import JobResult
+            from worker_ext.rank.hand_off import HandOff
 
             def garbage_submit(self, job):
                 done = Future()
@@ -105,7 +105,7 @@ class ProfiledPolicyWorker(PolicyWorker):
         from torch.profiler import ProfilerActivity, profile
 
         from tests.trace_equality import key_averages_table
-        from trainers.model import ModelConfig, sft_batch, sft_corpus
+        from trainers.reference.model import ModelConfig, sft_batch, sft_corpus
 
         corpus, seq = sft_corpus(), ModelConfig().seq_len
         with profile(

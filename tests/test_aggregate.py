@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.aggregate import WindowAggregate, empty_summary
-from coordinator.summary_codec import KernelRow, RankSummary
+from coordinator.core.aggregate import WindowAggregate, empty_summary
+from coordinator.protocol.summary_codec import KernelRow, RankSummary
 
 
 def summary(rank, rows, steps_us=(), window=0, dropped_us=0.0):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from coordinator.cli import _EXAMPLES, EXIT_USAGE, parse_args
+from coordinator.ops.cli import _EXAMPLES, EXIT_USAGE, parse_args
 
 COMMANDS = ["status", "top", "capture --active 1", "cancel 3", "stragglers", "watch"]
 
@@ -61,8 +61,8 @@ def test_top_level_help_names_the_exit_codes(capsys):
 
 
 def _window_of_three_ranks():
-    from coordinator.aggregate import WindowAggregate
-    from coordinator.summary_codec import Breakdown, KernelRow, MemoryRow, RankSummary
+    from coordinator.core.aggregate import WindowAggregate
+    from coordinator.protocol.summary_codec import Breakdown, KernelRow, MemoryRow, RankSummary
 
     agg = WindowAggregate(2)
     for rank, gemm_us in ((0, 900.0), (1, 1000.0), (2, 3000.0)):
@@ -84,7 +84,7 @@ def _window_of_three_ranks():
 
 
 def test_the_tables_show_every_rank_kernel_and_the_straggler():
-    from coordinator.tables import render_stragglers, render_top
+    from coordinator.ops.tables import render_stragglers, render_top
 
     ks = _window_of_three_ranks()
     top = render_top(ks)
@@ -100,8 +100,8 @@ def test_the_tables_show_every_rank_kernel_and_the_straggler():
 
 
 def test_the_tables_say_when_no_window_has_closed():
-    from coordinator.aggregate import empty_summary
-    from coordinator.tables import render_stragglers, render_top
+    from coordinator.core.aggregate import empty_summary
+    from coordinator.ops.tables import render_stragglers, render_top
 
     assert render_top(empty_summary()) == "no closed window yet"
     assert render_stragglers(empty_summary()) == "no closed window yet"

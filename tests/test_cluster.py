@@ -17,6 +17,8 @@ import pytest
 from tests.conftest import ROOT
 from tests.s3_server import s3_server
 
+pytestmark = pytest.mark.subprocess  # every test here starts another process
+
 
 def env(**extra):
     e = {**os.environ, "PYTHONPATH": ROOT, "RAY_AUTH_MODE": "disabled"}
@@ -241,7 +243,7 @@ def test_capture_requested_from_another_process_while_training(head, tmp_path):
         assert human.returncode == 0 and "phase" in human.stdout and "capture" in human.stdout
         # options after the command, and --address auto (Ray reads RAY_ADDRESS for it)
         after = cli(head, "status", "--json", "--address", "auto", "--namespace", "profiler")
-        assert after.returncode == 0 and json.loads(after.stdout)["run"]["phase"] == "running"
+        assert after.returncode == 0 and json.loads(after.stdout)["run"]["lifecycle"] == "running"
         assert cli(head, "status", "--bogus").returncode == 2
 
         # A capture the run ends before: `capture --wait` says so as soon as the trainer stops.

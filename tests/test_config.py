@@ -5,7 +5,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from coordinator.config import ProfilerConfig
+from coordinator.core.config import ProfilerConfig
 
 
 def test_disabled_config_validates_without_save_path():
@@ -18,8 +18,9 @@ def test_enabled_config_needs_save_path():
         ProfilerConfig(enable=True).validate()
 
 
+@pytest.mark.subprocess
 def test_config_imports_without_torch():
-    code = "import sys, coordinator, coordinator.config; assert 'torch' not in sys.modules"
+    code = "import sys, coordinator, coordinator.core.config; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -141,7 +141,7 @@ def test_a_stop_ends_every_pending_capture_with_a_reason(ray_session, on_demand)
     assert entry["index"] == far["window"] and entry["steps"] is None
     assert entry["kept"] is False and entry["planned"] == [50, 51]
     assert entry["reason"] == "the run stopped at step 2 before the window opened"
-    assert st["next_window"] is None and st["run"]["phase"] == "stopped"
+    assert st["next_window"] is None and st["run"]["lifecycle"] == "stopped"
     late = ray.get(coord.request_capture.remote(active=1))
     assert (
         not late["accepted"]
@@ -152,7 +152,7 @@ def test_a_stop_ends_every_pending_capture_with_a_reason(ray_session, on_demand)
 def test_a_capture_waits_for_the_trainers_next_report_and_gives_up_with_a_reason(
     ray_session, on_demand
 ):
-    from coordinator.client import StepClient
+    from coordinator.client.step_client import StepClient
 
     ray, coord = ray_session, on_demand
     client = StepClient(coord, "t")
@@ -223,7 +223,7 @@ def test_a_second_run_starts_fresh_and_the_first_stays_readable(
     assert sorted(p.name for p in (tmp_path / "job.2").iterdir()) == ["window_0000_steps_1-1"]
     assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["window_0000_steps_2-3"]
     (prev,) = two["previous_runs"]
-    assert prev["run"]["name"] == "job" and prev["run"]["phase"] == "stopped"
+    assert prev["run"]["name"] == "job" and prev["run"]["lifecycle"] == "stopped"
     assert prev["config"]["active"] == 2 and [w["steps"] for w in prev["windows"]] == [[2, 3]]
     old = ray.get(coord.kernel_summary.remote(run="job"))
     assert old["run"] == "job" and old["window"] == 0 and old["ranks"] == [0, 1]
@@ -293,4 +293,4 @@ def test_another_job_with_another_config_is_refused_while_the_run_is_alive(
     _, info = attach_coordinator(other, name=name, namespace="profiler-tests", trainer_id="b")
     assert info["decision"] == "fresh" and info["run"] == "b"
     st = ray.get(hooks.coordinator.status.remote())
-    assert st["previous_runs"][0]["run"]["phase"] == "abandoned"
+    assert st["previous_runs"][0]["run"]["lifecycle"] == "abandoned"

@@ -7,9 +7,9 @@ import uuid
 import pytest
 
 from coordinator import connect, get_or_create_coordinator
+from coordinator.protocol.names import agent_name
 from tests.configs import profiler_config
 from tests.ray_workers import FaultyWorker, ToyWorker
-from worker_ext.node_agent import agent_name
 
 
 @pytest.fixture
@@ -92,11 +92,11 @@ def test_end_to_end_windows_traces_and_aggregates(ray_session, make, tmp_path):
     assert c["summaries"] == 2 * 3
     assert st["process"]["torch_loaded"] is False
     # The summaries were built and pushed by one process per node, neither a rank nor this one.
-    helpers = {(r["summary_helper"]["kind"], r["summary_helper"]["pid"]) for r in st["ranks"]}
-    ((kind, helper_pid),) = helpers
+    agents = {(r["agent"]["kind"], r["agent"]["pid"]) for r in st["ranks"]}
+    ((kind, agent_pid),) = agents
     assert kind == "node_agent" and c["summaries_pushed"] == 2 * 3
     rank_pids = set(ray.get([w.pid.remote() for w in workers]))
-    assert helper_pid not in rank_pids | {os.getpid(), st["process"]["pid"]}
+    assert agent_pid not in rank_pids | {os.getpid(), st["process"]["pid"]}
 
     ks = ray.get(coord.kernel_summary.remote(top_k=5))
     brk = ks["breakdown"]["ranks"]
@@ -106,7 +106,7 @@ def test_end_to_end_windows_traces_and_aggregates(ray_session, make, tmp_path):
         for b in brk.values()
     )
     assert ks["window"] == 1 and ks["steps"] == [6, 7] and ks["ranks"] == [0, 1, 2]
-    assert ks["device"] == "cpu" and ks["unit"] == "us" and ks["pending_ranks"] == []
+    assert ks["device"] == "cpu" and ks["unit"] == "us" and ks["summaries_pending"] == []
     assert len(ks["kernels"]) == 5 and set(ks["rank_totals"]) == {0, 1, 2}
     for k in ks["kernels"]:
         assert set(k) >= {
@@ -337,7 +337,7 @@ def test_an_unresponsive_worker_is_marked_and_skipped(ray_session, make):
 
 
 def test_step_client_waits_only_when_ranks_act(ray_session, make, tmp_path):
-    from coordinator.client import StepClient
+    from coordinator.client.step_client import StepClient
 
     ray = ray_session
     coord, workers = make(2, wait=3, warmup=1, active=2, repeat=2)
@@ -404,7 +404,7 @@ def test_a_killed_node_agent_costs_one_window_and_comes_back(ray_session, make):
             break
         time.sleep(0.1)
     st = ray.get(coord.status.remote())
-    agent_pid = st["ranks"][0]["summary_helper"]["pid"]
+    agent_pid = st["ranks"][0]["agent"]["pid"]
     node = ray.get(
         workers[0].__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
     )
@@ -421,8 +421,8 @@ def test_a_killed_node_agent_costs_one_window_and_comes_back(ray_session, make):
     assert all("died or could not be reached" in why for why in lost["bad_ranks"].values())
     assert st["counters"]["lost_summaries"] == 2
     for r in st["ranks"]:
-        err = r["last_helper_error"]
+        err = r["last_agent_error"]
         assert err["window"] == 1 and os.path.exists(err["trace_path"])
     assert ray.get(coord.kernel_summary.remote(window=0))["ranks"] == [0, 1]
     assert ray.get(coord.kernel_summary.remote(window=2))["ranks"] == [0, 1]
-    assert {r["summary_helper"]["pid"] for r in st["ranks"]} != {agent_pid}
+    assert {r["agent"]["pid"] for r in st["ranks"]} != {agent_pid}

@@ -12,14 +12,15 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.subprocess  # every test here starts another process
 
 PRELUDE = """
 import os, sys, tempfile, threading
 import torch
-from coordinator.config import ProfilerConfig
-from coordinator.schedule import Window
-from coordinator.summary_codec import decode_summary
-from worker_ext.rank_profiler import RankProfiler
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.schedule import Window
+from coordinator.protocol.summary_codec import decode_summary
+from worker_ext.rank.rank_profiler import RankProfiler
 from tests.torch_helpers import TinyMLP
 tmp = tempfile.mkdtemp()
 def make(rank=0, **kw):
@@ -29,7 +30,7 @@ def make(rank=0, **kw):
     return RankProfiler(rank, ProfilerConfig(**base).validate(), os.path.join(tmp, "run"))
 model = TinyMLP()
 def window(rp, first=0, last=2, index=0, close=True):
-    rp.begin_window(Window(index, first, first, last), first)
+    rp.start_window(Window(index, first, first, last), first)
     for k in range(first, last + (1 if close else 0)):
         model.train_step()
         rp.step(k)
@@ -74,10 +75,10 @@ def test_second_stop_is_never_sent_to_torch():
                 raise RuntimeError("injected: torch raised after stopping")
         torch.profiler.profile.stop_trace = failing_stop_trace
         window(rp)
-        st = rp.end_window()
+        st = rp.stop_window()
         assert st["state"] == "disabled", st
         assert st["reason"]["where"] == "step" and "injected" in st["reason"]["message"], st
-        rp.end_window(); rp.step(5)
+        rp.stop_window(); rp.step(5)
         assert len(calls) == 1, calls  # the torch session was stopped exactly once
         torch.profiler.profile.stop_trace = real_stop_trace
         rp2 = make(1)
@@ -107,7 +108,7 @@ def test_exception_in_trace_export_never_escapes_the_handler():
         torch.profiler.profile.export_chrome_trace = broken_export
         rp = make()
         window(rp)
-        st = rp.end_window()
+        st = rp.stop_window()
         assert st["state"] == "disabled" and st["reason"]["where"] == "export", st
         assert st["reason"]["type"] == "OSError" and "No space" in st["reason"]["message"]
         window(rp, first=3, last=5, index=1)  # later commands are no-ops
@@ -144,7 +145,7 @@ def test_calls_from_a_second_thread_are_refused():
     proc = run_child(
         """
         rp = make()
-        rp.begin_window(Window(0, 0, 0, 3), 0)
+        rp.start_window(Window(0, 0, 0, 3), 0)
         model.train_step()
         out = {}
         t = threading.Thread(target=lambda: out.update(st=rp.step(0)))
@@ -176,8 +177,8 @@ def test_never_two_profilers_at_once():
     proc = run_child(
         """
         a, b = make(0), make(1)
-        a.begin_window(Window(0, 0, 0, 1), 0)
-        st = b.begin_window(Window(0, 0, 0, 1), 0)
+        a.start_window(Window(0, 0, 0, 1), 0)
+        st = b.start_window(Window(0, 0, 0, 1), 0)
         assert st["state"] == "ok" and st["phase"] == "idle" and st["windows_skipped"] == 1, st
         assert "rank 0" in st["last_skip_reason"]
         for k in range(2):
@@ -187,7 +188,7 @@ def test_never_two_profilers_at_once():
         # A user's own profiler running: the rank skips rather than take it over.
         user = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         user.start()
-        st = b.begin_window(Window(1, 2, 2, 3), 2)
+        st = b.start_window(Window(1, 2, 2, 3), 2)
         assert st["phase"] == "idle" and "another torch.profiler" in st["last_skip_reason"], st
         model.train_step()
         user.stop()
@@ -202,9 +203,9 @@ def test_summaries_parse_while_the_next_window_records():
         """
         rp = make(export_type="chrome_trace_gz")
         got = []
-        for i in range(6):  # back-to-back windows: the helper works while the next one runs
+        for i in range(6):  # back-to-back windows: the agent works while the next one runs
             # every reply drains the summaries that are ready: collect them all
-            got += rp.begin_window(Window(i, 2 * i, 2 * i, 2 * i + 1), 2 * i)["summaries"]
+            got += rp.start_window(Window(i, 2 * i, 2 * i, 2 * i + 1), 2 * i)["summaries"]
             for k in (2 * i, 2 * i + 1):
                 for _ in range(3): model.train_step()
                 got += rp.step(k)["summaries"]

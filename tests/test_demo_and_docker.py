@@ -5,6 +5,7 @@ import shlex
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.conftest import ROOT
@@ -24,6 +25,7 @@ def run_demo(*args, timeout=240):
     )
 
 
+@pytest.mark.subprocess
 def test_demo_prints_steps_status_kernels_and_traces(tmp_path):
     proc = run_demo(
         "--trainer",
@@ -62,6 +64,7 @@ def test_demo_config_file_and_flags(tmp_path):
     assert build_config(parse_args(["--no-profile"])).enable is False
 
 
+@pytest.mark.subprocess
 def test_demo_bad_config_is_one_clear_line(tmp_path):
     cfg_file = tmp_path / "bad.yaml"
     cfg_file.write_text("warmup: null\n")
@@ -72,6 +75,7 @@ def test_demo_bad_config_is_one_clear_line(tmp_path):
     )
 
 
+@pytest.mark.subprocess
 def test_demo_against_a_dead_address_fails_fast():
     proc = run_demo("--address", "127.0.0.1:9", timeout=60)
     assert proc.returncode != 0

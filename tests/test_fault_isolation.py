@@ -6,17 +6,19 @@ import os
 import pytest
 import torch
 
-from coordinator.config import ProfilerConfig
-from coordinator.schedule import Window
-from coordinator.summary_codec import decode_summary
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.schedule import Window
+from coordinator.protocol.summary_codec import decode_summary
 from tests.torch_helpers import TinyMLP, summaries
-from worker_ext.mixin import ProfilerWorkerMixin
-from worker_ext.node_agent import LocalProcessHelper
-from worker_ext.rank_profiler import RankProfiler
-from worker_ext.trace_jobs import TraceJob, run_job
+from worker_ext.agent.trace_jobs import TraceJob, run_job
+from worker_ext.rank.agent_link import LocalAgentLink
+from worker_ext.rank.mixin import ProfilerWorkerMixin
+from worker_ext.rank.rank_profiler import RankProfiler
+
+pytestmark = pytest.mark.subprocess  # every test here starts another process
 
 
-def make(tmp_path, run=None, helper=None, **kw):
+def make(tmp_path, run=None, agent=None, **kw):
     base = dict(
         enable=True,
         save_path=str(tmp_path),
@@ -26,15 +28,15 @@ def make(tmp_path, run=None, helper=None, **kw):
     )
     base.update(kw)
     cfg = ProfilerConfig(**base).validate()
-    return RankProfiler(0, cfg, run or str(tmp_path / "run"), helper=helper)
+    return RankProfiler(0, cfg, run or str(tmp_path / "run"), agent=agent)
 
 
 def one_window(rp, model):
-    statuses = [rp.begin_window(Window(0, 0, 1, 2), 0)]
+    statuses = [rp.start_window(Window(0, 0, 1, 2), 0)]
     for k in range(3):
         model.train_step()
         statuses.append(rp.step(k))
-    statuses.append(rp.end_window())
+    statuses.append(rp.stop_window())
     statuses.append(rp.wait_for_summaries(30))
     return statuses
 
@@ -66,7 +68,7 @@ def test_fault_in_warm_up(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "method,where,wrap_real",
-    [("start", "begin_window", False), ("step", "step", False), ("stop", "step", True)],
+    [("start", "start_window", False), ("step", "step", False), ("stop", "step", True)],
 )
 def test_torch_raising_in_a_command(tmp_path, monkeypatch, method, where, wrap_real):
     rp = make(tmp_path)
@@ -93,7 +95,7 @@ def test_unwritable_run_directory(tmp_path):
 
 
 def test_disk_full_while_compressing_keeps_the_plain_trace(tmp_path, monkeypatch):
-    """The helper's own steps, run here so the fault can be injected."""
+    """The agent's own steps, run here so the fault can be injected."""
     rp = make(tmp_path, export_type="chrome_trace")
     one_window(rp, TinyMLP())
     plain = rp.status()["last_trace_path"]
@@ -132,14 +134,14 @@ def test_an_unreadable_trace_loses_that_windows_summary_only(tmp_path, monkeypat
     assert [decode_summary(b).window for b in summaries(one_window(rp, TinyMLP()))] == [0]
 
 
-class _DyingHelper(LocalProcessHelper):
-    """A real helper process that dies on its next job (fault injection)."""
+class _DyingAgent(LocalAgentLink):
+    """A real agent process that dies on its next job (fault injection)."""
 
     def submit(self, job):
         return self._executor().submit(os._exit, 3)
 
 
-class _UnstartableHelper(LocalProcessHelper):
+class _UnstartableAgent(LocalAgentLink):
     def prepare(self):
         raise RuntimeError("no room for another process")
 
@@ -148,18 +150,18 @@ class _UnstartableHelper(LocalProcessHelper):
 
 
 @pytest.mark.parametrize(
-    "helper,message",
-    [(_DyingHelper, "died or could not be reached"), (_UnstartableHelper, "no room")],
+    "agent,message",
+    [(_DyingAgent, "died or could not be reached"), (_UnstartableAgent, "no room")],
     ids=["dies", "cannot_start"],
 )
-def test_a_dead_helper_costs_one_summary_and_never_training(tmp_path, helper, message):
-    rp = make(tmp_path, helper=helper(), export_type="chrome_trace_gz")
+def test_a_dead_agent_costs_one_summary_and_never_training(tmp_path, agent, message):
+    rp = make(tmp_path, agent=agent(), export_type="chrome_trace_gz")
     statuses = one_window(rp, TinyMLP())
     st = rp.status()
-    assert st["state"] == "ok" and st["summary_pending"] == []
-    assert message in st["last_helper_error"]["message"]
+    assert st["state"] == "ok" and st["summaries_pending"] == []
+    assert message in st["last_agent_error"]["message"]
     (failure,) = [f for s in statuses for f in s["summary_failures"]]
-    assert failure["where"] == "helper" and failure["window"] == 0
+    assert failure["where"] == "agent" and failure["window"] == 0
     assert failure["trace_path"].endswith("rank0.pt.trace.json") and os.path.exists(
         failure["trace_path"]
     )

@@ -21,14 +21,14 @@ import pytest
 from tests import fault_cases as fc
 from tests.configs import ROOT, profiler_config
 from trainers.hooks import ProfilingHooks
-from trainers.workers import PolicyWorker
+from trainers.reference.workers import PolicyWorker
 
 RESULTS: dict[tuple[str, str], str] = {}
 ONE, ALL = "one rank", "all ranks"
 
 # fault -> (the state a faulted rank ends in, the place status() names for it)
 RANK_FAULTS = {
-    "begin": ("disabled", "begin_window"),
+    "begin": ("disabled", "start_window"),
     "step": ("disabled", "step"),
     "end": ("disabled", "step"),  # a window closes inside the step that ends it
     "export": ("disabled", "export"),
@@ -86,7 +86,7 @@ def check(ray, out, baseline, hooks, faulted, healthy, state, where, before_acto
         rec = ranks[r]
         assert rec["state"] == state, rec
         if state == "ok":  # a lost summary: the rank says where, the window says why
-            err = rec["last_helper_error"]
+            err = rec["last_agent_error"]
             assert err["where"] == where and "not a valid chrome trace" in err["message"]
             for w in recorded:
                 ks = ray.get(hooks.coordinator.kernel_summary.remote(window=w["index"]))

@@ -73,7 +73,7 @@ def test_coordinator_dying_mid_run_pauses_profiling_with_one_warning(
 
 
 def test_unreachable_coordinator_at_attach_switches_profiling_off(tmp_path, caplog, monkeypatch):
-    import coordinator.attach as attach
+    import coordinator.client.attach as attach
 
     def unreachable(*a, **kw):
         raise ConnectionError("no cluster")

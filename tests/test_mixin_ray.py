@@ -2,8 +2,8 @@ import os
 
 import pytest
 
-from coordinator.schedule import Window
-from coordinator.summary_codec import decode_summary
+from coordinator.core.schedule import Window
+from coordinator.protocol.summary_codec import decode_summary
 from tests.configs import profiler_config
 from tests.ray_workers import AsyncToyWorker, ToyWorker
 
@@ -37,7 +37,6 @@ def test_mixin_profiles_a_real_actor(ray_session, ray_actors, tmp_path, cls):
             "steps": [1, 2],
             "partial": False,
             "trace_path": str(tmp_path / "run" / "window_0000_steps_1-2" / "rank1.pt.trace.json"),
-            "summary_pending": closed[0]["summary_pending"],
         }
     ]
     assert os.path.isfile(closed[0]["trace_path"])

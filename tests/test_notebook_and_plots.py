@@ -5,8 +5,9 @@ import uuid
 import matplotlib
 import pytest
 
-from coordinator import get_or_create_coordinator, plots
-from coordinator import notebook as nb
+from coordinator import get_or_create_coordinator
+from coordinator.ops import notebook as nb
+from coordinator.ops import plots
 from tests.configs import profiler_config
 
 matplotlib.use("Agg")

@@ -5,12 +5,15 @@ import os
 import pytest
 import torch
 
-from coordinator.config import ProfilerConfig
-from coordinator.schedule import Schedule, Window
-from coordinator.summary_codec import decode_summary
-from coordinator.trace_layout import default_run_name, run_dir
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.schedule import Schedule, Window
+from coordinator.core.trace_layout import default_run_name, run_dir
+from coordinator.protocol.summary_codec import decode_summary
 from tests.torch_helpers import TinyMLP, run_profiled, summaries, window_dirs
-from worker_ext.rank_profiler import RankProfiler
+from worker_ext.rank.rank_profiler import RankProfiler
+from worker_ext.rank.torch_session import activities
+
+pytestmark = pytest.mark.subprocess  # every test here starts another process
 
 
 def cfg_for(tmp_path, **kw):
@@ -79,14 +82,14 @@ def test_stop_during_warmup_writes_nothing(tmp_path):
 
 def test_stop_without_start_and_double_stop_are_noops(tmp_path):
     rp = RankProfiler(0, cfg_for(tmp_path), str(tmp_path / "run"))
-    assert rp.end_window()["state"] == "ok"
-    rp.begin_window(Window(0, 0, 1, 3), 0)
+    assert rp.stop_window()["state"] == "ok"
+    rp.start_window(Window(0, 0, 1, 3), 0)
     TinyMLP().train_step()
     rp.step(0)
     TinyMLP().train_step()
     rp.step(1)
-    first = rp.end_window()
-    second = rp.end_window()
+    first = rp.stop_window()
+    second = rp.stop_window()
     assert first["closed"]["steps"] == [1, 1] and second["closed"] is None
     assert second["state"] == "ok"
 
@@ -124,7 +127,7 @@ def test_cuda_requested_without_gpu_records_cpu_and_says_so(tmp_path):
         assert st["device"] == "cuda" and st["note"] is None
     else:
         assert st["device"] == "cpu" and "no GPU" in st["note"]
-    assert rp._activities() == [
+    assert activities(rp.device) == [
         torch.profiler.ProfilerActivity.CPU,
         *([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []),
     ]
@@ -200,10 +203,10 @@ def test_the_summary_is_built_from_the_trace_in_another_process(tmp_path, monkey
     rp, statuses = run_profiled(cfg_for(tmp_path, wait=0, export_type="chrome_trace_gz"), steps=4)
     (s,) = [decode_summary(b) for b in summaries(statuses)]
     assert s.steps == (1, 2) and s.kernels
-    helper = rp.status()["summary_helper"]  # the node agent when this process is in Ray
-    assert helper["kind"] in ("local_process", "node_agent")
-    assert helper["pid"] is not None and helper["pid"] != os.getpid()
-    assert rp.status()["last_helper_error"] is None
+    agent = rp.status()["agent"]  # the node agent when this process is in Ray
+    assert agent["kind"] in ("local_process", "node_agent")
+    assert agent["pid"] is not None and agent["pid"] != os.getpid()
+    assert rp.status()["last_agent_error"] is None
 
 
 def test_export_none_summarises_a_temporary_trace_then_deletes_it(tmp_path):
@@ -213,8 +216,8 @@ def test_export_none_summarises_a_temporary_trace_then_deletes_it(tmp_path):
     assert [p for p in (tmp_path / "run").rglob("*") if p.is_file()] == []
 
 
-def test_a_script_without_a_main_guard_is_not_run_again_by_the_helper(tmp_path):
-    """The local helper is a spawned child; it must not re-run the user's unguarded script."""
+def test_a_script_without_a_main_guard_is_not_run_again_by_the_local_agent(tmp_path):
+    """The local agent is a spawned child; it must not re-run the user's unguarded script."""
     import subprocess
     import sys
 
@@ -226,19 +229,19 @@ import os, sys
 sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
 with open({str(marker)!r}, "a") as f:
     f.write("ran\\n")
-from coordinator.config import ProfilerConfig
-from coordinator.schedule import Window
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.schedule import Window
 from tests.torch_helpers import TinyMLP
-from worker_ext.rank_profiler import RankProfiler
+from worker_ext.rank.rank_profiler import RankProfiler
 cfg = ProfilerConfig(enable=True, save_path={str(tmp_path)!r}, ranks="all", activities=["cpu"])
 rp = RankProfiler(0, cfg.validate(), {str(tmp_path / "run")!r})
-rp.begin_window(Window(0, 0, 1, 2), 0)
+rp.start_window(Window(0, 0, 1, 2), 0)
 m = TinyMLP()
 for k in range(3):
     m.train_step()
     rp.step(k)
 st = rp.wait_for_summaries(60)
-print(len(st["summaries"]), st["summary_helper"]["kind"], st["last_helper_error"])
+print(len(st["summaries"]), st["agent"]["kind"], st["last_agent_error"])
 """
     )
     out = subprocess.run(

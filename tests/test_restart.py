@@ -138,7 +138,7 @@ def test_the_hooks_reconnect_by_themselves_after_a_restart(
 def test_steps_outside_windows_save_only_the_step_counters(
     ray_session, ray_actors, toy_workers, tmp_path
 ):
-    from coordinator import checkpoint
+    from coordinator.service import checkpoint
 
     ray = ray_session
     hooks = attach(ray_actors, toy_workers(2), tmp_path, wait=1000, warmup=1, active=1, repeat=0)
@@ -152,7 +152,12 @@ def test_steps_outside_windows_save_only_the_step_counters(
     st = ray.get(coord.status.remote())
     assert st["checkpoint"] == saved  # the whole run was not written again for idle steps
     progress = checkpoint.load(st["namespace"], st["name"], checkpoint.PROGRESS)
-    assert progress == {"version": 1, "run": st["run"]["name"], "last_step": 29, "global_step": 29}
+    assert progress == {
+        "version": checkpoint.VERSION,
+        "run": st["run"]["name"],
+        "last_step": 29,
+        "global_step": 29,
+    }
     kill_hard(ray, coord)
     st = ray.get(coord.status.remote())
     assert st["restarts"] == 1 and st["global_step"] == 29

@@ -5,9 +5,9 @@ import torch.profiler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.config import ProfilerConfig
-from coordinator.schedule import ProfilerAction, Schedule
-from coordinator.window_driver import WindowDriver
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.schedule import ProfilerAction, Schedule
+from coordinator.core.window_plan import WindowPlan
 from tests.plan_sim import recorded_steps
 
 configs = st.builds(
@@ -99,7 +99,7 @@ def test_negative_step_is_an_error():
 @given(configs)
 def test_driver_records_what_torch_records_in_an_uninterrupted_run(cfg):
     horizon = 120
-    plan = recorded_steps(WindowDriver(Schedule(cfg)), 0, list(range(horizon)))
+    plan = recorded_steps(WindowPlan(Schedule(cfg)), 0, list(range(horizon)))
     got = sorted(k for steps in plan.values() for k in steps)
     sched = torch_schedule(cfg)
     want = [k for k in range(horizon) if sched(k).name.startswith("RECORD")]
@@ -111,9 +111,7 @@ def test_driver_records_what_torch_records_in_an_uninterrupted_run(cfg):
 @given(configs, st.integers(1, 100))
 def test_resumed_run_profiles_the_same_steps_as_an_uninterrupted_one(cfg, resume_at):
     horizon = 140
-    full = recorded_steps(WindowDriver(Schedule(cfg)), 0, list(range(horizon)))
-    resumed = recorded_steps(
-        WindowDriver(Schedule(cfg)), resume_at, list(range(resume_at, horizon))
-    )
+    full = recorded_steps(WindowPlan(Schedule(cfg)), 0, list(range(horizon)))
+    resumed = recorded_steps(WindowPlan(Schedule(cfg)), resume_at, list(range(resume_at, horizon)))
     full_after = sorted(k for s in full.values() for k in s if k >= resume_at)
     assert sorted(k for s in resumed.values() for k in s) == full_after

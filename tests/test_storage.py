@@ -12,9 +12,9 @@ import uuid
 import pytest
 
 from coordinator import attach_coordinator
-from coordinator.collect import collect_window
-from coordinator.config import ProfilerConfig
-from coordinator.storage import REDACTED, redact
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.storage import REDACTED, redact
+from coordinator.ops.collect import collect_window
 from tests.configs import ROOT, profiler_config
 from tests.s3_server import s3_server
 
@@ -227,11 +227,11 @@ def test_collecting_a_large_trace_streams_it_in_chunks(ray_session, tmp_path):
     """A 96 MB trace on a node comes over through its agent 4 MB at a time: the collector holds
     a chunk or two, never the file (each chunk travels through Ray's object store, freed once
     it is written)."""
-    from coordinator.collect import CHUNK_BYTES, _collect_one
-    from worker_ext.node_agent import RayNodeAgentHelper
+    from coordinator.ops.collect import CHUNK_BYTES, _collect_one
+    from worker_ext.rank.agent_link import NodeAgentLink
 
     ray = ray_session
-    RayNodeAgentHelper().prepare()  # this node's agent is up
+    NodeAgentLink().prepare()  # this node's agent is up
     wdir = tmp_path / "window_0000_steps_1-2"
     wdir.mkdir()
     src = wdir / "rank0.pt.trace.json"

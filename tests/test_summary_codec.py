@@ -1,5 +1,6 @@
 import contextlib
 import math
+import re
 import struct
 
 import msgpack
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from coordinator.summary_codec import (
+from coordinator.protocol.summary_codec import (
     MAX_NAME_CHARS,
     MAX_PAYLOAD_BYTES,
     Breakdown,
@@ -132,30 +133,38 @@ def test_decoder_rejects_a_bad_value_in_any_field(key, bad):
         decode_summary(pack(obj))
 
 
+def at(what: str, path: str) -> str:
+    """The pattern of an error that says ``what`` is wrong ``at`` the payload path ``path``."""
+    return re.escape(what) + ".* - at " + re.escape(f"`{path}`")
+
+
 @pytest.mark.parametrize(
     "mutate,pattern",
     [
         (lambda o: o.update(v=1), "version 1 is not supported"),
         (lambda o: o.update(v=3), "version 3 is not supported"),
-        (lambda o: o["breakdown"].pop(), "breakdown has 4 items"),
-        (lambda o: o["breakdown"].__setitem__(1, -2.0), "breakdown comm"),
-        (lambda o: o["streams"].append([0, 1, float("inf"), 0.0]), "busy_us must be finite"),
-        (lambda o: o["streams"].append([0, True, 1.0, 0.0]), "stream must be an int"),
-        (lambda o: o.update(memory=[-1, []]), "peak bytes must be a non-negative int"),
-        (lambda o: o["memory"][1].append(["", 1, 1]), "memory\\[1\\] name"),
-        (lambda o: o["memory"][1].append(["x", 1.5, 1]), "memory\\[1\\] bytes"),
-        (lambda o: o.update(memory=[1]), "memory has 1 items"),
-        (lambda o: o.pop("rank"), "missing \\['rank'\\]"),
-        (lambda o: o.update(extra=1), "unexpected \\['extra'\\]"),
+        (lambda o: o["breakdown"].pop(), at("length 5, got 4", "$.breakdown")),
+        (lambda o: o["breakdown"].__setitem__(1, -2.0), at(">= 0.0", "$.breakdown[1]")),
+        (lambda o: o["streams"].append([0, 1, math.inf, 0.0]), at("<= 1.79", "$.streams[1][2]")),
+        (lambda o: o["streams"].append([0, True, 1.0, 0.0]), at("bool", "$.streams[1][1]")),
+        (lambda o: o.update(memory=[-1, []]), at("`int` >= 0", "$.memory[0]")),
+        (lambda o: o["memory"][1].append(["", 1, 1]), at("length >= 1", "$.memory[1][1][0]")),
+        (lambda o: o["memory"][1].append(["x", 1.5, 1]), at("float", "$.memory[1][1][1]")),
+        (lambda o: o.update(memory=[1]), at("length 2, got 1", "$.memory")),
+        (lambda o: o.pop("rank"), "missing required field `rank`"),
+        (lambda o: o.update(extra=1), "unknown field `extra`"),
         (lambda o: o.update(steps=[7, 6]), "first is after last"),
-        (lambda o: o["kernels"].append(["x", float("nan"), 1, 0]), "finite"),
-        (lambda o: o["kernels"].append(["x", -1.0, 1, 0]), ">= 0"),
-        (lambda o: o["kernels"].append(["x", 1.0, True, 0]), "count must be a non-negative int"),
-        (lambda o: o["kernels"].append(["", 1.0, 1, 0]), "non-empty string"),
-        (lambda o: o["kernels"].append(["x" * (MAX_NAME_CHARS + 1), 1.0, 1, 0]), "at most"),
-        (lambda o: o["kernels"].append(["x", 1.0, 1]), "expected 4..4"),
-        (lambda o: o.update(device="tpu"), "device 'tpu'"),
-        (lambda o: o.update(unit="ms"), "unit 'ms'"),
+        (lambda o: o["kernels"].append(["x", math.nan, 1, 0]), at(">= 0.0", "$.kernels[1][1]")),
+        (lambda o: o["kernels"].append(["x", -1.0, 1, 0]), at(">= 0.0", "$.kernels[1][1]")),
+        (lambda o: o["kernels"].append(["x", 1.0, True, 0]), at("bool", "$.kernels[1][2]")),
+        (lambda o: o["kernels"].append(["", 1.0, 1, 0]), at("length >= 1", "$.kernels[1][0]")),
+        (
+            lambda o: o["kernels"].append(["x" * (MAX_NAME_CHARS + 1), 1.0, 1, 0]),
+            at(f"length <= {MAX_NAME_CHARS}", "$.kernels[1][0]"),
+        ),
+        (lambda o: o["kernels"].append(["x", 1.0, 1]), at("length 4, got 3", "$.kernels[1]")),
+        (lambda o: o.update(device="tpu"), at("'tpu'", "$.device")),
+        (lambda o: o.update(unit="ms"), at("'ms'", "$.unit")),
     ],
 )
 def test_decoder_errors_say_what_is_wrong(mutate, pattern):

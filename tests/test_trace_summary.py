@@ -9,8 +9,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from tests.torch_helpers import TinyMLP
 from tests.trace_equality import differences, key_averages_table, trace_table
-from worker_ext.trace_reader import TraceError, read_trace
-from worker_ext.trace_summary import summarise_trace
+from worker_ext.agent.trace_reader import TraceError, read_trace
+from worker_ext.agent.trace_summary import summarise_trace
 
 
 class Nested(torch.nn.Module):

@@ -7,10 +7,10 @@ import uuid
 
 import pytest
 
-from coordinator.schedule import Schedule
+from coordinator.core.schedule import Schedule
 from tests.configs import profiler_config
 from trainers.hooks import ProfilingHooks
-from trainers.loops import (
+from trainers.reference.loops import (
     RunConfig,
     reset_workers,
     run_fully_async_rl,
@@ -18,7 +18,7 @@ from trainers.loops import (
     run_sft,
     run_sync_rl,
 )
-from trainers.workers import make_policy_group, make_rollouts
+from trainers.reference.workers import make_policy_group, make_rollouts
 
 STEPS = 9  # windows: warm-up 2, record 3-4; warm-up 6, record 7-8
 

@@ -1,4 +1,4 @@
-"""A small model and a driver loop for rank-profiler tests."""
+"""A small model and a plan loop for rank-profiler tests."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import os
 
 import torch
 
-from coordinator.config import ProfilerConfig
-from coordinator.schedule import Schedule
-from coordinator.window_driver import Begin, End, Ignored, Step, WindowDriver
-from worker_ext.rank_profiler import RankProfiler
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.schedule import Schedule
+from coordinator.core.window_plan import Ignored, Start, Step, Stop, WindowPlan
+from worker_ext.rank.rank_profiler import RankProfiler
 
 
 class TinyMLP(torch.nn.Module):
@@ -31,17 +31,17 @@ class TinyMLP(torch.nn.Module):
 
 
 def apply(rp: RankProfiler, commands) -> list[dict]:
-    """Send driver commands to a rank profiler; returns the statuses."""
+    """Send plan commands to a rank profiler; returns the statuses."""
     if isinstance(commands, Ignored):
         return []
     out = []
     for c in commands:
-        if isinstance(c, Begin):
-            out.append(rp.begin_window(c.window, c.step))
+        if isinstance(c, Start):
+            out.append(rp.start_window(c.window, c.step))
         elif isinstance(c, Step):
             out.append(rp.step(c.step))
-        elif isinstance(c, End):
-            out.append(rp.end_window())
+        elif isinstance(c, Stop):
+            out.append(rp.stop_window())
     return out
 
 
@@ -56,14 +56,14 @@ def run_profiled(
     """Train ``steps`` steps under the schedule, stop, and wait for summaries."""
     cfg.validate()
     rp = RankProfiler(rank, cfg, os.path.join(cfg.save_path, cfg.run_name or "run"))
-    drv = WindowDriver(Schedule(cfg))
+    plan = WindowPlan(Schedule(cfg))
     model = model or TinyMLP()
-    statuses = apply(rp, drv.start(first_step))
+    statuses = apply(rp, plan.start(first_step))
     for k in range(first_step, first_step + steps):
         model.train_step()
-        statuses += apply(rp, drv.step(k))
+        statuses += apply(rp, plan.step(k))
     if stop:
-        statuses += apply(rp, drv.stop())
+        statuses += apply(rp, plan.stop())
     statuses.append(rp.wait_for_summaries(30))
     return rp, statuses
 

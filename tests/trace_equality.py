@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker_ext.trace_reader import read_trace
-from worker_ext.trace_summary import normalise_name, summarise
+from worker_ext.agent.trace_reader import read_trace
+from worker_ext.agent.trace_summary import normalise_name, summarise
 
 
 def key_averages_table(prof: Any) -> dict[str, tuple[float, int, int]]:

@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from coordinator.cli import address_problem
-from coordinator.config import ProfilerConfig
+from coordinator.client.attach import address_problem
+from coordinator.core.config import ProfilerConfig
 
 TRAINERS = ("sft", "rl", "async", "fully-async")
 SCHEDULE_FLAGS = ("skip_first", "wait", "warmup", "active", "repeat")
@@ -115,14 +115,14 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from trainers.hooks import ProfilingHooks
-    from trainers.loops import (
+    from trainers.reference.loops import (
         RunConfig,
         run_fully_async_rl,
         run_one_step_async_rl,
         run_sft,
         run_sync_rl,
     )
-    from trainers.workers import make_policy_group, make_rollouts
+    from trainers.reference.workers import make_policy_group, make_rollouts
 
     cfg = build_config(args)
     connect_ray(args.address, args.namespace)
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         f"wall {time.perf_counter() - t_start:.1f} s"
     )
     if hooks.coordinator is not None:
-        from coordinator.client import wait_for_traces
+        from coordinator.client.step_client import wait_for_traces
 
         late = wait_for_traces(hooks.coordinator, timeout_s=60)
         if late:

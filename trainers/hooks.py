@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any
 
-from coordinator.config import ProfilerConfig
+from coordinator.core.config import ProfilerConfig
 
 log = logging.getLogger(__name__)
 # How much longer than worker_timeout_s a trainer waits for a report's answer.
@@ -65,33 +65,48 @@ class ProfilingHooks:
         namespace: str = "profiler",
         advances_step: bool | None = None,
     ) -> ProfilingHooks:
-        """Create (or reach) the coordinator, attach to its run and register ``workers``.
+        """Create (or reach) the coordinator, attach to its run and register ``workers``: a
+        stopped run gives way to a fresh one with ``config``; a run still going keeps its own
+        (``config_mismatch`` names the fields that differ).
 
-        A coordinator whose last run stopped begins a fresh run with ``config``; a run still
-        going (this trainer's, after a driver restart) keeps its config, and ``config_mismatch``
-        names the fields that differ. A bad config or registration, or another active run
-        with another config, raises ValueError at once; an unreachable coordinator only
-        switches profiling off.
+        Args:
+            config: a ``ProfilerConfig``, a dict of its fields or an OmegaConf node; None or
+                ``enable: false`` gives hooks that make no Ray call at all.
+            workers: the trainer's rank actors (with ``ProfilerWorkerMixin``), a list in rank
+                order or ``{rank: handle}``.
+            trainer_id: this trainer's name. Pass the same one when a restarted driver attaches
+                again: it then resumes its run (same global step, same windows).
+            role: what these workers do (``policy``, ``rollout``, ...).
+            name, namespace: the coordinator actor's; give each job running at the same time
+                its own ``name``.
+            advances_step: whether this trainer's reports advance the global step (default:
+                the first trainer to register does).
+
+        Returns:
+            The hooks; ``run`` names the run, ``config`` is the config it uses.
+
+        Raises:
+            ValueError: a bad config or registration, or another active run on this
+                coordinator with another config. An unreachable coordinator raises nothing:
+                it switches profiling off with one warning (``disabled_reason`` says why).
+
+        Example (``ProfilingHooks.attach(cfg.profiler, workers=policy, trainer_id="sft")``):
+
+        >>> hooks = ProfilingHooks.attach({"enable": False}, workers=[])
+        >>> hooks.enabled, hooks.disabled_reason
+        (False, 'profiling is not enabled')
         """
         cfg = config if isinstance(config, ProfilerConfig) else ProfilerConfig.from_dict(config)
         cfg.validate()
         if not cfg.enable:
             return cls(None, trainer_id)
-        import ray
-
-        from coordinator.attach import attach_coordinator
-        from coordinator.client import StepClient
+        from coordinator.client.step_client import StepClient
 
         try:
-            coord, run = attach_coordinator(cfg, name, namespace, trainer_id=trainer_id)
-            ray.get(coord.register.remote(trainer_id, workers, role, advances_step))
+            coord, run = _attach(cfg, workers, trainer_id, role, (name, namespace), advances_step)
         except ValueError:
             raise
-        except Exception as exc:
-            if isinstance(exc, ray.exceptions.RayTaskError):
-                cause = exc.as_instanceof_cause()
-                if isinstance(cause, ValueError):  # a bad registration or a clash of runs
-                    raise ValueError(str(cause).strip().splitlines()[-1]) from None
+        except Exception as exc:  # unreachable: profiling off, training on
             hooks = cls(None, trainer_id)
             hooks._switch_off("attach", exc)
             return hooks
@@ -118,14 +133,45 @@ class ProfilingHooks:
         return str(c.last_reply.get("phase", "idle"))
 
     def session(self, first_step: int = 0) -> _Session:
-        """``start`` now and ``stop`` at the end, even on an exception (sync or async with)."""
+        """``start`` now and ``stop`` at the end, even on an exception (sync or async ``with``).
+
+        Args:
+            first_step: the first global step the loop runs; on resume, the step loaded from
+                the checkpoint, so that windows land on the same absolute steps.
+
+        Returns:
+            A context manager for ``with`` and ``async with``; it gives the hooks.
+
+        Example:
+
+        >>> hooks = ProfilingHooks.attach(None, workers=[])
+        >>> with hooks.session(first_step=0):
+        ...     for step in range(3):
+        ...         hooks.step(step)
+        >>> hooks.phase
+        'off'
+        """
         return _Session(self, first_step)
 
     def start(self, first_step: int = 0) -> None:
         self._call("start", lambda c: c.start(first_step))
 
     def step(self, step: int) -> None:
-        """Global step ``step`` has finished (call it after the step, like torch.profiler)."""
+        """Global step ``step`` has finished: call it once per step, after the step, like
+        ``torch.profiler``'s ``step()``.
+
+        Outside windows it costs at most one report every 0.1 s, never waited for; when ranks
+        must act it returns once they are ready for step ``step + 1``. It never raises: a
+        coordinator that stops answering pauses profiling (one bounded wait, once).
+
+        Args:
+            step: the global step that finished (the same numbering on every rank).
+
+        Example::
+
+            train_one_step(step)
+            hooks.step(step)
+        """
         self._last_step = step
         self._call("step", lambda c: c.step(step))
 
@@ -136,7 +182,18 @@ class ProfilingHooks:
         await self._acall("start", lambda c: c.astart(first_step))
 
     async def astep(self, step: int) -> None:
-        """The asyncio form of ``step``; never blocks the event loop."""
+        """The asyncio form of ``step``; never blocks the event loop.
+
+        Args:
+            step: the global step that finished.
+
+        Example::
+
+            async with hooks.session(first_step=0):
+                for step in range(steps):
+                    await train_one_step(step)
+                    await hooks.astep(step)
+        """
         self._last_step = step
         await self._acall("step", lambda c: c.astep(step))
 
@@ -221,6 +278,31 @@ class ProfilingHooks:
             self.trainer_id,
             self.disabled_reason,
         )
+
+
+def _attach(
+    cfg: ProfilerConfig,
+    workers: Any,
+    trainer_id: str,
+    role: str,
+    where: tuple[str, str],
+    advances_step: bool | None,
+) -> tuple[Any, Any]:
+    """The coordinator (name, namespace in ``where``) attached and the workers registered; a
+    refusal from the actor (a bad registration, a clash of runs) as a plain ValueError."""
+    import ray
+
+    from coordinator.client.attach import attach_coordinator
+
+    try:
+        coord, run = attach_coordinator(cfg, where[0], where[1], trainer_id=trainer_id)
+        ray.get(coord.register.remote(trainer_id, workers, role, advances_step))
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.as_instanceof_cause()
+        if isinstance(cause, ValueError):
+            raise ValueError(str(cause).strip().splitlines()[-1]) from None
+        raise
+    return coord, run
 
 
 class _Session:

@@ -5,14 +5,14 @@
 
 from typing import Any
 
-from worker_ext.mixin import ProfilerWorkerMixin
+from worker_ext.rank.mixin import ProfilerWorkerMixin
 
 __all__ = ["ProfilerWorkerMixin", "RankProfiler"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "RankProfiler":
-        from worker_ext.rank_profiler import RankProfiler
+        from worker_ext.rank.rank_profiler import RankProfiler
 
         return RankProfiler
     raise AttributeError(f"module 'worker_ext' has no attribute {name!r}")

@@ -17,7 +17,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from coordinator import get_or_create_coordinator
-from coordinator.collect import collect_window
+from coordinator.ops.collect import collect_window
 from tests.configs import join_cluster, profiler_config
 from tests.fault_cases import wait_for_windows
 from tests.ray_workers import ToyWorker

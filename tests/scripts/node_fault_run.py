@@ -17,7 +17,7 @@ from coordinator import attach_coordinator
 from tests import fault_cases as fc
 from tests.configs import join_cluster, profiler_config
 from trainers.hooks import ProfilingHooks
-from trainers.workers import PolicyWorker
+from trainers.reference.workers import PolicyWorker
 
 
 def main() -> None:

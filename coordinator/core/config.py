@@ -1,0 +1,397 @@
+"""ProfilerConfig: what to profile, when, and where the files go. Imports neither torch nor Ray."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.core.storage import check_backend, is_remote, local_path, redact
+from coordinator.core.validate import MAX_WORLD
+
+ACTIVITIES = ("cpu", "cuda")
+EXPORT_TYPES = ("chrome_trace", "chrome_trace_gz", "stacks", "none")
+_RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass
+class ProfilerConfig:
+    """Profiling settings shared by the coordinator and every rank.
+
+    The schedule fields mean exactly what they mean in ``torch.profiler.schedule``, counted in
+    absolute global steps, so a run resumed at step 500 profiles exactly the steps an
+    uninterrupted run would have. Build it with ``from_dict`` (a dict, a YAML mapping or an
+    OmegaConf node) and check it with ``validate``; both raise ValueError naming the field and
+    the value. Every field is listed in docs/reference.md.
+
+    Example:
+
+    >>> cfg = ProfilerConfig.from_dict(
+    ...     {"enable": True, "save_path": "/tmp/profiles", "wait": 10, "active": 2, "repeat": 0}
+    ... )
+    >>> cfg.ranks, cfg.warmup, cfg.selects(0), cfg.selects(1)
+    ([0], 1, True, False)
+    >>> ProfilerConfig.from_dict({"actve": 2})
+    Traceback (most recent call last):
+    ...
+    ValueError: profiler config: unknown key 'actve'; did you mean 'active'?
+    >>> ProfilerConfig.from_dict({"warmup": None})
+    Traceback (most recent call last):
+    ...
+    ValueError: profiler config: 'warmup' must be an int, got NoneType: None
+    """
+
+    enable: bool = False
+    """Master switch; a disabled config makes the hooks no-ops."""
+    ranks: list[int] | str = field(default_factory=lambda: [0])
+    """Global ranks to profile, or ``"all"``."""
+    save_path: str | None = None
+    """Directory for traces, or an fsspec URL (``s3://bucket/prefix``); required when enabled."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed as is to ``fsspec.filesystem(protocol, **storage_options)`` for a URL
+    ``save_path``: endpoint, region and the like (credentials are better left to the usual
+    environment variables and instance roles; any given here are never shown)."""
+    staging_path: str | None = None
+    """Local directory on each node where traces wait for upload when ``save_path`` is a URL;
+    default ``$RAY_PROFILER_STAGING`` on that node, else ``<tmp>/ray-profiler-staging``."""
+    keep_local: bool = False
+    """Keep the staging copy of a trace after it was uploaded."""
+    run_name: str | None = None
+    """Sub-directory of ``save_path`` for this run; default ``run_<UTC start time>``."""
+    skip_first: int = 0
+    """Steps to skip before the first cycle."""
+    wait: int = 0
+    """Idle steps at the start of each cycle."""
+    warmup: int = 1
+    """Steps the profiler runs without recording before each window."""
+    active: int = 3
+    """Recorded steps per window (at least 1)."""
+    repeat: int = 1
+    """Number of cycles; 0 means the whole run."""
+    skip_first_wait: bool = False
+    """Skip the ``wait`` phase of the first cycle."""
+    on_demand_only: bool = False
+    """No scheduled windows; only captures requested at run time."""
+    activities: list[str] = field(default_factory=lambda: ["cpu", "cuda"])
+    """``"cpu"`` and/or ``"cuda"``; a rank without a GPU records cpu only."""
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    export_type: str = "chrome_trace_gz"
+    """``chrome_trace``, ``chrome_trace_gz``, ``stacks`` (needs with_stack) or ``none``."""
+    top_k: int = 50
+    """Kernels kept per rank per window in the summary."""
+    worker_timeout_s: float = 60.0
+    """Seconds the coordinator waits for a rank's acknowledgement before marking it unresponsive."""
+    max_windows: int = 64
+    """Closed windows whose summaries the coordinator keeps in memory."""
+    detail_windows: int = 8
+    """Most recent closed windows that keep per-rank values (rank x kernel views)."""
+    straggler_threshold: float = 1.25
+    """Flag a rank whose step time or kernel time exceeds this multiple of the median."""
+    max_capture_steps: int = 1000
+    """The most steps (warm-up and recorded) one on-demand capture may ask for."""
+
+    @classmethod
+    def from_dict(
+        cls, mapping: Mapping[str, Any] | Any, check_paths: bool = True
+    ) -> ProfilerConfig:
+        """Build and validate a config from a dict or an OmegaConf-style mapping.
+
+        Args:
+            mapping: the fields (a dict, a YAML mapping, an OmegaConf node); None gives the
+                defaults, a disabled config.
+            check_paths: probe that a local ``save_path`` (or ``staging_path``) is writable
+                from this process; the coordinator passes False (it may not mount it).
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ValueError: an unknown key (naming the closest valid one), or a value of the
+                wrong type or range, YAML ``null`` included (naming the field and the value).
+
+        Example:
+
+        >>> ProfilerConfig.from_dict({"enable": True, "save_path": "/tmp/p", "ranks": "all"}).ranks
+        'all'
+        """
+        if mapping is None:
+            return cls().validate(check_paths)
+        if not hasattr(mapping, "keys") or not hasattr(mapping, "__getitem__"):
+            raise ValueError(
+                f"profiler config: expected a mapping, got {type(mapping).__name__}: {mapping!r}"
+            )
+        names = [f.name for f in dataclasses.fields(cls)]
+        values: dict[str, Any] = {}
+        for key in mapping.keys():  # noqa: SIM118 - OmegaConf mappings are not always iterable dicts
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"profiler config: unknown key {key!r}{hint}")
+            values[key] = _plain(mapping[key])
+        return cls(**values).validate(check_paths)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, JSON- and msgpack-friendly copy."""
+        out = dataclasses.asdict(self)
+        out["ranks"] = list(self.ranks) if isinstance(self.ranks, list) else self.ranks
+        out["storage_options"] = dict(self.storage_options)
+        return out
+
+    def public_dict(self) -> dict[str, Any]:
+        """``to_dict`` with every storage option that may be a credential redacted: the form
+        that ``status()``, logs and the CLI show."""
+        out = self.to_dict()
+        out["storage_options"] = redact(self.storage_options)
+        return out
+
+    @property
+    def remote(self) -> bool:
+        """Whether traces are uploaded to a URL (``save_path`` is ``s3://...`` and the like)."""
+        return is_remote(self.save_path)
+
+    def validate(self, check_paths: bool = True) -> ProfilerConfig:
+        """Check every field; raise ValueError naming the field and value. Returns self.
+
+        ``check_paths=False`` skips the probe that ``save_path`` is writable from this process
+        (the coordinator may run on a node that does not mount it).
+        """
+        _check_bool(self, "enable")
+        for name in (
+            "skip_first_wait",
+            "on_demand_only",
+            "record_shapes",
+            "profile_memory",
+            "with_stack",
+            "with_flops",
+            "with_modules",
+            "keep_local",
+        ):
+            _check_bool(self, name)
+        for name in ("skip_first", "wait", "warmup", "repeat"):
+            _check_int(self, name, minimum=0)
+        _check_int(self, "active", minimum=1)
+        _check_int(self, "top_k", minimum=1)
+        _check_int(self, "max_windows", minimum=1)
+        _check_number(self, "worker_timeout_s", minimum_exclusive=0.0)
+        _check_int(self, "detail_windows", minimum=0)
+        _check_number(self, "straggler_threshold", minimum_exclusive=1.0)
+        _check_int(self, "max_capture_steps", minimum=1)
+        for name in ("skip_first", "wait", "warmup", "active", "repeat", "max_capture_steps"):
+            if getattr(self, name) > 2**62:
+                raise ValueError(
+                    f"profiler config: {name!r} is {getattr(self, name)}, beyond 2**62 steps"
+                )
+        self._validate_ranks()
+        self._validate_activities()
+        self._validate_export()
+        self._validate_run_name()
+        _validate_storage(self)
+        self._validate_save_path(check_paths)
+        return self
+
+    def selects(self, rank: int) -> bool:
+        """Whether ``rank`` is profiled under this config."""
+        return self.ranks == "all" or rank in self.ranks
+
+    def _validate_ranks(self) -> None:
+        ranks = self.ranks
+        if ranks is None:
+            raise ValueError("profiler config: 'ranks' is None; give a list of ranks or 'all'")
+        if isinstance(ranks, str):
+            if ranks != "all":
+                raise ValueError(
+                    f"profiler config: 'ranks' must be a list of ints or 'all', got {ranks!r}"
+                )
+            return
+        if not isinstance(ranks, Sequence):
+            raise ValueError(
+                f"profiler config: 'ranks' must be a list of ints or 'all', "
+                f"got {type(ranks).__name__}: {ranks!r}"
+            )
+        if len(ranks) == 0:
+            raise ValueError("profiler config: 'ranks' is empty; give at least one rank or 'all'")
+        if len(ranks) > MAX_WORLD:
+            raise ValueError(
+                f"profiler config: 'ranks' lists {len(ranks)} ranks, more than {MAX_WORLD}"
+            )
+        for r in ranks:
+            if isinstance(r, bool) or not isinstance(r, int):
+                raise ValueError(f"profiler config: 'ranks' holds a non-int rank {r!r:.80}")
+            if r < 0:
+                raise ValueError(f"profiler config: 'ranks' holds a negative rank {r}")
+            if r >= MAX_WORLD:
+                raise ValueError(f"profiler config: 'ranks' holds rank {r}, beyond {MAX_WORLD - 1}")
+        self.ranks = sorted({int(r) for r in ranks})
+
+    def _validate_activities(self) -> None:
+        acts: Any = self.activities  # whatever a YAML file held
+        if acts is None or isinstance(acts, str) or not isinstance(acts, Sequence):
+            raise ValueError(
+                f"profiler config: 'activities' must be a list drawn from {list(ACTIVITIES)}, "
+                f"got {acts!r}"
+            )
+        if len(acts) == 0:
+            raise ValueError(
+                "profiler config: 'activities' is empty; use ['cpu'] or ['cpu', 'cuda']"
+            )
+        for a in acts:
+            if a not in ACTIVITIES:
+                raise ValueError(
+                    f"profiler config: 'activities' holds unknown activity {a!r}; "
+                    f"known: {list(ACTIVITIES)}"
+                )
+        self.activities = list(dict.fromkeys(acts))
+
+    def _validate_export(self) -> None:
+        if self.export_type not in EXPORT_TYPES:
+            raise ValueError(
+                f"profiler config: 'export_type' is {self.export_type!r}; "
+                f"expected one of {list(EXPORT_TYPES)}"
+            )
+        if self.export_type == "stacks" and not self.with_stack:
+            raise ValueError(
+                "profiler config: 'export_type' is 'stacks' but 'with_stack' is False; "
+                "stacks need with_stack=True"
+            )
+
+    def _validate_run_name(self) -> None:
+        name = self.run_name
+        if name is None:
+            return
+        if not isinstance(name, str) or not _RUN_NAME_RE.match(name):
+            raise ValueError(
+                f"profiler config: 'run_name' {name!r} must be one path component of letters, "
+                "digits, '.', '_' or '-' (at most 128, not starting with '.')"
+            )
+
+    def _validate_save_path(self, check_paths: bool) -> None:
+        path: Any = self.save_path
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise ValueError(
+                f"profiler config: 'save_path' must be a path string or a URL, "
+                f"got {type(path).__name__}: {path!r}"
+            )
+        if path is not None:
+            self.save_path = local_path(os.fspath(path))
+        if not self.enable:
+            return
+        if not self.save_path:
+            raise ValueError("profiler config: 'save_path' is required when 'enable' is True")
+        if is_remote(self.save_path):
+            # A missing backend is a config error; an unreachable endpoint is not (ranks report it).
+            check_backend(self.save_path)
+            if check_paths and self.staging_path:
+                check_writable_dir(self.staging_path, "staging_path")
+            return
+        if check_paths:
+            check_writable_dir(self.save_path)
+
+
+def _validate_storage(cfg: ProfilerConfig) -> None:
+    """``storage_options`` is a mapping of string keys, ``staging_path`` a local path."""
+    opts: Any = cfg.storage_options
+    if opts is None or not isinstance(opts, Mapping):
+        raise ValueError(
+            "profiler config: 'storage_options' must be a mapping of fsspec options "
+            f"(use {{}} for none), got {type(opts).__name__}: {redact_value(opts)!r}"
+        )
+    bad = [k for k in opts if not isinstance(k, str)]
+    if bad:
+        raise ValueError(f"profiler config: 'storage_options' keys must be strings, got {bad!r}")
+    cfg.storage_options = dict(opts)
+    if len(repr(opts)) > 64 * 1024:
+        raise ValueError("profiler config: 'storage_options' is larger than 64 KiB")
+    staging: Any = cfg.staging_path
+    if staging is not None and (
+        not isinstance(staging, (str, os.PathLike)) or is_remote(str(staging))
+    ):
+        raise ValueError(
+            "profiler config: 'staging_path' must be a local directory path, "
+            f"got {type(staging).__name__}: {staging!r}"
+        )
+    if staging is not None:
+        cfg.staging_path = os.fspath(staging)
+
+
+def check_writable_dir(path: str, name: str = "save_path") -> None:
+    """Raise ValueError unless ``path`` is (or can be created as) a writable directory."""
+    probe = os.path.abspath(path)
+    if os.path.exists(probe):
+        if not os.path.isdir(probe):
+            raise ValueError(f"profiler config: {name!r} {path!r} exists and is not a directory")
+    else:
+        # The nearest existing ancestor must be a directory we can create things in.
+        while not os.path.exists(probe):
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            probe = parent
+        if not os.path.isdir(probe):
+            raise ValueError(
+                f"profiler config: {name!r} {path!r} cannot be created: "
+                f"{probe!r} is not a directory"
+            )
+    try:  # os.access lies for root and read-only mounts; a real file tells the truth
+        fd, name = tempfile.mkstemp(prefix=".profiler-probe-", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        raise ValueError(
+            f"profiler config: {name!r} {path!r} is not writable ({probe!r}: {exc.strerror})"
+        ) from exc
+
+
+def _plain(value: Any) -> Any:
+    """Turn OmegaConf ListConfig/DictConfig-like values into plain lists."""
+    if isinstance(value, (str, bytes)) or value is None:
+        return value
+    if isinstance(value, Sequence) or (
+        hasattr(value, "__iter__") and hasattr(value, "__len__") and not hasattr(value, "keys")
+    ):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _check_bool(cfg: ProfilerConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"profiler config: {name!r} must be true or false, "
+            f"got {type(value).__name__}: {value!r}"
+        )
+
+
+def _check_int(cfg: ProfilerConfig, name: str, minimum: int) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"profiler config: {name!r} must be an int, got {type(value).__name__}: {value!r}"
+        )
+    if value < minimum:
+        raise ValueError(f"profiler config: {name!r} must be >= {minimum}, got {value}")
+
+
+def _check_number(cfg: ProfilerConfig, name: str, minimum_exclusive: float) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"profiler config: {name!r} must be a number, got {type(value).__name__}: {value!r}"
+        )
+    if not value > minimum_exclusive or value != value or value == float("inf"):
+        raise ValueError(
+            f"profiler config: {name!r} must be a finite number > {minimum_exclusive}, got {value}"
+        )
+
+
+def redact_value(value: Any) -> Any:
+    """A value for an error message: a mapping with its credentials hidden."""
+    return redact(value) if isinstance(value, dict) else value

@@ -1,0 +1,319 @@
+"""The coordinator's bookkeeping: trainers, rank states, windows, counters. Pure: no Ray, no I/O.
+
+The actor feeds it every worker reply (``apply_reply``) and failure (``rank_failed``); it decodes
+summaries strictly, folds them into per-window aggregates and keeps history bounded.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Callable
+from typing import Any, cast
+
+from coordinator.core.aggregate import empty_summary
+from coordinator.core.records import RankRecord, TrainerRecord, WindowRecord
+from coordinator.core.schedule import Window
+from coordinator.protocol.replies import (
+    AgentError,
+    KernelSummaryReply,
+    RankState,
+    Reason,
+    WindowTrace,
+)
+from coordinator.protocol.summary_codec import SummaryDecodeError, decode_summary
+
+
+class CoordinatorState:
+    """Everything the coordinator knows; every method is synchronous and pure."""
+
+    def __init__(
+        self, max_windows: int, detail_windows: int = 8, straggler_threshold: float = 1.25
+    ) -> None:
+        self.detail_windows = detail_windows
+        self.straggler_threshold = straggler_threshold
+        self.trainers: dict[str, TrainerRecord] = {}
+        self.stepping_trainer: str | None = None
+        self.ranks: dict[tuple[str, int], RankRecord] = {}
+        self.windows: collections.OrderedDict[int, WindowRecord] = collections.OrderedDict()
+        self.max_windows = max_windows
+        self.global_step: int | None = None
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # ----------------------------------------------------------- trainers
+
+    def register(
+        self,
+        trainer: TrainerRecord,
+        advances_step: bool | None,
+        selects: Callable[[int], bool],
+    ) -> list[tuple[str, int]]:
+        """Record ``trainer``, replacing an earlier registration of its id and its ranks' records.
+
+        The first trainer, or one registered with ``advances_step=True``, advances the global
+        step. Returns the keys of the ranks ``selects`` picks for profiling.
+        """
+        tid = trainer.trainer_id
+        self.trainers[tid] = trainer
+        if advances_step or self.stepping_trainer is None:
+            self.stepping_trainer = tid
+        for key in [k for k in self.ranks if k[0] == tid]:
+            del self.ranks[key]
+        keys = []
+        for r in trainer.ranks:
+            selected = selects(r)
+            self.ranks[(tid, r)] = RankRecord(tid, r, selected)
+            if selected:
+                keys.append((tid, r))
+        self.counters["registrations"] += 1
+        return keys
+
+    # ----------------------------------------------------------- windows
+
+    def open_window(
+        self,
+        window: Window,
+        participants: list[tuple[str, int]],
+        planned: Window | None = None,
+    ) -> WindowRecord:
+        rec = WindowRecord(
+            window,
+            planned=planned,
+            participants=set(participants),
+            threshold=self.straggler_threshold,
+        )
+        self.windows[window.index] = rec
+        self.counters["windows_opened"] += 1
+        return rec
+
+    def never_opened(self, window: Window, reason: str) -> None:
+        """A planned window the run ended before: listed with its reason, nothing recorded."""
+        rec = WindowRecord(window, closed=True, unopened=reason)
+        self.windows[window.index] = rec
+        self.windows = collections.OrderedDict(sorted(self.windows.items()))
+        self.counters["windows_never_opened"] += 1
+
+    def current_window(self) -> WindowRecord | None:
+        for rec in reversed(self.windows.values()):
+            if not rec.closed:
+                return rec
+        return None
+
+    def closed_windows(self) -> list[WindowRecord]:
+        return [w for w in self.windows.values() if w.closed]
+
+    def close_window(self, rec: WindowRecord) -> None:
+        """Mark ``rec`` closed (its closing command was answered) and bound the history."""
+        if rec.closed:
+            return
+        rec.closed = True
+        self.counters["windows_closed"] += 1
+        closed = self.closed_windows()
+        for old in closed[: max(0, len(closed) - self.detail_windows)]:
+            for agg in old.aggregates.values():
+                agg.drop_detail()
+        while len(self.closed_windows()) > self.max_windows:
+            oldest = next(i for i, w in self.windows.items() if w.closed)
+            del self.windows[oldest]
+            self.counters["windows_evicted"] += 1
+
+    # ----------------------------------------------------------- replies
+
+    def apply_reply(self, key: tuple[str, int], reply: Any) -> None:
+        """Fold one worker reply into the state. Never raises on a bad reply."""
+        rec = self.ranks[key]
+        if not isinstance(reply, dict) or "state" not in reply:
+            message = f"malformed reply from the worker: {reply!r:.200}"
+            self.rank_failed(
+                key,
+                "disabled",
+                {"where": "coordinator", "type": "MalformedReply", "message": message},
+            )
+            return
+        state = reply.get("state")
+        if state == "disabled" and rec.state == "ok":
+            rec.state, rec.reason = "disabled", reply.get("reason")
+            self.counters["ranks_disabled"] += 1
+        elif state == "not_configured" and rec.state == "ok":
+            rec.state = "disabled"
+            rec.reason = {
+                "where": "coordinator",
+                "type": "NotConfigured",
+                "message": "the worker lost its profiler configuration (restarted?)",
+            }
+            self.counters["ranks_disabled"] += 1
+        rec.device = reply.get("device", rec.device)
+        if isinstance(reply.get("node_id"), str):
+            rec.node_id = reply["node_id"]
+        rec.note = reply.get("note", rec.note)
+        if isinstance(reply.get("windows_captured"), int):
+            rec.windows_captured = reply["windows_captured"]
+        if reply.get("last_trace_path"):
+            rec.last_trace_path = reply["last_trace_path"]
+        if isinstance(reply.get("agent"), dict):
+            rec.agent = reply["agent"]
+        if isinstance(reply.get("last_agent_error"), dict):
+            rec.last_agent_error = reply["last_agent_error"]
+        pending = reply.get("summaries_pending")
+        pending = set(pending) if isinstance(pending, list) else set()
+        closed = reply.get("closed")
+        if isinstance(closed, dict):
+            self._apply_closed(key, closed, pending)
+        for blob in reply.get("summaries") or []:
+            self.ingest_summary(key, blob)
+        for failure in reply.get("summary_failures") or []:
+            if isinstance(failure, dict):
+                self.summary_failed(key, failure.get("window"), failure)
+        for w in self.windows.values():
+            if key in w.summaries_pending and w.window.index not in pending:
+                w.summaries_pending.discard(key)
+
+    def _apply_closed(
+        self, key: tuple[str, int], closed: dict[str, Any], pending: set[Any]
+    ) -> None:
+        index = closed.get("window")
+        w = self.windows.get(index) if isinstance(index, int) else None
+        if w is None:
+            return
+        w.acked.add(key)
+        steps = closed.get("steps")
+        if steps:
+            steps = (int(steps[0]), int(steps[1]))
+            if w.steps is None:
+                w.steps = steps
+            elif w.steps != steps:
+                self.counters["step_mismatches"] += 1
+            path = closed.get("trace_path")
+            if path:
+                w.trace_dirs.setdefault(key[0], os.path.dirname(path))
+                if key not in w.traces:  # (the agent can report it before the closing reply)
+                    w.traces_pending.add(key)
+        w.partial = w.partial or bool(closed.get("partial"))
+        if index in pending and not w.has_summary(key):
+            w.summaries_pending.add(key)  # (a pushed summary can arrive before the closing reply)
+
+    def ingest_summary(self, key: tuple[str, int], blob: Any) -> None:
+        """Decode strictly; a bad summary marks that rank's window bad and nothing else."""
+        trainer_id, rank = key
+        try:
+            s = decode_summary(blob)
+        except SummaryDecodeError as exc:
+            self.counters["bad_summaries"] += 1
+            for w in reversed(self.windows.values()):
+                if key in w.participants:
+                    w.aggregate(trainer_id).mark_bad(rank, str(exc))
+                    w.summaries_pending.discard(key)
+                    break
+            return
+        found = self.windows.get(s.window)
+        if found is None or key not in found.participants or s.rank != rank:
+            self.counters["unexpected_summaries"] += 1
+            return
+        if found.aggregate(trainer_id).add(s):
+            self.counters["summaries"] += 1
+        else:
+            self.counters["duplicate_summaries"] += 1
+        found.summaries_pending.discard(key)
+
+    def trace_stored(
+        self,
+        key: tuple[str, int],
+        window: Any,
+        path: str | None,
+        error: dict[str, str] | None,
+        local_path: str | None = None,
+        node: str | None = None,
+    ) -> bool:
+        """The node agent finished a rank's trace of ``window``: where it is, or why not.
+
+        False (and nothing changes) for a window or rank this run does not know.
+        """
+        w = self.windows.get(window) if isinstance(window, int) else None
+        if w is None or key not in w.participants:
+            self.counters["unexpected_trace_reports"] += 1
+            return False
+        w.traces[key] = WindowTrace(path=path, local_path=local_path, node=node, error=error)
+        w.traces_pending.discard(key)
+        if error:
+            self.counters["trace_failures"] += 1
+            # (an agent's report, bounded to a few short strings by the caller)
+            err = {"window": window, **error, "trace_path": path}
+            self.ranks[key].last_agent_error = cast(AgentError, err)
+        return True
+
+    def summary_failed(self, key: tuple[str, int], window: Any, reason: Any) -> bool:
+        """A rank's summary for ``window`` is lost (its agent failed): mark it bad, stop waiting.
+
+        False (and nothing changes) for a window or rank this run does not know.
+        """
+        w = self.windows.get(window) if isinstance(window, int) else None
+        if w is None or key not in w.participants:
+            self.counters["unexpected_summaries"] += 1
+            return False
+        if isinstance(reason, dict):
+            message = f"{reason.get('where')}: {reason.get('type')}: {reason.get('message')}"
+            err = {str(k): v for k, v in reason.items()}
+            self.ranks[key].last_agent_error = cast(AgentError, err)
+        else:
+            message = str(reason)
+        if not w.has_summary(key):
+            self.counters["lost_summaries"] += 1
+        w.aggregate(key[0]).mark_bad(key[1], message[:2000])
+        w.summaries_pending.discard(key)
+        if isinstance(reason, dict) and reason.get("where") == "agent":
+            # The agent died: nobody will finish this trace; it stays where the rank wrote it.
+            w.traces_pending.discard(key)
+            path = reason.get("trace_path")
+            w.traces.setdefault(
+                key,
+                WindowTrace(
+                    path=path,
+                    local_path=path,
+                    node=self.ranks[key].node_id,
+                    error={"where": "agent", "message": message[:1000]},
+                ),
+            )
+        return True
+
+    def rank_failed(self, key: tuple[str, int], state: RankState, reason: Reason) -> None:
+        """Rank ``key`` stopped taking part (``state`` says how, ``reason`` why); the first
+        reason stays, and no window waits for the rank any more."""
+        rec = self.ranks[key]
+        if rec.state == "ok":
+            rec.state, rec.reason = state, reason
+            self.counters[f"ranks_{state}"] += 1
+        for w in self.windows.values():
+            w.summaries_pending.discard(key)
+
+    # ----------------------------------------------------------- queries
+
+    def kernel_summary(
+        self, window: int | None, top_k: int, trainer_id: str | None, per_rank: bool = False
+    ) -> KernelSummaryReply:
+        tid = trainer_id or self.stepping_trainer
+        if window is None:
+            closed = self.closed_windows()
+            if not closed:
+                return empty_summary()
+            rec = closed[-1]
+        else:
+            found = self.windows.get(window)
+            if found is None:
+                known = [w.window.index for w in self.closed_windows()]
+                raise ValueError(
+                    f"no window {window}: the closed windows kept are {known} "
+                    f"(history holds the last {self.max_windows})"
+                )
+            rec = found
+        agg = rec.aggregates.get(tid) if tid else None
+        if agg is not None:
+            out = agg.to_dict(top_k, self.straggler_threshold, per_rank)
+        else:
+            out = empty_summary()
+            out["window"] = rec.window.index
+        out["steps"] = list(rec.steps) if rec.steps else out["steps"]
+        out["partial"] = rec.partial
+        out["closed"] = rec.closed
+        out["trainer_id"] = tid
+        out["summaries_pending"] = sorted(r for t, r in rec.summaries_pending if t == tid)
+        return out

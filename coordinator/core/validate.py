@@ -1,0 +1,106 @@
+"""What a caller of the coordinator may send: pure checks with messages that say what to fix.
+
+Any Ray client can call the coordinator's methods, so every argument is checked for its type
+and for a size that makes sense before it touches the run: steps and ranks fit in an int64,
+ranks stay below ``MAX_WORLD``, names are short.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+MAX_STEP = 2**63 - 1
+MAX_WORLD = 1 << 20  # ranks are 0 .. MAX_WORLD - 1: a million GPUs is not a sane world size
+MAX_SUMMARY_BYTES = 4 * 1024 * 1024  # as summary_codec.MAX_PAYLOAD_BYTES: checked before decoding
+MAX_TEXT = 4096
+TRAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A real, finite number (not a bool, not NaN, not infinite)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_step(value: Any) -> bool:
+    """A global step: an int in 0 .. 2**63 - 1."""
+    return is_int(value) and 0 <= value <= MAX_STEP
+
+
+def is_rank(value: Any) -> bool:
+    """A global rank: an int in 0 .. MAX_WORLD - 1."""
+    return is_int(value) and 0 <= value < MAX_WORLD
+
+
+def step_problem(name: str, value: Any) -> str | None:
+    if is_step(value):
+        return None
+    return f"{name} must be an int in 0..2**63-1, got {_show(value)}"
+
+
+def flag_problem(name: str, value: Any, none_ok: bool = False) -> str | None:
+    """Why ``value`` is not a flag (True or False, or None when ``none_ok``), or None."""
+    if isinstance(value, bool) or (none_ok and value is None):
+        return None
+    options = "True, False or None" if none_ok else "True or False"
+    return f"{name} must be {options}, got {value!r:.80}"
+
+
+def role_problem(value: Any) -> str | None:
+    """Why ``value`` is not a role name (a string of at most 64 characters), or None."""
+    if isinstance(value, str) and len(value) <= 64:
+        return None
+    return f"role must be a string of at most 64 characters, got {value!r:.80}"
+
+
+def trainer_id_problem(value: Any) -> str | None:
+    if isinstance(value, str) and TRAINER_ID.match(value):
+        return None
+    return f"trainer_id must be 1-64 letters, digits, '.', '_' or '-', got {_show(value)}"
+
+
+def rank_handles(trainer_id: str, workers: Any) -> dict[int, Any]:
+    """``{rank: handle}`` from a list in rank order or a dict; ValueError for anything else."""
+    if isinstance(workers, dict):
+        handles = {}
+        for r, h in workers.items():
+            if not is_rank(r):
+                raise ValueError(
+                    f"trainer {trainer_id!r}: worker rank {_show(r)} is not an int in "
+                    f"0..{MAX_WORLD - 1}"
+                )
+            handles[r] = h
+    elif isinstance(workers, (list, tuple)):
+        if len(workers) > MAX_WORLD:
+            raise ValueError(
+                f"trainer {trainer_id!r}: {len(workers)} workers, more than {MAX_WORLD}"
+            )
+        handles = dict(enumerate(workers))
+    else:
+        raise ValueError(
+            f"trainer {trainer_id!r}: workers must be a list of actor handles in rank order "
+            f"or a dict rank -> handle, got {type(workers).__name__}"
+        )
+    if not handles:
+        raise ValueError(f"trainer {trainer_id!r}: no workers given")
+    return handles
+
+
+def span(ranks: list[int]) -> str:
+    """``0-7`` for a contiguous list of ranks, else the list."""
+    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return str(ranks) if len(ranks) <= 16 else f"{ranks[:8]}... ({len(ranks)} ranks)"
+
+
+def _show(value: Any) -> str:
+    """A value for an error message, never longer than a line."""
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{type(value).__name__} {text}"

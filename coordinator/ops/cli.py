@@ -1,0 +1,291 @@
+"""``python -m coordinator`` / ``ray-profiler``: read and steer a running coordinator.
+
+    ray-profiler status
+    ray-profiler top --window 3 --k 20
+    ray-profiler capture --active 3 --warmup 1 --ranks 0 1 --wait
+    ray-profiler cancel 4
+    ray-profiler stragglers
+    ray-profiler watch --interval 2
+
+Tables for people; ``--json`` for scripts. The global options (``--address``, ``--namespace``,
+``--name``, ``--json``) go before or after the command. Exit status: 0 ok, 1 error (one line on
+stderr), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from coordinator.ops.tables import render_status, render_stragglers, render_top
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+_EXAMPLES = {
+    "status": "ray-profiler status --address auto\n  ray-profiler status --json | jq .windows",
+    "top": "ray-profiler top --window 3 --k 20\n  ray-profiler top --run run_20261201-120000",
+    "capture": (
+        "ray-profiler capture --active 3 --warmup 1 --wait\n"
+        "  ray-profiler capture --active 2 --start-step 5000 --ranks 0 1"
+    ),
+    "cancel": "ray-profiler cancel 8",
+    "stragglers": "ray-profiler stragglers --window 3",
+    "watch": "ray-profiler watch --interval 2\n  ray-profiler watch --count 10 > status.log",
+    "collect": (
+        "ray-profiler collect --window 3 --to ./window3   # then: tensorboard, Perfetto, HTA\n"
+        "  ray-profiler collect --window 3 --run job --to s3://bucket/collected/w3"
+    ),
+}
+
+
+class CliError(Exception):
+    """A failure to report as one line."""
+
+
+def _global_options(parser: argparse.ArgumentParser, top: bool) -> None:
+    """The options every command takes, before or after the command's name.
+
+    On the subcommands they default to ``SUPPRESS``, so a value given before the command is
+    not overwritten by the subcommand's default.
+    """
+
+    def default(value: Any) -> Any:
+        return value if top else argparse.SUPPRESS
+
+    parser.add_argument(
+        "--address",
+        default=default(os.environ.get("RAY_ADDRESS") or "auto"),
+        help="Ray cluster address, HOST:PORT or auto (default: $RAY_ADDRESS, else auto)",
+    )
+    parser.add_argument(
+        "--namespace", default=default("profiler"), help="the coordinator's namespace"
+    )
+    parser.add_argument("--name", default=default("profiler"), help="the coordinator's name")
+    parser.add_argument(
+        "--json", action="store_true", default=default(False), help="print JSON, not tables"
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; exits with status 2 (usage) on a bad one, as argparse does."""
+    ap = argparse.ArgumentParser(
+        prog="ray-profiler",
+        description=__doc__.split("\n\n")[0],
+        epilog="exit status: 0 ok, 1 error, 2 usage. Run 'ray-profiler COMMAND --help' for "
+        "a command's options and an example.",
+    )
+    _global_options(ap, top=True)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog=f"example:\n  {_EXAMPLES[name]}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        _global_options(p, top=False)
+        return p
+
+    command("status", "run, window phase, step, windows, ranks, counters")
+    top = command("top", "cross-rank top kernels of a window")
+    top.add_argument("--window", type=int, default=None, help="default: the latest closed")
+    top.add_argument("--k", type=int, default=20)
+    top.add_argument("--run", default=None, help="an earlier run (status shows previous_runs)")
+    cap = command("capture", "profile the next steps of the running job")
+    cap.add_argument("--active", type=int, required=True, help="steps to record")
+    cap.add_argument("--warmup", type=int, default=1)
+    cap.add_argument("--ranks", type=int, nargs="+", default=None)
+    cap.add_argument("--start-step", type=int, default=None)
+    cap.add_argument("--wait", action="store_true", help="wait for the window, print its kernels")
+    cap.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits")
+    cap.add_argument("--k", type=int, default=20)
+    cancel = command("cancel", "drop a capture that has not started")
+    cancel.add_argument("window", type=int)
+    strag = command("stragglers", "ranks slower than the median in a window")
+    strag.add_argument("--window", type=int, default=None)
+    coll = command("collect", "copy a window's traces from every node into one directory")
+    coll.add_argument("--window", type=int, required=True)
+    coll.add_argument("--to", required=True, help="a local directory or an fsspec URL")
+    coll.add_argument("--run", default=None, help="an earlier run (default: the current one)")
+    coll.add_argument("--wait", type=float, default=60.0, help="seconds to wait for traces")
+    watch = command("watch", "a refreshing status view")
+    watch.add_argument("--interval", type=float, default=2.0)
+    watch.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+    return ap.parse_args(argv)
+
+
+def connect(address: str, namespace: str, name: str) -> Any:
+    """A coordinator handle, or CliError with one line that says what is missing."""
+    from coordinator.client.attach import connect as connect_to
+
+    try:
+        return connect_to(name, namespace, address=address)
+    except (ConnectionError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+
+
+def call(handle: Any, method: str, *args: Any, get_timeout: float = 60, **kwargs: Any) -> Any:
+    import ray
+
+    try:
+        return ray.get(getattr(handle, method).remote(*args, **kwargs), timeout=get_timeout)
+    except ray.exceptions.RayActorError as exc:
+        raise CliError(f"the coordinator died: {exc}") from None
+    except ray.exceptions.GetTimeoutError:
+        raise CliError(
+            f"the coordinator did not answer {method} within {get_timeout:g} s"
+        ) from None
+    except ValueError as exc:  # e.g. an unknown window
+        raise CliError(str(exc).strip().splitlines()[-1]) from None
+
+
+# ------------------------------------------------------------------ commands
+
+
+def run(args: argparse.Namespace) -> int:
+    h = connect(args.address, args.namespace, args.name)
+    out = print
+    if args.command == "status":
+        st = call(h, "status")
+        out(json.dumps(st) if args.json else render_status(st))
+    elif args.command == "top":
+        ks = call(h, "kernel_summary", window=args.window, top_k=args.k, run=args.run)
+        out(json.dumps(ks) if args.json else render_top(ks))
+    elif args.command == "stragglers":
+        ks = call(h, "kernel_summary", window=args.window, top_k=0)
+        out(
+            json.dumps(ks["stragglers"] | {"window": ks["window"]})
+            if args.json
+            else render_stragglers(ks)
+        )
+    elif args.command == "cancel":
+        res = call(h, "cancel_capture", args.window)
+        if args.json:
+            out(json.dumps(res))
+        elif res["cancelled"]:
+            out(f"capture {args.window} cancelled")
+        else:
+            raise CliError(f"cannot cancel window {args.window}: {res['reason']}")
+    elif args.command == "capture":
+        return capture(h, args)
+    elif args.command == "watch":
+        watch(h, args)
+    elif args.command == "collect":
+        return collect(h, args)
+    return EXIT_OK
+
+
+def collect(h: Any, args: argparse.Namespace) -> int:
+    """Copy a window's traces into one directory; exit 1 when some rank's trace is missing."""
+    from coordinator.ops.collect import collect_window
+
+    try:
+        res = collect_window(h, args.window, args.to, run=args.run, wait_s=args.wait)
+    except ValueError as exc:
+        raise CliError(str(exc).strip().splitlines()[-1]) from None
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(
+            f"window {res['window']} of run {res['run']}: {len(res['files'])} traces, "
+            f"{res['bytes'] / 2**20:.1f} MB -> {res['dest']}"
+        )
+        for rank, path in res["files"].items():
+            print(f"  rank {rank}: {path}")
+    if res["missing"]:
+        raise CliError(
+            "missing: " + "; ".join(f"rank {r}: {why}" for r, why in sorted(res["missing"].items()))
+        )
+    return EXIT_OK
+
+
+def watch(h: Any, args: argparse.Namespace) -> None:
+    """Refresh the status every ``interval`` s. On a terminal the view is redrawn in place
+    (cursor home, clear below: the scrollback keeps what was there); into a pipe or a file,
+    each refresh is appended as plain text, without escape codes."""
+    tty = sys.stdout.isatty()
+    n = 0
+    while True:
+        st = call(h, "status")
+        if args.json:
+            print(json.dumps(st), flush=True)
+        elif tty:
+            frame = time.strftime("%H:%M:%S  ") + render_status(st)
+            print("\033[H\033[J" + frame, flush=True)
+        else:
+            print(f"--- {time.strftime('%H:%M:%S')}\n{render_status(st)}\n", flush=True)
+        n += 1
+        if args.count and n >= args.count:
+            break
+        time.sleep(args.interval)
+
+
+def capture(h: Any, args: argparse.Namespace) -> int:
+    res = call(
+        h,
+        "request_capture",
+        active=args.active,
+        warmup=args.warmup,
+        ranks=args.ranks,
+        start_step=args.start_step,
+    )
+    if not res["accepted"]:
+        raise CliError(f"capture refused: {res['reason']}")
+    assert res["window"] is not None and res["steps"] is not None
+    if not args.wait:
+        print(
+            json.dumps(res)
+            if args.json
+            else f"capture accepted: window {res['window']}, steps {res['steps'][0]}-"
+            f"{res['steps'][1]}, ranks {res['ranks']}"
+        )
+        return 0
+    if not args.json:
+        print(
+            f"capture accepted: window {res['window']}, steps {res['steps'][0]}-"
+            f"{res['steps'][1]}, ranks {res['ranks']}; waiting for it to close...",
+            flush=True,
+        )
+    entry = wait_for_window(h, res["run"], res["window"], args.timeout)
+    if entry["steps"] is None:
+        raise CliError(f"capture {res['window']} recorded nothing: {entry['reason']}")
+    ks = call(h, "kernel_summary", window=res["window"], top_k=args.k, run=res["run"])
+    print(json.dumps(ks) if args.json else render_top(ks), flush=True)
+    if not entry["kept"]:
+        raise CliError(
+            f"capture {res['window']} did not record the steps promised: {entry['reason']}"
+        )
+    return EXIT_OK
+
+
+def wait_for_window(h: Any, run: str, window: int, timeout: float) -> dict[str, Any]:
+    """The status entry of ``window`` of ``run`` once it closed with its summaries in, or once
+    the run ended without it (an entry whose ``reason`` says why); CliError on timeout."""
+    # The coordinator wakes the call when the window changes: nothing polls.
+    got = call(h, "wait_window", window, run=run, timeout_s=timeout, get_timeout=timeout + 60)
+    if got["done"]:
+        return dict(got["window"])
+    if got["window"] is None and got["reason"]:
+        return {"index": window, "steps": None, "kept": False, "reason": got["reason"]}
+    step = call(h, "status")["global_step"]
+    raise CliError(f"window {window} did not close within {timeout:g} s (global step {step})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except CliError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

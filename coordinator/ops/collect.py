@@ -1,0 +1,209 @@
+"""Collect a window's traces from every node into one directory: HTA, Perfetto, TensorBoard.
+
+For clusters whose ``save_path`` is node-local, each rank's trace of a window stays on the node
+that wrote it. ``collect_window`` asks the coordinator where each one is, then pulls it from
+that node's agent through Ray in chunks (bounded memory: one chunk at a time, whatever the
+file's size), or downloads it when it was uploaded to a URL ``save_path``. The destination gets
+one file per rank (each trace names its rank), and may itself be an fsspec URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import IO, Any, TypedDict
+
+from coordinator.core.storage import REDACTED, filesystem, is_remote, join, local_path
+
+CHUNK_BYTES = 4 << 20
+CHUNK_TIMEOUT_S = 30.0
+
+
+class CollectResult(TypedDict):
+    """What ``collect_window`` gathered, and what it could not."""
+
+    run: str
+    window: int
+    dest: str
+    files: dict[int, str]  # rank -> the file written under dest
+    missing: dict[int, str]  # rank -> why its trace could not be collected
+    bytes: int
+
+
+def collect_window(
+    coordinator: Any,
+    window: int,
+    dest: str,
+    run: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    wait_s: float = 60.0,
+) -> CollectResult:
+    """Pull every rank's trace of ``window`` into ``dest``: one file per rank, each naming its
+    rank inside, as Holistic Trace Analysis, Perfetto and TensorBoard want them.
+
+    Each trace comes from the node that wrote it, through that node's agent, a chunk at a time
+    (bounded memory whatever its size), or is downloaded when it was uploaded.
+
+    Args:
+        coordinator: the coordinator's handle (``connect()``).
+        window: the window's index (``status()["windows"][i]["index"]``).
+        dest: a local directory or an fsspec URL.
+        run: an earlier run of the coordinator; None means the current one.
+        storage_options: for a URL ``dest`` and for downloading an uploaded window; by
+            default the run's own, without its credentials (the usual environment variables
+            and roles supply them).
+        wait_s: how long to wait for traces the agents are still finishing.
+
+    Returns:
+        A ``CollectResult``: ``files`` (rank -> the file written), ``missing`` (rank -> why: its
+        node has gone, its trace cannot be read, or it was still being finished), ``bytes``.
+
+    Raises:
+        ValueError: an unknown run, a window that is not closed or not kept, or a run that
+            keeps no traces (``export_type: none``).
+
+    Example::
+
+        res = collect_window(connect(address="auto"), 3, "./window3")
+        # then: TraceAnalysis(trace_dir="./window3")
+    """
+    import ray
+
+    entry, run_name, options = _window_entry(coordinator, window, run, wait_s)
+    if storage_options is not None:
+        options = dict(storage_options)
+    out = CollectResult(run=run_name, window=window, dest=dest, files={}, missing={}, bytes=0)
+    traces = {int(r): t for r, t in entry["traces"].items()}
+    never = {r: "its node agent never reported where the trace is" for r in entry["ranks"]}
+    out["missing"].update({r: why for r, why in never.items() if r not in traces})
+    for r in entry["traces_pending"]:
+        out["missing"][r] = f"its trace was still being finished after {wait_s:g} s"
+    for rank, t in sorted(traces.items()):
+        try:
+            name, written = _collect_one(ray, t, dest, options)
+        except _Missing as exc:
+            out["missing"][rank] = str(exc)
+            continue
+        out["files"][rank] = name
+        out["bytes"] += written
+    return out
+
+
+class _Missing(Exception):
+    pass
+
+
+def _window_entry(
+    coordinator: Any, window: int, run: str | None, wait_s: float
+) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """The status entry of ``window``, once no rank's trace is pending (or ``wait_s`` ran out);
+    the coordinator wakes the wait when the window changes."""
+    import ray
+
+    st = ray.get(coordinator.status.remote())
+    runs = [{"run": st["run"], "windows": st["windows"], "config": st["config"]}]
+    runs += st["previous_runs"]
+    mine = next((r for r in runs if run is None or r["run"]["name"] == run), None)
+    if mine is None:
+        raise ValueError(
+            f"no run {run!r}: the coordinator keeps {[r['run']['name'] for r in runs]}"
+        )
+    name = mine["run"]["name"]
+    if mine["config"].get("export_type") == "none":
+        raise ValueError(f"run {name} keeps no traces (export_type: none)")
+    ref = coordinator.wait_window.remote(window, run=name, until="traces", timeout_s=wait_s)
+    got = ray.get(ref, timeout=wait_s + 30)
+    if got["window"] is None:
+        kept = [w["index"] for w in mine["windows"]]
+        raise ValueError(f"no closed window {window} in run {name}: {kept}")
+    options = {k: v for k, v in mine["config"].get("storage_options", {}).items() if v != REDACTED}
+    return dict(got["window"]), name, options
+
+
+def _collect_one(
+    ray: Any, t: dict[str, Any], dest: str, options: dict[str, Any]
+) -> tuple[str, int]:
+    """Copy one rank's trace to ``dest``; the destination path and the bytes written."""
+    uploaded = t["path"] is not None and is_remote(t["path"]) and not t["error"]
+    src = t["path"] if uploaded else (t["local_path"] or t["path"])
+    if not src:
+        raise _Missing(f"no trace: {(t['error'] or {}).get('message', 'nothing was written')}")
+    name = src.rstrip("/").rsplit("/", 1)[-1]
+    target = join(dest, name)
+    if uploaded:
+        try:
+            fs, path = filesystem(src, options)
+            with fs.open(path, "rb") as fin, _writer(target, options) as fout:
+                return target, _copy(lambda n: fin.read(n), fout)
+        except _Missing:
+            raise
+        except Exception as exc:
+            raise _Missing(f"cannot download {src}: {type(exc).__name__}: {exc}") from None
+    node = t["node"]
+    if not node:
+        raise _Missing(f"the node that wrote {src} is unknown")
+    from coordinator.protocol.names import AGENT_NAMESPACE, agent_name
+
+    if not _node_alive(ray, node):
+        raise _Missing(f"node {node[:12]} is gone; its trace {src} went with it")
+    try:
+        agent = ray.get_actor(agent_name(node), namespace=AGENT_NAMESPACE)
+    except ValueError:
+        raise _Missing(f"node {node[:12]} is gone (its node agent cannot be reached)") from None
+    try:
+        with _writer(target, options) as fout:
+            offset = 0
+
+            def read(n: int) -> bytes:
+                nonlocal offset
+                chunk: bytes = ray.get(
+                    agent.read_trace_chunk.remote(src, offset, n), timeout=CHUNK_TIMEOUT_S
+                )
+                offset += len(chunk)
+                return chunk
+
+            return target, _copy(read, fout)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        raise _Missing(
+            f"node {node[:12]} is gone or does not answer (its trace {src} was not copied)"
+        ) from None
+    except Exception as exc:
+        raise _Missing(
+            f"cannot read {src} on node {node[:12]}: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _node_alive(ray: Any, node: str) -> bool:
+    """Whether Ray knows the node with this id and has not marked it dead."""
+    try:
+        return any(n.get("NodeID") == node and n.get("Alive") for n in ray.nodes())
+    except Exception:
+        return True  # cannot tell: try the node agent
+
+
+def _copy(read: Any, fout: IO[bytes]) -> int:
+    total = 0
+    while chunk := read(CHUNK_BYTES):
+        fout.write(chunk)
+        total += len(chunk)
+    return total
+
+
+@contextlib.contextmanager
+def _writer(target: str, options: dict[str, Any]) -> Any:
+    """A file opened for writing at ``target``; a local one appears only once complete."""
+    if is_remote(target):
+        fs, path = filesystem(target, options)
+        with fs.open(path, "wb") as f:
+            yield f
+        return
+    target = local_path(target)
+    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    part = target + ".part"
+    try:
+        with open(part, "wb") as f:
+            yield f
+        os.replace(part, target)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(part)

@@ -1,0 +1,140 @@
+"""pandas views of ``status()`` and ``kernel_summary()`` (the ``notebook`` extra).
+
+import ray
+from coordinator.ops import notebook as nb
+ray.init(address="auto", namespace="profiler")
+h = ray.get_actor("profiler")
+nb.kernels_frame(ray.get(h.kernel_summary.remote(top_k=20)))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _pd() -> Any:
+    try:
+        import pandas as pd
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the notebook helpers need pandas: pip install 'ray-profiler-coordinator[notebook]'"
+        ) from exc
+    return pd
+
+
+def kernels_frame(summary: dict[str, Any]) -> Any:
+    """One row per kernel: total/mean/min/max/std self time (us), max rank, calls, share."""
+    pd = _pd()
+    cols = [
+        "name",
+        "total_us",
+        "mean_us",
+        "min_us",
+        "max_us",
+        "std_us",
+        "max_rank",
+        "count",
+        "share",
+    ]
+    frame = pd.DataFrame(summary["kernels"], columns=cols)
+    frame.attrs.update(
+        window=summary["window"],
+        steps=summary["steps"],
+        unit=summary["unit"],
+        device=summary["device"],
+    )
+    return frame
+
+
+def rank_kernel_frame(summary: dict[str, Any]) -> Any:
+    """Ranks x kernels of self time (us); needs ``kernel_summary(per_rank=True)``."""
+    pd = _pd()
+    per_rank = summary.get("per_rank")
+    if not per_rank:
+        raise ValueError(
+            "this summary has no per-rank values: ask kernel_summary(per_rank=True) "
+            "(kept for the most recent detail_windows windows)"
+        )
+    frame = pd.DataFrame(
+        {name: {int(r): v for r, v in by_rank.items()} for name, by_rank in per_rank.items()}
+    )
+    frame.index.name = "rank"
+    return frame.sort_index()
+
+
+def stragglers_frame(summary: dict[str, Any]) -> Any:
+    """Per rank: step and kernel time, and their ratio to the median over ranks."""
+    pd = _pd()
+    ranks = summary["stragglers"]["ranks"]
+    frame = pd.DataFrame.from_dict({int(r): v for r, v in ranks.items()}, orient="index")
+    frame.index.name = "rank"
+    return frame.sort_index()
+
+
+def breakdown_frame(summary: dict[str, Any]) -> Any:
+    """Per rank: compute, comm, memcpy and other time (us) and their shares of the window."""
+    pd = _pd()
+    ranks = (summary.get("breakdown") or {}).get("ranks") or {}
+    frame = pd.DataFrame.from_dict({int(r): v for r, v in ranks.items()}, orient="index")
+    frame.index.name = "rank"
+    return frame.sort_index()
+
+
+def memory_frame(summary: dict[str, Any]) -> Any:
+    """Top allocating ops across ranks (with ``profile_memory``); ``attrs`` holds the peaks."""
+    pd = _pd()
+    mem = summary.get("memory")
+    if not mem:
+        raise ValueError("this window has no memory data: profile with profile_memory: true")
+    cols = ["name", "total_bytes", "mean_bytes", "max_bytes", "max_rank", "count", "share"]
+    frame = pd.DataFrame(mem["ops"], columns=cols)
+    frame.attrs.update(window=summary["window"], peak_bytes=dict(mem["peak_bytes"]))
+    return frame
+
+
+def ranks_frame(status: dict[str, Any]) -> Any:
+    """One row per registered rank: state, reason, windows captured, last trace."""
+    pd = _pd()
+    rows = []
+    for r in status["ranks"]:
+        reason = r["reason"] or {}
+        rows.append(
+            {
+                **{k: v for k, v in r.items() if k != "reason"},
+                "reason": reason.get("message"),
+                "where": reason.get("where"),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def windows_frame(status: dict[str, Any]) -> Any:
+    """One row per closed window."""
+    pd = _pd()
+    rows = [
+        {
+            "index": w["index"],
+            "kind": w.get("kind"),
+            "first": w["steps"][0] if w["steps"] else None,
+            "last": w["steps"][1] if w["steps"] else None,
+            "partial": w["partial"],
+            "ranks": w["ranks"],
+            "stragglers": w.get("stragglers", []),
+            "trace_dir": w["trace_dir"],
+        }
+        for w in status["windows"]
+    ]
+    return pd.DataFrame(rows).set_index("index") if rows else pd.DataFrame()
+
+
+def step_times_frame(summaries: list[dict[str, Any]]) -> Any:
+    """Windows x ranks of mean step time (ms), from one ``kernel_summary`` per window."""
+    pd = _pd()
+    data = {
+        s["window"]: {int(r): v["step_ms"] for r, v in s["stragglers"]["ranks"].items()}
+        for s in summaries
+        if s["window"] is not None
+    }
+    frame = pd.DataFrame.from_dict(data, orient="index")
+    frame.index.name = "window"
+    return frame.sort_index().sort_index(axis=1)

@@ -1,0 +1,141 @@
+"""The CLI's tables for people: pure text from ``status()`` and ``kernel_summary()`` replies."""
+
+from __future__ import annotations
+
+from coordinator.protocol.replies import KernelSummaryReply, StatusReply, WindowSteps
+
+
+def render_status(st: StatusReply) -> str:
+    c = st["counters"]
+    cur, nxt = st["current_window"], st["next_window"]
+    run = st["run"]
+    lines = [
+        f"coordinator {st['namespace']}/{st['name']}: run {run['name']} ({run['lifecycle']}), "
+        f"phase {st['phase']}, global step {st['global_step']}",
+        f"current window: {_window(cur)}; next window: {_window(nxt)}",
+        f"trace dir: {st['run_dir']}",
+        f"worker RPCs {c.get('worker_rpcs', 0)}, ignored steps {c.get('ignored_steps', 0)}, "
+        f"refused steps {c.get('refused_step', 0)}, windows closed {c.get('windows_closed', 0)}",
+        "",
+        f"{'trainer':<12} {'rank':>4} {'state':<13} {'windows':>7}  reason / note",
+    ]
+    for r in st["ranks"]:
+        reason = r["reason"]["message"] if r.get("reason") else (r.get("note") or "")
+        lines.append(
+            f"{r['trainer_id']:<12} {r['rank']:>4} {r['state']:<13} "
+            f"{r['windows_captured']:>7}  {reason[:70]}"
+        )
+    if st["windows"]:
+        lines += ["", f"{'window':>6} {'kind':<9} {'steps':<12} {'ranks':<16} stragglers / dir"]
+        for w in st["windows"][-10:]:
+            steps = "-".join(map(str, w["steps"])) if w["steps"] else "(none)"
+            flag = " partial" if w["partial"] else ""
+            strag = f"stragglers {w['stragglers']} " if w.get("stragglers") else ""
+            broken = f"NOT AS PLANNED: {w['reason']} " if not w["kept"] else ""
+            lines.append(
+                f"{w['index']:>6} {w.get('kind', ''):<9} {steps + flag:<12} "
+                f"{str(w['ranks']):<16} {broken}{strag}{w['trace_dir'] or ''}"
+            )
+    if st["previous_runs"]:
+        lines += ["", "earlier runs (ray-profiler top --run NAME):"]
+        for p in st["previous_runs"]:
+            prev = p["run"]
+            lines.append(
+                f"  {prev['name']}: {prev['lifecycle']} ({prev['ended_reason']}), "
+                f"{len(p['windows'])} windows, {prev['run_dir']}"
+            )
+    return "\n".join(lines)
+
+
+def _window(w: WindowSteps | None) -> str:
+    if not w:
+        return "none"
+    return (
+        f"{w['index']} ({w.get('kind', 'scheduled')}, warm-up {w['warmup_start']}, "
+        f"record {w['first']}-{w['last']})"
+    )
+
+
+def render_top(ks: KernelSummaryReply) -> str:
+    if ks["window"] is None:
+        return "no closed window yet"
+    head = (
+        f"window {ks['window']} steps {ks['steps']}{' partial' if ks['partial'] else ''}, "
+        f"ranks {ks['ranks']}, self {ks['device']} time in {ks['unit']}"
+    )
+    if ks.get("summaries_pending"):
+        head += f" (summaries pending from ranks {ks['summaries_pending']})"
+    lines = [
+        head,
+        f"{'total':>11} {'mean':>10} {'min':>10} {'max':>10} {'max@':>5} {'std':>9} "
+        f"{'calls':>7} {'share':>6}  name",
+    ]
+    for k in ks["kernels"]:
+        lines.append(
+            f"{k['total_us']:>11.1f} {k['mean_us']:>10.1f} {k['min_us']:>10.1f} "
+            f"{k['max_us']:>10.1f} {k['max_rank']:>5} {k['std_us']:>9.1f} {k['count']:>7} "
+            f"{k['share']:>6.1%}  {k['name'][:70]}"
+        )
+    lines += render_breakdown(ks)
+    mem = ks.get("memory")
+    if mem:
+        lines += [
+            "",
+            f"memory: peak {_mb(mem['max_peak_bytes'])} on rank {mem['max_peak_rank']} "
+            f"(per rank: {', '.join(f'{r}: {_mb(b)}' for r, b in mem['peak_bytes'].items())})",
+            f"{'allocated':>11} {'max':>10} {'max@':>5} {'allocs':>7}  op",
+        ]
+        for op in mem["ops"][:10]:
+            lines.append(
+                f"{_mb(op['total_bytes']):>11} {_mb(op['max_bytes']):>10} {op['max_rank']:>5} "
+                f"{op['count']:>7}  {op['name'][:70]}"
+            )
+    return "\n".join(lines)
+
+
+def render_breakdown(ks: KernelSummaryReply) -> list[str]:
+    """Where each rank's window went: compute, communication, copies, other."""
+    ranks = ks["breakdown"]["ranks"]
+    if not ranks:
+        return []
+    lines = [
+        "",
+        f"{'rank':>4} {'window ms':>10} {'compute':>8} {'comm':>8} {'memcpy':>8} {'other':>8}",
+    ]
+    for r, b in ranks.items():
+        lines.append(
+            f"{r:>4} {b['window_us'] / 1e3:>10.1f} {b['compute_share']:>8.1%} "
+            f"{b['comm_share']:>8.1%} {b['memcpy_share']:>8.1%} {b['other_share']:>8.1%}"
+        )
+    return lines
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def render_stragglers(ks: KernelSummaryReply) -> str:
+    if ks["window"] is None:
+        return "no closed window yet"
+    s = ks["stragglers"]
+    lines = [
+        f"window {ks['window']} steps {ks['steps']}: threshold {s['threshold']}x the median; "
+        f"flagged {s['flagged'] or 'none'}",
+        "a slow rank has high compute time; the ranks waiting for it in collectives have high "
+        "comm time",
+        f"{'rank':>4} {'step ms':>9} {'x median':>9} {'compute ms':>11} {'x median':>9} "
+        f"{'comm ms':>9} {'comm %':>7}  flag",
+    ]
+    for r, v in s["ranks"].items():
+        share = "-" if v.get("comm_share") is None else f"{v['comm_share']:.1%}"
+        lines.append(
+            f"{r:>4} {_num(v['step_ms']):>9} {_num(v['step_ratio'], 2):>9} "
+            f"{_num(v['compute_ms']):>11} {_num(v['compute_ratio'], 2):>9} "
+            f"{_num(v.get('comm_ms')):>9} {share:>7}  "
+            f"{'STRAGGLER' if v['flagged'] else ''}"
+        )
+    return "\n".join(lines)
+
+
+def _num(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"

@@ -1,0 +1,379 @@
+"""Every reply that crosses Ray, declared once. Pure: no Ray, no torch.
+
+The coordinator's RPCs answer with these (``status()`` and ``kernel_summary()`` included), and
+so do the rank RPCs of ``ProfilerWorkerMixin`` (``RankReply``). Every key is always present;
+a value that does not apply is ``None``. A refused call says so one way: its boolean (``applied``,
+``accepted``, ``cancelled``) is False and ``reason`` says why, in words a person can act on.
+
+Names: a whole RPC answer ends in ``Reply``; a row inside one ends in ``Entry``; tables and
+statistics are named for what they hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict
+
+Phase = Literal["idle", "warmup", "recording"]
+"""Where the open window is: ``idle`` (no window open), ``warmup``, ``recording``."""
+
+RankState = Literal["ok", "disabled", "lost", "unresponsive", "not_selected", "not_configured"]
+"""A rank's state, as the rank reports it and as the coordinator keeps it:
+
+- ``ok``: profiles when its windows come;
+- ``disabled``: a profiling fault (``reason``) switched profiling off on this rank;
+- ``lost``: its actor died (coordinator view only);
+- ``unresponsive``: it did not answer within ``worker_timeout_s`` (coordinator view only);
+- ``not_selected``: the config does not profile it;
+- ``not_configured``: the rank has no profiler config (rank view only; the coordinator keeps
+  such a rank as ``disabled``).
+"""
+
+RunLifecycle = Literal["configured", "running", "stopped", "abandoned"]
+"""Where a run is: ``configured`` (no step yet), ``running``, ``stopped`` by its trainer, or
+``abandoned`` (its trainer went away without ``stop``, and a fresh run replaced it)."""
+
+
+class Reason(TypedDict):
+    """Why a rank or a piece of its work failed."""
+
+    where: str
+    type: str
+    message: str
+
+
+class AgentError(TypedDict, total=False):
+    """The last summary, compression or clean-up of a trace that failed (``where`` says which)."""
+
+    window: int | None
+    where: str
+    type: str
+    message: str
+    trace_path: str | None
+
+
+class AgentEntry(TypedDict):
+    """The agent that finishes this rank's traces: ``node_agent`` (in Ray) or ``local_process``
+    (a spawned child, outside Ray), and its pid."""
+
+    kind: str | None
+    pid: int | None
+
+
+class ClosedWindow(TypedDict):
+    """On the reply that stopped a window (whether the rank's summary of it is still being
+    built: ``RankReply.summaries_pending``)."""
+
+    window: int
+    steps: list[int] | None
+    partial: bool
+    trace_path: str | None
+
+
+class RankReply(TypedDict):
+    """What every worker RPC (``configure_profiler``, ``start_profile``, ``profile_step``,
+    ``stop_profile``, ``dump_profiler_summary``) answers."""
+
+    rank: int | None
+    node_id: str | None
+    state: RankState
+    reason: Reason | None
+    device: str | None
+    note: str | None
+    phase: Phase
+    window: int | None
+    windows_captured: int
+    windows_skipped: int
+    last_skip_reason: str | None
+    last_trace_path: str | None
+    closed: ClosedWindow | None
+    summaries: list[bytes]
+    summary_failures: list[AgentError]
+    summaries_pending: list[int]  # the windows whose summary the rank's agent still builds
+    agent: AgentEntry
+    last_agent_error: AgentError | None
+
+
+class StepReply(TypedDict):
+    """``start``, ``step`` and ``stop``. ``next_sync_step``: the first step whose report makes
+    ranks act (the trainer waits for that report); ``None`` when nothing is planned."""
+
+    applied: bool
+    reason: str | None
+    ignored: Literal["duplicate", "out_of_order"] | None
+    run: str
+    global_step: int | None
+    phase: Phase
+    window: int | None
+    next_sync_step: int | None
+
+
+class CaptureReply(TypedDict):
+    """``request_capture``: the exact steps every selected rank records, or why not."""
+
+    accepted: bool
+    reason: str | None
+    run: str
+    window: int | None
+    steps: list[int] | None
+    warmup_start: int | None
+    ranks: list[int] | None
+
+
+class CancelReply(TypedDict):
+    """``cancel_capture``: whether the capture was dropped, or why not."""
+
+    cancelled: bool
+    reason: str | None
+    window: int
+
+
+class RegisterReply(TypedDict):
+    """``register``: the trainer's place in the run."""
+
+    trainer_id: str
+    advances_step: bool
+    world_size: int
+    selected_ranks: list[int]
+    run: str
+    run_dir: str | None
+
+
+class OpenRunReply(TypedDict):
+    """``open_run``: the run a trainer attached to, and how its config compares."""
+
+    run: str
+    run_dir: str | None
+    decision: Literal["join", "resume", "fresh"]
+    config: dict[str, Any]
+    mismatch: list[str]
+
+
+class RunEntry(TypedDict):
+    """One run of a coordinator, in ``status()["run"]`` and ``status()["previous_runs"]``."""
+
+    name: str
+    lifecycle: RunLifecycle
+    run_dir: str | None
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    ended_reason: str | None
+    global_step: int | None
+    stepping_trainer: str | None
+
+
+class WindowTrace(TypedDict):
+    """Where one rank's trace of a window is, as its node agent reported it."""
+
+    path: str | None  # the trace's final place: its URL once uploaded, else a path on ``node``
+    local_path: str | None  # the copy that stays on ``node`` (kept, or the upload failed)
+    node: str | None  # the Ray node id of the node that wrote it
+    error: dict[str, str] | None
+
+
+class WindowEntry(TypedDict):
+    """One window of a run, in ``status()["windows"]``."""
+
+    index: int
+    kind: Literal["scheduled", "capture"]
+    planned: list[int]
+    steps: list[int] | None
+    kept: bool
+    reason: str | None
+    partial: bool
+    ranks: list[int]
+    trace_dir: str | None
+    trace_dirs: dict[str, str]
+    summaries_pending: list[int]  # the ranks whose summary has not arrived yet
+    traces_pending: list[int]  # the ranks whose trace the node agent has not finished yet
+    trace_errors: dict[int, dict[str, str]]
+    traces: dict[int, WindowTrace]
+    stragglers: list[int]
+
+
+class TrainerEntry(TypedDict):
+    """One registered trainer (a group of ranks of one role), in ``status()["trainers"]``."""
+
+    trainer_id: str
+    role: str
+    world_size: int
+    ranks: list[int]
+    advances_step: bool
+    run_dir: str | None
+
+
+class RankEntry(TypedDict):
+    """One registered rank, in ``status()["ranks"]``."""
+
+    trainer_id: str
+    rank: int
+    state: RankState
+    reason: Any
+    device: str | None
+    note: str | None
+    windows_captured: int
+    last_trace_path: str | None
+    agent: AgentEntry | None
+    last_agent_error: AgentError | None
+    node_id: str | None
+
+
+class WindowSteps(TypedDict):
+    """A planned window: warm-up from ``warmup_start``, recording ``first``..``last``."""
+
+    index: int
+    warmup_start: int
+    first: int
+    last: int
+    kind: str
+
+
+class ProcessEntry(TypedDict):
+    """The coordinator's process: its pid, and proof that it never loaded torch."""
+
+    pid: int
+    torch_loaded: bool
+    worker_handle_stubs: bool
+
+
+class CheckpointEntry(TypedDict):
+    """The last checkpoint written: its size, how long it took, when, or why it failed."""
+
+    bytes: int
+    seconds: float
+    at: float | None
+    error: str | None
+
+
+class PreviousRunEntry(TypedDict):
+    """A run that ended, kept for reading: its windows and the config it ran with."""
+
+    run: RunEntry
+    config: dict[str, Any]
+    windows: list[WindowEntry]
+
+
+class StatusReply(TypedDict):
+    """``status()``: JSON-serialisable."""
+
+    name: str
+    namespace: str
+    run: RunEntry
+    phase: Phase
+    config: dict[str, Any]
+    run_dir: str | None
+    global_step: int | None
+    current_window: WindowSteps | None
+    next_window: WindowSteps | None
+    windows: list[WindowEntry]
+    trainers: list[TrainerEntry]
+    ranks: list[RankEntry]
+    counters: dict[str, int]
+    metrics: dict[str, Any]
+    process: ProcessEntry
+    previous_runs: list[PreviousRunEntry]
+    restarts: int  # how often Ray restarted this coordinator (each time from its checkpoint)
+    last_restart: float | None  # when it last did (epoch seconds)
+    checkpoint: CheckpointEntry
+
+
+class PingReply(TypedDict):
+    """``ping``: the current run's name and how often this coordinator restarted."""
+
+    run: str
+    restarts: int
+
+
+class WaitWindowReply(TypedDict):
+    """``wait_window``: a window once it is done (``done``), or as it stands when the wait ran
+    out; ``window`` is None (with ``reason``) when the run ended without it or is not kept."""
+
+    run: str | None
+    done: bool
+    window: WindowEntry | None
+    lifecycle: RunLifecycle | None
+    reason: str | None
+
+
+class KernelStats(TypedDict):
+    """One op or kernel across ranks (``kernel_summary()["kernels"]``)."""
+
+    name: str
+    total_us: float
+    mean_us: float
+    min_us: float
+    max_us: float
+    std_us: float
+    max_rank: int
+    count: int
+    ranks_present: int
+    share: float
+
+
+class MemoryStats(TypedDict):
+    """One allocating op across ranks (``kernel_summary()["memory"]["ops"]``)."""
+
+    name: str
+    total_bytes: float
+    mean_bytes: float
+    min_bytes: float
+    max_bytes: float
+    std_bytes: float
+    max_rank: int
+    count: int
+    ranks_present: int
+    share: float
+
+
+class RankStraggler(TypedDict):
+    step_ms: float | None
+    step_ratio: float | None
+    compute_ms: float
+    compute_ratio: float | None
+    comm_ms: float | None
+    comm_share: float | None
+    flagged: bool
+
+
+class Stragglers(TypedDict):
+    threshold: float | None
+    median_step_ms: float
+    median_compute_ms: float
+    ranks: dict[int, RankStraggler]
+    flagged: list[int]
+
+
+class BreakdownTable(TypedDict):
+    ranks: dict[int, dict[str, float]]
+    mean: dict[str, float]
+
+
+class MemoryTable(TypedDict):
+    peak_bytes: dict[int, int]
+    max_peak_bytes: int
+    max_peak_rank: int
+    ops: list[MemoryStats]
+
+
+class KernelSummaryReply(TypedDict):
+    """``kernel_summary()``: one window's cross-rank tables."""
+
+    run: str
+    window: int | None
+    steps: list[int]
+    partial: bool
+    closed: bool
+    ranks: list[int]
+    summaries_pending: list[int]
+    bad_ranks: dict[int, str]
+    device: str | None
+    unit: str
+    kernels: list[KernelStats]
+    rank_totals: dict[int, float]
+    dropped: dict[str, float]
+    stragglers: Stragglers
+    breakdown: BreakdownTable
+    streams: dict[int, list[dict[str, float]]]
+    memory: MemoryTable | None
+    per_rank: dict[str, dict[int, float]] | None
+    trainer_id: str | None

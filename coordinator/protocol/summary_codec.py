@@ -1,0 +1,213 @@
+"""Per-rank, per-window kernel summary and its msgpack wire format.
+
+The wire is a msgpack map (``v``, ``rank``, ``window``, ``steps``, ...) whose rows are arrays.
+It is decoded by msgspec into typed structs whose constraints are the checks: the decoder is
+strict (every type, range and length; no unknown or missing key) and runs at C speed. It caps
+the payload before it parses, and raises ``SummaryDecodeError`` (a ValueError) on anything
+else, with the path of what is wrong (``at `$.kernels[3][1]```).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+SUMMARY_VERSION = 2
+MAX_PAYLOAD_BYTES = 4 * 1024 * 1024
+MAX_NAME_CHARS = 2048
+MAX_KERNELS = 10_000
+MAX_STEPS = 100_000
+MAX_STREAMS = 1_024
+MAX_MEMORY_ROWS = 1_000
+DEVICES = ("cpu", "cuda")
+UNIT = "us"
+_MAX_INT = 2**62
+
+Count = Annotated[int, msgspec.Meta(ge=0, lt=_MAX_INT)]
+"""A non-negative int below 2**62 (a count, a step, a rank, bytes)."""
+Signed = Annotated[int, msgspec.Meta(gt=-_MAX_INT, lt=_MAX_INT)]
+Micros = Annotated[float, msgspec.Meta(ge=0.0, le=sys.float_info.max)]
+"""A finite, non-negative number (NaN and infinities fail the bounds)."""
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+
+
+class SummaryDecodeError(ValueError):
+    """A summary payload that is malformed, oversized or of an unknown version."""
+
+
+class KernelRow(msgspec.Struct, array_like=True, frozen=True):
+    """One op or kernel: self time in microseconds, call count, flops (0 when not measured)."""
+
+    name: Name
+    self_us: Micros
+    count: Count
+    flops: Count
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Where the window's time went on this rank, in microseconds.
+
+    CPU ranks: the wall time with a collective in flight on any thread (``comm``), self CPU time
+    of copies (``memcpy``) and of every other op (``compute``), and the rest of the window
+    (``other``: Python, waiting, idle). CUDA ranks: device time of NCCL kernels, memcpy/memset
+    and other kernels; ``other`` is device idle time.
+    """
+
+    compute_us: float = 0.0
+    comm_us: float = 0.0
+    memcpy_us: float = 0.0
+    other_us: float = 0.0
+    window_us: float = 0.0
+
+    def share(self, what: str) -> float:
+        """``what``'s share of the window (``compute``, ``comm``, ``memcpy`` or ``other``)."""
+        return getattr(self, f"{what}_us") / self.window_us if self.window_us > 0 else 0.0
+
+
+BREAKDOWN_KEYS = ("compute", "comm", "memcpy", "other")
+
+
+class StreamRow(msgspec.Struct, array_like=True, frozen=True):
+    """Device time on one stream: busy (union of its activity) and idle, within the window."""
+
+    device: Signed
+    stream: Signed
+    busy_us: Micros
+    idle_us: Micros
+
+
+class MemoryRow(msgspec.Struct, array_like=True, frozen=True):
+    """An op's allocations in the window: bytes allocated (frees not subtracted), how many."""
+
+    name: Name
+    bytes: Count
+    count: Count
+
+
+@dataclass
+class RankSummary:
+    """What one rank recorded in one window."""
+
+    rank: int
+    window: int
+    steps: tuple[int, int]
+    partial: bool
+    device: str
+    kernels: list[KernelRow]
+    dropped_rows: int = 0
+    dropped_us: float = 0.0
+    step_us: list[tuple[int, float]] = field(default_factory=list)
+    breakdown: Breakdown = field(default_factory=Breakdown)
+    streams: list[StreamRow] = field(default_factory=list)
+    peak_bytes: int | None = None
+    """Peak allocated bytes in the window (with ``profile_memory``), else None."""
+    memory: list[MemoryRow] = field(default_factory=list)
+    unit: str = UNIT
+
+    @property
+    def total_us(self) -> float:
+        """Self time of every row, the dropped ones included."""
+        return sum(k.self_us for k in self.kernels) + self.dropped_us
+
+
+class _Versioned(msgspec.Struct):
+    """Only the version, read first so that an old or new format is named as such."""
+
+    v: Any = None
+
+
+class _Wire(msgspec.Struct, forbid_unknown_fields=True):
+    """The payload as it travels (see ``encode_summary``)."""
+
+    v: int
+    rank: Count
+    window: Count
+    steps: tuple[Count, Count]
+    partial: bool
+    device: Literal["cpu", "cuda"]
+    unit: Literal["us"]
+    kernels: Annotated[list[KernelRow], msgspec.Meta(max_length=MAX_KERNELS)]
+    dropped: tuple[Count, Micros]
+    step_us: Annotated[list[tuple[Count, Micros]], msgspec.Meta(max_length=MAX_STEPS)]
+    breakdown: tuple[Micros, Micros, Micros, Micros, Micros]
+    streams: Annotated[list[StreamRow], msgspec.Meta(max_length=MAX_STREAMS)]
+    memory: (
+        tuple[Count, Annotated[list[MemoryRow], msgspec.Meta(max_length=MAX_MEMORY_ROWS)]] | None
+    )
+
+    def __post_init__(self) -> None:
+        if self.steps[0] > self.steps[1]:
+            raise ValueError(f"steps {self.steps[0]}-{self.steps[1]}: first is after last")
+
+
+_VERSION = msgspec.msgpack.Decoder(_Versioned)
+_DECODER = msgspec.msgpack.Decoder(_Wire)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode_summary(summary: RankSummary) -> bytes:
+    """Serialise to msgpack; raises ValueError if the result would not decode."""
+    b = summary.breakdown
+    wire = _Wire(
+        v=SUMMARY_VERSION,
+        rank=summary.rank,
+        window=summary.window,
+        steps=(summary.steps[0], summary.steps[1]),
+        partial=summary.partial,
+        device=summary.device,  # type: ignore[arg-type]
+        unit=summary.unit,  # type: ignore[arg-type]
+        kernels=list(summary.kernels),
+        dropped=(summary.dropped_rows, float(summary.dropped_us)),
+        step_us=[(s, float(us)) for s, us in summary.step_us],
+        breakdown=(b.compute_us, b.comm_us, b.memcpy_us, b.other_us, b.window_us),
+        streams=list(summary.streams),
+        memory=None if summary.peak_bytes is None else (summary.peak_bytes, list(summary.memory)),
+    )
+    try:
+        data = _ENCODER.encode(wire)
+    except (TypeError, OverflowError, ValueError) as exc:
+        raise ValueError(f"summary cannot be encoded: {exc}") from exc
+    decode_summary(data)  # never send what the receiver would refuse
+    return data
+
+
+def decode_summary(data: Any) -> RankSummary:
+    """Parse and check a payload from ``encode_summary``; ``SummaryDecodeError`` says what is
+    wrong and where."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SummaryDecodeError(f"summary must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise SummaryDecodeError(
+            f"summary is {len(data)} bytes, over the {MAX_PAYLOAD_BYTES}-byte cap"
+        )
+    try:
+        version = _VERSION.decode(data).v
+        if type(version) is not int or version != SUMMARY_VERSION:
+            raise SummaryDecodeError(
+                f"summary version {version!r:.40} is not supported (expected {SUMMARY_VERSION})"
+            )
+        w = _DECODER.decode(data)
+    except msgspec.ValidationError as exc:
+        raise SummaryDecodeError(f"summary is malformed: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise SummaryDecodeError(f"summary is not valid msgpack: {exc}") from None
+    dropped_rows, dropped_us = w.dropped
+    return RankSummary(
+        rank=w.rank,
+        window=w.window,
+        steps=w.steps,
+        partial=w.partial,
+        device=w.device,
+        kernels=w.kernels,
+        dropped_rows=dropped_rows,
+        dropped_us=dropped_us,
+        step_us=w.step_us,
+        breakdown=Breakdown(*w.breakdown),
+        streams=w.streams,
+        peak_bytes=None if w.memory is None else w.memory[0],
+        memory=[] if w.memory is None else w.memory[1],
+    )

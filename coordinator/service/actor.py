@@ -1,0 +1,254 @@
+"""ProfilerCoordinator: the named, detached Ray actor that owns the schedule and the global step.
+
+A thin shell around the pure core, put together from four parts that share one
+``CoordinatorShell`` (the current run, the lock, the checkpoint): ``RunCalls`` (the trainer's
+calls), ``Captures``, ``AgentReports`` (what node agents push) and ``Readers``. Each RPC below
+says what it promises and hands the call to its part. It never imports torch and never raises
+a rank's fault to a trainer. A refused call is answered, never raised: its boolean is False and
+``reason`` says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from coordinator.protocol.replies import (
+    CancelReply,
+    CaptureReply,
+    KernelSummaryReply,
+    OpenRunReply,
+    PingReply,
+    RegisterReply,
+    StatusReply,
+    StepReply,
+    WaitWindowReply,
+)
+from coordinator.service.agent_reports import AgentReports
+from coordinator.service.captures import CAPTURE_REPORT_TIMEOUT_S, Captures
+from coordinator.service.readers import Readers, WaitUntil
+from coordinator.service.runs import RunCalls
+from coordinator.service.shell import CoordinatorShell
+
+
+class _Coordinator:
+    """The actor's implementation; use ``get_or_create_coordinator`` to make one."""
+
+    def __init__(self, config: dict[str, Any], name: str, namespace: str) -> None:
+        self._shell = CoordinatorShell(config, name, namespace)
+        self._captures = Captures(self._shell)
+        self._runs = RunCalls(self._shell, self._captures)
+        self._reports = AgentReports(self._shell)
+        self._readers = Readers(self._shell)
+
+    # ------------------------------------------------------------ the trainer's calls
+
+    async def open_run(self, config: dict[str, Any], trainer_id: str | None = None) -> OpenRunReply:
+        """Attach to this coordinator: join or resume its run, or begin a fresh one.
+
+        A run that stopped cleanly (or never had a trainer) gives way to a fresh run with
+        ``config``; the stepping trainer re-attaching (a restarted driver) resumes its run; a
+        run that is still active keeps its config, and another config is a ValueError.
+        """
+        return await self._runs.open_run(config, trainer_id)
+
+    async def register(
+        self,
+        trainer_id: str,
+        workers: list[Any] | dict[int, Any],
+        role: str = "policy",
+        advances_step: bool | None = None,
+    ) -> RegisterReply:
+        """Register a trainer's workers (a list in rank order, or {rank: handle}).
+
+        The first trainer advances the global step unless another registers with
+        ``advances_step=True``. Re-registering a ``trainer_id`` replaces its handles and keeps
+        the global step and the window history. Raises ValueError for a bad registration.
+        """
+        return await self._runs.register(trainer_id, workers, role, advances_step)
+
+    async def start(
+        self, trainer_id: str, first_step: int = 0, throttled: bool = False
+    ) -> StepReply:
+        """Before the loop: the next step to run is ``first_step`` (the loaded step on resume).
+
+        ``throttled``: the trainer waits only for the reports of the steps it is told to
+        (``next_sync_step`` and on), as ``StepClient`` does; otherwise it waits for every one.
+        A start after the run stopped begins a fresh run with the same config and trainers.
+        """
+        return await self._runs.start(trainer_id, first_step, throttled)
+
+    async def step(self, trainer_id: str, k: int, waiting: bool = True) -> StepReply:
+        """Global step ``k`` has finished. Returns once the ranks that act are ready for k+1.
+
+        ``waiting``: the trainer waits for this answer before it runs step k+1 (``StepClient``
+        sends reports of idle steps without waiting, and says so).
+        """
+        return await self._runs.step(trainer_id, k, waiting)
+
+    async def stop(self, trainer_id: str) -> StepReply:
+        """After the loop: stop an open window (partial), end the captures that never opened,
+        collect the summaries still pending, and end the run. Safe to call twice, without
+        start, and after a failure."""
+        return await self._runs.stop(trainer_id)
+
+    # ------------------------------------------------------------ captures
+
+    async def request_capture(
+        self,
+        active: int = 1,
+        warmup: int = 1,
+        ranks: list[int] | None = None,
+        start_step: int | None = None,
+        wait_s: float = CAPTURE_REPORT_TIMEOUT_S,
+    ) -> CaptureReply:
+        """Profile ``active`` steps of the running trainer, exactly.
+
+        To promise the steps, the coordinator must know where the trainer is: if the trainer
+        will wait for its next report's answer, the capture is planned at once; otherwise this
+        waits (at most ``wait_s``) for the trainer's next report, which it tells to wait.
+
+        Args:
+            active: steps to record (1..``max_capture_steps``).
+            warmup: steps the profiler runs before recording, not recorded.
+            ranks: global ranks to profile; None means the ranks the config selects. Ranks the
+                config does not select are configured for this capture only.
+            start_step: the first recorded step; None means as soon as possible.
+            wait_s: how long to wait for the trainer's next report (0 < wait_s <= 3600).
+
+        Returns:
+            A ``CaptureReply``: ``accepted``, the capture's ``window`` index, the ``steps``
+            every selected rank records (``[first, last]``) and its ``ranks``; or
+            ``accepted=False`` and the ``reason`` (no trainer running, unknown or disabled
+            ranks, an overlap with another window, no report within ``wait_s``).
+
+        Example::
+
+            h = ray.get_actor("profiler", namespace="profiler")
+            cap = ray.get(h.request_capture.remote(active=3, warmup=1))
+            # {"accepted": True, "window": 4, "steps": [1201, 1203], "ranks": [0, 1], ...}
+            ray.get(h.wait_window.remote(cap["window"], run=cap["run"]))
+        """
+        return await self._captures.request_capture(active, warmup, ranks, start_step, wait_s)
+
+    async def cancel_capture(self, window: int) -> CancelReply:
+        """Drop a requested capture that has not started yet."""
+        return await self._captures.cancel_capture(window)
+
+    # ------------------------------------------------------------ what node agents report
+
+    async def ingest_summary(
+        self, trainer_id: str, rank: int, blob: bytes, run: str | None = None
+    ) -> bool:
+        """A rank's summary, pushed by its node agent as soon as it is built.
+
+        True when the coordinator has it, or never will want it (the agent then drops it).
+        """
+        return await self._reports.ingest_summary(trainer_id, rank, blob, run)
+
+    async def summary_failed(
+        self, trainer_id: str, rank: int, window: int, reason: Any, run: str | None = None
+    ) -> bool:
+        """A rank's node agent could not build its summary of ``window`` (or died): say why."""
+        return await self._reports.summary_failed(trainer_id, rank, window, reason, run)
+
+    async def trace_stored(
+        self,
+        trainer_id: str,
+        rank: int,
+        window: int,
+        path: object,
+        error: Any = None,
+        run: str | None = None,
+        local_path: object = None,
+        node: object = None,
+    ) -> bool:
+        """The node agent finished a rank's trace of ``window``: its final ``path``, or why not."""
+        return await self._reports.trace_stored(
+            trainer_id, rank, window, path, error, run, local_path, node
+        )
+
+    # ------------------------------------------------------------ readers
+
+    async def status(self) -> StatusReply:
+        """Everything about the current run, and the runs kept before it; JSON-serialisable.
+
+        Returns:
+            A ``StatusReply``: the run and its ``lifecycle``, the window ``phase``, the global
+            step, the current and next window, every closed window (``windows``: steps kept
+            or why not, summaries and traces pending, where the traces are, stragglers), the
+            trainers, every rank's ``state`` (with the ``reason`` of a disabled rank), the
+            counters, the checkpoint and ``previous_runs``.
+
+        Example::
+
+            ray.init(address="auto", namespace="profiler")
+            st = ray.get(ray.get_actor("profiler").status.remote())
+            st["run"]["lifecycle"], st["global_step"], [w["index"] for w in st["windows"]]
+        """
+        return await self._readers.status()
+
+    async def kernel_summary(
+        self,
+        window: int | None = None,
+        top_k: int = 20,
+        trainer_id: str | None = None,
+        per_rank: bool = False,
+        run: str | None = None,
+    ) -> KernelSummaryReply:
+        """The cross-rank kernel table of one window.
+
+        Args:
+            window: the window's index; None means the latest closed window.
+            top_k: kernels to list, by total self time over ranks (0..100000).
+            trainer_id: whose ranks; None means the stepping trainer's.
+            per_rank: add each listed kernel's self time on every rank (recent windows only;
+                ``detail_windows`` in the config).
+            run: an earlier run of this coordinator (``status()["previous_runs"]``).
+
+        Returns:
+            A ``KernelSummaryReply``: ``kernels`` (total, mean, min, max, std, the slowest
+            rank, count, share), ``rank_totals``, ``stragglers``, ``breakdown`` (compute,
+            comm, memcpy, other per rank), ``streams``, ``memory``, and the ranks whose
+            summary is still pending (``summaries_pending``) or unusable (``bad_ranks``).
+
+        Raises:
+            ValueError: an argument of the wrong type or range, an unknown ``run``, or a
+                ``window`` the history no longer keeps (the message lists what it keeps).
+
+        Example::
+
+            ks = ray.get(h.kernel_summary.remote(top_k=10))
+            [(k["name"], k["total_us"], k["max_rank"]) for k in ks["kernels"]]
+        """
+        return await self._readers.kernel_summary(window, top_k, trainer_id, per_rank, run)
+
+    async def wait_window(
+        self,
+        window: int,
+        run: str | None = None,
+        until: WaitUntil = "summaries",
+        timeout_s: float = 60.0,
+    ) -> WaitWindowReply:
+        """Wait until ``window`` has closed with every summary in (``until="summaries"``) or
+        every trace finished too (``until="traces"``), at most ``timeout_s``; no polling.
+
+        Returns ``done`` with the window's entry; or, when the wait ran out, the entry as it
+        stands (None if it has not closed); or ``window=None`` and a ``reason`` when the run
+        ended without it or does not keep it.
+        """
+        return await self._readers.wait_window(window, run, until, timeout_s)
+
+    async def ping(self) -> PingReply:
+        """Cheap liveness check: the current run's name and how often this actor restarted."""
+        return await self._readers.ping()
+
+    async def get_config(self) -> dict[str, Any]:
+        """The current run's config, credentials redacted."""
+        return await self._readers.get_config()
+
+
+# Ray restarts it after a crash (same name, same handle); it picks its state up from the
+# checkpoint. Calls in flight when it died fail; later ones wait for the restart.
+ProfilerCoordinator = ray.remote(num_cpus=0, max_restarts=-1)(_Coordinator)

@@ -1,0 +1,121 @@
+"""What the node agents report to the coordinator: summaries, lost summaries, stored traces.
+
+Each report names the run it belongs to, so one that arrives after a new run began still lands
+in its own run. Anything malformed is refused without touching the run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coordinator.core.run import Run
+from coordinator.core.validate import (
+    MAX_SUMMARY_BYTES,
+    MAX_TEXT,
+    is_int,
+    is_rank,
+    trainer_id_problem,
+)
+from coordinator.service.shell import CoordinatorShell
+
+
+class AgentReports:
+    """``ingest_summary``, ``summary_failed`` and ``trace_stored`` (see the actor's docs)."""
+
+    def __init__(self, shell: CoordinatorShell) -> None:
+        self.shell = shell
+
+    async def ingest_summary(
+        self, trainer_id: str, rank: int, blob: bytes, run: str | None = None
+    ) -> bool:
+        """A rank's summary, pushed by its node agent as soon as it is built.
+
+        True when the coordinator has it, or never will want it (the agent then drops it).
+        """
+        if not self._reporter_ok(trainer_id, rank, run):
+            return True  # nobody will ever want it: do not make the rank keep it
+        if not isinstance(blob, (bytes, bytearray)) or len(blob) > MAX_SUMMARY_BYTES:
+            size = (
+                f"{len(blob)} bytes"
+                if isinstance(blob, (bytes, bytearray))
+                else type(blob).__name__
+            )
+            self.shell.refuse(
+                "ingest_summary", f"a summary must be bytes, at most 4 MiB; got {size}"
+            )
+            return True  # refused before it is decoded; sending it again would not help
+        target = self._report_run(trainer_id, rank, run, "unexpected_summaries")
+        if target is None:
+            return True
+        target.state.counters["summaries_pushed"] += 1
+        target.state.ingest_summary((trainer_id, rank), blob)
+        self.shell.metrics.export(self.shell.run.state)
+        self.shell.save(force=False)
+        return True
+
+    async def summary_failed(
+        self, trainer_id: str, rank: int, window: int, reason: Any, run: str | None = None
+    ) -> bool:
+        """A rank's node agent could not build its summary of ``window`` (or died): say why."""
+        if not self._reporter_ok(trainer_id, rank, run) or not is_int(window):
+            return False
+        target = self._report_run(trainer_id, rank, run, "unexpected_summaries")
+        if target is None:
+            return False
+        if not isinstance(reason, dict):
+            self.shell.run.state.counters["unexpected_summaries"] += 1
+            return False
+        self.shell.save(force=False)
+        return target.state.summary_failed((trainer_id, rank), window, _bounded(reason))
+
+    async def trace_stored(
+        self,
+        trainer_id: str,
+        rank: int,
+        window: int,
+        path: object,
+        error: Any = None,
+        run: str | None = None,
+        local_path: object = None,
+        node: object = None,
+    ) -> bool:
+        """The node agent finished a rank's trace of ``window``: its final ``path``, or why not."""
+        if not self._reporter_ok(trainer_id, rank, run) or not is_int(window):
+            return False
+        target = self._report_run(trainer_id, rank, run, "unexpected_trace_reports")
+        if target is None:
+            return False
+        if not all(v is None or isinstance(v, str) for v in (path, local_path, node)):
+            target.state.counters["unexpected_trace_reports"] += 1
+            return False
+        if error is not None:
+            error = _bounded(error if isinstance(error, dict) else {"message": error})
+        self.shell.save(force=False)
+        return target.state.trace_stored(
+            (trainer_id, rank),
+            window,
+            path[:MAX_TEXT] if isinstance(path, str) else None,
+            error,
+            local_path=local_path[:MAX_TEXT] if isinstance(local_path, str) else None,
+            node=node[:128] if isinstance(node, str) else None,
+        )
+
+    def _reporter_ok(self, trainer_id: object, rank: object, run: object) -> bool:
+        """A node agent's report names a trainer, a rank and a run (or None) of plain types."""
+        if trainer_id_problem(trainer_id) or not is_rank(rank):
+            self.shell.run.state.counters["unexpected_reports"] += 1
+            return False
+        return run is None or isinstance(run, str)
+
+    def _report_run(self, trainer_id: str, rank: int, run: str | None, counter: str) -> Run | None:
+        """The run a report belongs to, if it knows that rank; else None, counted."""
+        target = self.shell.find_run(run)
+        if target is None or (trainer_id, rank) not in target.state.ranks:
+            self.shell.run.state.counters[counter] += 1
+            return None
+        return target
+
+
+def _bounded(reason: dict[Any, Any]) -> dict[str, str]:
+    """A reason from a report, as at most 8 short strings."""
+    return {str(k): str(v)[:1000] for k, v in list(reason.items())[:8]}

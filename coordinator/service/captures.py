@@ -1,0 +1,202 @@
+"""On-demand captures: ``request_capture`` plans exactly the steps the ranks will record.
+
+A capture is planned only while the trainer waits for an answer: at once when its next report
+is waited for, else after its next report, whose answer makes a ``StepClient`` wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from coordinator.core.validate import (
+    MAX_WORLD,
+    is_int,
+    is_number,
+    is_rank,
+    span,
+    step_problem,
+)
+from coordinator.protocol.replies import CancelReply, CaptureReply
+from coordinator.service.rank_calls import fan_out
+from coordinator.service.shell import CONFIGURE_TIMEOUT_S, CaptureRequest, CoordinatorShell, Key
+
+# How long request_capture waits for the trainer's next report before it says no.
+CAPTURE_REPORT_TIMEOUT_S = 30.0
+
+
+class Captures:
+    """``request_capture`` and ``cancel_capture`` (see the actor's docs), and planning the
+    requests that waited for the trainer's report."""
+
+    def __init__(self, shell: CoordinatorShell) -> None:
+        self.shell = shell
+
+    async def request_capture(
+        self,
+        active: int = 1,
+        warmup: int = 1,
+        ranks: list[int] | None = None,
+        start_step: int | None = None,
+        wait_s: float = CAPTURE_REPORT_TIMEOUT_S,
+    ) -> CaptureReply:
+        """Profile ``active`` steps from ``start_step`` (default: as soon as possible).
+
+        The answer names exactly the steps every selected rank records. To promise them, the
+        coordinator must know where the trainer is: if the trainer will wait for its next
+        report's answer, the capture is planned at once; otherwise this waits (at most
+        ``wait_s``) for the trainer's next report, which it tells to wait. ``ranks=None``
+        means the configured ranks.
+        """
+        cap = self.shell.run.config.max_capture_steps
+        for name, value, low in (("active", active, 1), ("warmup", warmup, 0)):
+            if not is_int(value) or not low <= value <= cap:
+                return self.shell.capture_no(
+                    f"{name} must be an int in {low}..{cap} (max_capture_steps), got {value!r:.80}"
+                )
+        if active + warmup > cap:
+            return self.shell.capture_no(
+                f"warmup + active = {active + warmup} steps, more than max_capture_steps ({cap})"
+            )
+        if start_step is not None and (problem := step_problem("start_step", start_step)):
+            return self.shell.capture_no(problem)
+        if ranks is not None and (
+            not isinstance(ranks, (list, tuple))
+            or len(ranks) > MAX_WORLD
+            or not all(is_rank(r) for r in ranks)
+        ):
+            return self.shell.capture_no(
+                f"ranks must be None or a list of ints in 0..{MAX_WORLD - 1}, got {ranks!r:.80}"
+            )
+        if not is_number(wait_s) or not 0 < wait_s <= 3600:
+            return self.shell.capture_no(
+                f"wait_s must be a number in (0, 3600], got {wait_s!r:.80}"
+            )
+        req = CaptureRequest(active, warmup, None if ranks is None else list(ranks), start_step)
+        async with self.shell.lock:
+            no = self._capture_refusal(req)
+            if no:
+                return self.shell.capture_no(no)
+            if self.shell.next_report_waits:
+                return await self._plan(req)
+            self.shell.requests.append(req)
+        try:
+            return await asyncio.wait_for(asyncio.shield(req.answer), wait_s)
+        except asyncio.TimeoutError:
+            async with self.shell.lock:
+                if req.answer.done():
+                    return req.answer.result()
+                self.shell.requests.remove(req)
+            return self.shell.capture_no(
+                f"the trainer reported no step within {wait_s:g} s, so no steps can be promised "
+                "(is it in a long step, or stalled?); ask again"
+            )
+
+    def _capture_refusal(self, req: CaptureRequest) -> str | None:
+        """Why ``req`` cannot be planned now, or None."""
+        run, st = self.shell.run, self.shell.run.state
+        tid = st.stepping_trainer
+        if tid is None:
+            return "no trainer is registered with the coordinator"
+        if not run.config.enable:
+            return "profiling is disabled in this coordinator's config"
+        if run.lifecycle == "stopped":
+            return f"no trainer is running: {run.ended_reason}"
+        if run.lifecycle != "running":
+            return f"no trainer is running: trainer {tid!r} has not started"
+        world = st.trainers[tid].ranks
+        if req.ranks is not None:
+            unknown = sorted(set(req.ranks) - set(world))
+            if unknown:
+                return f"unknown ranks {unknown}: trainer {tid!r} has ranks {span(world)}"
+        keys = self._capture_keys(req)
+        down = [r for (t, r) in keys if st.ranks[(t, r)].selected and not st.ranks[(t, r)].active]
+        if down:
+            return f"ranks {down} cannot profile: " + "; ".join(
+                f"rank {r} is {st.ranks[(tid, r)].state}" for r in down
+            )
+        return None
+
+    def _capture_keys(self, req: CaptureRequest) -> list[Key]:
+        st = self.shell.run.state
+        tid = st.stepping_trainer
+        assert tid is not None
+        world = st.trainers[tid].ranks
+        wanted = (
+            [r for r in world if self.shell.run.config.selects(r)]
+            if req.ranks is None
+            else sorted(set(req.ranks))
+        )
+        return [(tid, r) for r in wanted]
+
+    async def _plan(self, req: CaptureRequest) -> CaptureReply:
+        """Plan ``req`` now: the trainer learns of it before it runs another step."""
+        run = self.shell.run
+        no = self._capture_refusal(req)
+        if no:
+            return self.shell.capture_no(no)
+        planned = run.plan.request_capture(req.warmup, req.active, req.start_step)
+        if isinstance(planned, str):
+            return self.shell.capture_no(planned)
+        keys = self._capture_keys(req)
+        await self._configure_for_capture(keys)
+        run.capture_ranks[planned.index] = keys
+        run.state.counters["captures_requested"] += 1
+        self.shell.save()
+        return {
+            "accepted": True,
+            "reason": None,
+            "run": run.name,
+            "window": planned.index,
+            "steps": [planned.first, planned.last],
+            "warmup_start": planned.warmup_start,
+            "ranks": [r for _, r in keys],
+        }
+
+    async def plan_waiting(self) -> None:
+        requests, self.shell.requests = self.shell.requests, []
+        for req in requests:
+            if not req.answer.done():
+                req.answer.set_result(await self._plan(req))
+
+    async def cancel_capture(self, window: int) -> CancelReply:
+        """Drop a requested capture that has not opened yet."""
+        async with self.shell.lock:
+            if not is_int(window):
+                return {
+                    "cancelled": False,
+                    "reason": self.shell.refuse(
+                        "cancel", f"window must be an int, got {window!r:.80}"
+                    ),
+                    "window": -1,
+                }
+            why = self.shell.run.plan.cancel_capture(window)
+            if why is not None:
+                return {
+                    "cancelled": False,
+                    "reason": self.shell.refuse("cancel", why),
+                    "window": window,
+                }
+            self.shell.run.capture_ranks.pop(window, None)
+            self.shell.run.state.counters["captures_cancelled"] += 1
+            self.shell.save()
+            return {"cancelled": True, "reason": None, "window": window}
+
+    async def _configure_for_capture(self, keys: list[Key]) -> None:
+        """Ranks the config does not select are configured for this capture only."""
+        run = self.shell.run
+        st = run.state
+        fresh = [k for k in keys if not st.ranks[k].selected]
+        if not fresh:
+            return
+        for key in fresh:
+            st.ranks[key].selected = True
+        tid = fresh[0][0]
+        report_to, run_dir = self.shell.report_to(tid), st.trainers[tid].run_dir
+        base = run.config.to_dict()
+        await fan_out(
+            run,
+            fresh,
+            "configure_profiler",
+            lambda key: (key[1], {**base, "ranks": [key[1]]}, run_dir, False, report_to),
+            timeout=max(CONFIGURE_TIMEOUT_S, run.config.worker_timeout_s),
+        )

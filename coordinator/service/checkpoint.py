@@ -1,0 +1,225 @@
+"""The coordinator's state, kept where its restart finds it: Ray's internal key-value store.
+
+Why Ray's KV and not a file under the run directory: it is reachable from whichever node Ray
+restarts the coordinator on (a run directory may be node-local, or a URL that needs credentials
+and a network round trip per write), a write costs about a millisecond, and it lives exactly as
+long as the cluster the coordinator belongs to. It does not survive a restart of the head node's
+GCS, and neither does the detached coordinator it serves.
+
+The checkpoint is incremental, so no write grows with the run's history:
+
+- ``<namespace>/<name>``: the runs (config, window plan, the trainers' registrations with their
+  actor handles, rank states, counters) with only the windows that can still change;
+- ``<namespace>/<name>/window/<run>/<index>``: a settled window (stopped, with no summary or
+  trace still to come), written once when it settles and deleted when the history drops it;
+- ``<namespace>/<name>/progress``: the step counters, a few bytes, written by steps outside
+  windows instead of the whole run.
+
+Pickling happens on the caller's thread (a consistent snapshot, small by construction); the
+write to the KV, a blocking call to the GCS, happens on one background thread, in order.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import copy
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.core.records import WindowRecord
+from coordinator.core.run import Run
+
+log = logging.getLogger(__name__)
+
+KV_NAMESPACE = "ray_profiler"
+VERSION = 2
+STATE, PROGRESS = "", "progress"  # the parts of a checkpoint
+WindowKey = tuple[str, int]  # (run name, window index)
+
+
+def _key(namespace: str, name: str, part: str) -> bytes:
+    return f"{namespace}/{name}{'/' + part if part else ''}".encode()
+
+
+def _window_part(key: WindowKey) -> str:
+    return f"window/{key[0]}/{key[1]}"
+
+
+def _put(namespace: str, name: str, part: str, blob: bytes) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(
+        _key(namespace, name, part), blob, overwrite=True, namespace=KV_NAMESPACE
+    )
+
+
+def _delete(namespace: str, name: str, part: str) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(_key(namespace, name, part), namespace=KV_NAMESPACE)
+
+
+def _dumps(payload: Any) -> bytes:
+    import ray.cloudpickle as cloudpickle
+
+    return bytes(cloudpickle.dumps(payload))
+
+
+def save(namespace: str, name: str, payload: dict[str, Any], part: str = STATE) -> int:
+    """Store ``payload`` as ``part`` now; returns its size in bytes. Raises what Ray or pickling
+    raises."""
+    blob = _dumps({"version": VERSION, **payload})
+    _put(namespace, name, part, blob)
+    return len(blob)
+
+
+def load(namespace: str, name: str, part: str = STATE) -> dict[str, Any] | None:
+    """The last ``part`` stored, or None (none, unreadable, or of another version)."""
+    try:
+        import ray.cloudpickle as cloudpickle
+        from ray.experimental import internal_kv
+
+        blob = internal_kv._internal_kv_get(_key(namespace, name, part), namespace=KV_NAMESPACE)
+        if not blob:
+            return None
+        payload = cloudpickle.loads(blob)
+    except Exception:
+        log.exception("the coordinator's checkpoint cannot be read; starting without it")
+        return None
+    if not isinstance(payload, dict) or payload.get("version") != VERSION:
+        return None
+    return payload
+
+
+def delete(namespace: str, name: str) -> None:
+    """Forget every part of the checkpoint (a coordinator created anew starts clean)."""
+    try:
+        from ray.experimental import internal_kv
+
+        prefix = _key(namespace, name, "")
+        for key in internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE):
+            if key == prefix or key.startswith(prefix + b"/"):
+                internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
+    except Exception:
+        log.debug("could not delete the coordinator's checkpoint", exc_info=True)
+
+
+def settled(rec: WindowRecord) -> bool:
+    """A window that can no longer change: stopped, nothing pending."""
+    return rec.closed and not rec.summaries_pending and not rec.traces_pending
+
+
+def without_settled(run: Run) -> tuple[Run, list[int]]:
+    """A shallow copy of ``run`` whose state holds only the windows that can still change, and
+    the indices of the settled ones (stored apart)."""
+    state = copy.copy(run.state)
+    state.windows = collections.OrderedDict(
+        (i, w) for i, w in run.state.windows.items() if not settled(w)
+    )
+    kept = [i for i, w in run.state.windows.items() if settled(w)]
+    light = copy.copy(run)
+    light.state = state
+    return light, kept
+
+
+@dataclass
+class Checkpointer:
+    """Writes one coordinator's checkpoint incrementally, off the event loop (see the module
+    docstring). ``stats`` is what ``status()["checkpoint"]`` shows."""
+
+    namespace: str
+    name: str
+    saved_windows: set[WindowKey] = field(default_factory=set)
+    stats: dict[str, Any] = field(
+        default_factory=lambda: {"bytes": 0, "seconds": 0.0, "at": None, "error": None}
+    )
+    _writer: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, "profiler-checkpoint")
+    )
+
+    def save_runs(self, current: Run, previous: list[Run], extra: dict[str, Any]) -> None:
+        """Snapshot the runs now (windows that settled since the last save are written once)
+        and queue the writes."""
+        t0 = time.perf_counter()
+        try:
+            writes, snapshot, keep = self._snapshot([current, *previous])
+            blob = _dumps({"version": VERSION, "runs": snapshot, **extra})
+        except Exception as exc:  # a checkpoint that fails costs the restart, never the run
+            self._failed(exc)
+            return
+        gone = self.saved_windows - keep
+        self.saved_windows = keep
+        size = len(blob) + sum(len(b) for _, b in writes)
+        self.stats.update(bytes=size, seconds=time.perf_counter() - t0, at=time.time())
+        self._writer.submit(self._write, [*writes, (STATE, blob)], sorted(gone))
+
+    def save_progress(self, progress: dict[str, Any]) -> None:
+        """Queue a write of the step counters only."""
+        try:
+            blob = _dumps({"version": VERSION, **progress})
+        except Exception as exc:
+            self._failed(exc)
+            return
+        self._writer.submit(self._write, [(PROGRESS, blob)], [])
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until every queued write is done (tests, and a clean shutdown)."""
+        self._writer.submit(lambda: None).result(timeout=timeout_s)
+
+    def _snapshot(
+        self, runs: list[Run]
+    ) -> tuple[list[tuple[str, bytes]], list[tuple[Run, list[int]]], set[WindowKey]]:
+        writes: list[tuple[str, bytes]] = []
+        snapshot, keep = [], set()
+        for run in runs:
+            light, indices = without_settled(run)
+            snapshot.append((light, indices))
+            for i in indices:
+                key = (run.name, i)
+                keep.add(key)
+                if key not in self.saved_windows:
+                    window = run.state.windows[i]
+                    writes.append(
+                        (_window_part(key), _dumps({"version": VERSION, "window": window}))
+                    )
+        return writes, snapshot, keep
+
+    def _write(self, writes: list[tuple[str, bytes]], gone: list[WindowKey]) -> None:
+        try:
+            for part, blob in writes:
+                _put(self.namespace, self.name, part, blob)
+            for key in gone:
+                _delete(self.namespace, self.name, _window_part(key))
+            self.stats["error"] = None
+        except Exception as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        self.stats["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        log.warning("checkpoint failed: %s", self.stats["error"])
+
+
+def load_runs(namespace: str, name: str) -> tuple[list[Run], dict[str, Any]] | None:
+    """The runs of the last checkpoint (current first) with their settled windows put back,
+    and the rest of what was saved; None without a checkpoint."""
+    saved = load(namespace, name)
+    if saved is None:
+        return None
+    runs = []
+    for light, indices in saved.pop("runs"):
+        for i in indices:
+            part = load(namespace, name, _window_part((light.name, i)))
+            if part is not None:
+                light.state.windows[i] = part["window"]
+        light.state.windows = collections.OrderedDict(sorted(light.state.windows.items()))
+        runs.append(light)
+    return runs, saved
+
+
+def load_window(namespace: str, name: str, key: WindowKey) -> WindowRecord | None:
+    """One settled window as stored, or None."""
+    part = load(namespace, name, _window_part(key))
+    return None if part is None else part["window"]

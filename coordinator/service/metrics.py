@@ -1,0 +1,74 @@
+"""The coordinator's counters as Ray metrics, so a Prometheus that scrapes Ray sees them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coordinator.core.state import CoordinatorState
+
+
+class CoordinatorMetrics:
+    """The coordinator's counters as Ray metrics, so a Prometheus that scrapes Ray sees them.
+
+    Ray prefixes the names with ``ray_``: ``ray_profiler_global_step`` and so on.
+    """
+
+    GAUGES = {
+        "profiler_global_step": "Last global step the stepping trainer reported finished",
+        "profiler_ranks_disabled": "Ranks whose profiling is disabled by a fault",
+        "profiler_ranks_lost": "Ranks whose worker died or whose node went away",
+        "profiler_ranks_unresponsive": "Ranks that did not answer within worker_timeout_s",
+    }
+    COUNTERS = {
+        "profiler_windows_captured": "Profiling windows closed",
+        "profiler_worker_rpcs": "Calls the coordinator made to worker ranks",
+    }
+
+    def __init__(self, name: str) -> None:
+        self.values: dict[str, float] = {}
+        self._sent: dict[str, float] = {}
+        try:
+            from ray.util import metrics
+
+            tags = {"coordinator": name}
+            self._gauges = {
+                n: metrics.Gauge(n, d, tag_keys=("coordinator",)) for n, d in self.GAUGES.items()
+            }
+            self._counters = {
+                n: metrics.Counter(n, d, tag_keys=("coordinator",))
+                for n, d in self.COUNTERS.items()
+            }
+            for m in (*self._gauges.values(), *self._counters.values()):
+                m.set_default_tags(tags)
+            self.error: str | None = None
+        except Exception as exc:  # metrics are a convenience; never fail the coordinator
+            self._gauges, self._counters = {}, {}
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def export(self, st: CoordinatorState) -> None:
+        states = [r.state for r in st.ranks.values() if r.selected]
+        self.values = {
+            "profiler_global_step": float(st.global_step if st.global_step is not None else -1),
+            "profiler_ranks_disabled": float(states.count("disabled")),
+            "profiler_ranks_lost": float(states.count("lost")),
+            "profiler_ranks_unresponsive": float(states.count("unresponsive")),
+            "profiler_windows_captured": float(st.counters["windows_closed"]),
+            "profiler_worker_rpcs": float(st.counters["worker_rpcs"]),
+        }
+        try:
+            for n, g in self._gauges.items():
+                g.set(self.values[n])
+            for n, c in self._counters.items():
+                delta = self.values[n] - self._sent.get(n, 0.0)
+                if delta > 0:
+                    c.inc(delta)
+                    self._sent[n] = self.values[n]
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "exported": bool(self._gauges) and self.error is None,
+            "error": self.error,
+            "values": dict(self.values),
+        }

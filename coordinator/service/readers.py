@@ -1,0 +1,178 @@
+"""The readers' calls: ``status``, ``kernel_summary``, ``wait_window``, ``ping``, ``get_config``.
+
+None of them changes a run. ``wait_window`` waits on the shell's change event instead of
+polling ``status()``: it wakes when a report about a window arrives, and answers as soon as the
+window is done (its summaries in, or its traces finished too).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Literal
+
+from coordinator.core.run import Run
+from coordinator.core.validate import is_int, is_number, trainer_id_problem
+from coordinator.protocol.replies import (
+    KernelSummaryReply,
+    PingReply,
+    PreviousRunEntry,
+    StatusReply,
+    WaitWindowReply,
+    WindowEntry,
+)
+from coordinator.service.shell import CoordinatorShell
+
+WaitUntil = Literal["summaries", "traces"]
+MAX_WAIT_S = 3600.0
+
+
+class Readers:
+    """What operators, notebooks and the CLI read (see the actor's docs)."""
+
+    def __init__(self, shell: CoordinatorShell) -> None:
+        self.shell = shell
+
+    async def status(self) -> StatusReply:
+        sh = self.shell
+        if sh.recovering:
+            async with sh.lock:
+                await sh.recover()
+        run = sh.run
+        st, plan = run.state, run.plan
+        cur, nxt = plan.current, plan.next_window()
+        return {
+            "name": sh.name,
+            "namespace": sh.namespace,
+            "run": run.info(),
+            "phase": sh.phase(),
+            "config": run.config.public_dict(),
+            "run_dir": run.run_dir,
+            "global_step": st.global_step,
+            "current_window": cur.to_dict() if cur else None,
+            "next_window": nxt.to_dict() if nxt else None,
+            "windows": [w.to_dict() for w in st.closed_windows()],
+            "trainers": [
+                t.to_dict(t.trainer_id == st.stepping_trainer) for t in st.trainers.values()
+            ],
+            "ranks": [r.to_dict() for r in st.ranks.values()],
+            "counters": {
+                "worker_rpcs": 0,
+                "ignored_steps": 0,
+                "skipped_windows": plan.skipped_windows,
+                **dict(st.counters),
+            },
+            "metrics": sh.metrics.snapshot(),
+            "process": {
+                "pid": os.getpid(),
+                "torch_loaded": "torch" in sys.modules,
+                "worker_handle_stubs": sh.stubs,
+            },
+            "restarts": sh.restarts,
+            "last_restart": sh.last_restart_at,
+            "checkpoint": dict(sh.checkpoint.stats),  # type: ignore[typeddict-item]
+            "previous_runs": [_previous(r) for r in sh.previous],
+        }
+
+    async def kernel_summary(
+        self,
+        window: int | None,
+        top_k: int,
+        trainer_id: str | None,
+        per_rank: bool,
+        run: str | None,
+    ) -> KernelSummaryReply:
+        if not is_int(top_k) or not 0 <= top_k <= 100_000:
+            raise ValueError(f"top_k must be an int in 0..100000, got {top_k!r:.80}")
+        if window is not None and not is_int(window):
+            raise ValueError(f"window must be an int or None, got {window!r:.80}")
+        if trainer_id is not None and (problem := trainer_id_problem(trainer_id)):
+            raise ValueError(problem)
+        if not isinstance(per_rank, bool):
+            raise ValueError(f"per_rank must be True or False, got {per_rank!r:.80}")
+        if run is not None and not isinstance(run, str):
+            raise ValueError(f"run must be a run's name or None, got {run!r:.80}")
+        target = self.shell.find_run(run)
+        if target is None:
+            raise ValueError(f"no run {run!r}: this coordinator keeps {self._kept()}")
+        out = target.state.kernel_summary(window, top_k, trainer_id, bool(per_rank))
+        out["run"] = target.name
+        return out
+
+    async def wait_window(
+        self, window: int, run: str | None, until: WaitUntil, timeout_s: float
+    ) -> WaitWindowReply:
+        if not is_int(window) or window < 0:
+            raise ValueError(f"window must be an int >= 0, got {window!r:.80}")
+        if run is not None and not isinstance(run, str):
+            raise ValueError(f"run must be a run's name or None, got {run!r:.80}")
+        if until not in ("summaries", "traces"):
+            raise ValueError(f"until must be 'summaries' or 'traces', got {until!r:.80}")
+        if not is_number(timeout_s) or not 0 <= timeout_s <= MAX_WAIT_S:
+            raise ValueError(f"timeout_s must be a number in 0..{MAX_WAIT_S:g}, got {timeout_s!r}")
+        name = run if run is not None else self.shell.run.name
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = self._window_now(name, window, until)
+            left = deadline - time.monotonic()
+            if reply["done"] or reply["window"] is None and reply["reason"] or left <= 0:
+                return reply
+            await self.shell.wait_for_change(left)
+
+    def _window_now(self, name: str, index: int, until: WaitUntil) -> WaitWindowReply:
+        """Where window ``index`` of run ``name`` stands now."""
+        target = self.shell.find_run(name)
+        if target is None:
+            why = f"run {name!r} is not kept by this coordinator (it keeps {self._kept()})"
+            return {"run": name, "done": False, "window": None, "lifecycle": None, "reason": why}
+        rec = target.state.windows.get(index)
+        entry: WindowEntry | None = rec.to_dict() if rec is not None and rec.closed else None
+        ended = target.lifecycle in ("stopped", "abandoned")
+        out: WaitWindowReply = {
+            "run": name,
+            "done": entry is not None and _done(entry, until),
+            "window": entry,
+            "lifecycle": target.lifecycle,
+            "reason": None,
+        }
+        if entry is None and ended:
+            out["reason"] = target.ended_reason or target.lifecycle
+        elif rec is None and index not in target.plan.promised and _later_kept(target, index):
+            out["reason"] = (
+                f"window {index} of run {name} is not kept (dropped from the history, or a "
+                "cancelled capture)"
+            )
+        return out
+
+    def _kept(self) -> list[str]:
+        return [self.shell.run.name, *(r.name for r in self.shell.previous)]
+
+    async def ping(self) -> PingReply:
+        return {"run": self.shell.run.name, "restarts": self.shell.restarts}
+
+    async def get_config(self) -> dict[str, Any]:
+        return self.shell.run.config.public_dict()
+
+
+def _done(entry: WindowEntry, until: WaitUntil) -> bool:
+    """Nothing more will arrive for this window that ``until`` waits for. A window that
+    recorded nothing is done at once."""
+    if entry["steps"] is None:
+        return True
+    if entry["summaries_pending"]:
+        return False
+    return until == "summaries" or not entry["traces_pending"]
+
+
+def _later_kept(run: Run, index: int) -> bool:
+    """Whether the run keeps a window numbered after ``index`` (so ``index`` will not come)."""
+    return any(i > index for i in run.state.windows)
+
+
+def _previous(run: Run) -> PreviousRunEntry:
+    return {
+        "run": run.info(),
+        "config": run.config.public_dict(),
+        "windows": [w.to_dict() for w in run.state.closed_windows()],
+    }

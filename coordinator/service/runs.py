@@ -1,0 +1,304 @@
+"""The trainer's calls: attach to a run, register workers, and ``start`` / ``step`` / ``stop``.
+
+Each call takes the shell's lock, asks the run's pure core what it means (``attach_decision``,
+``WindowPlan``), sends the resulting window commands to the ranks (``rank_calls``) and answers
+with a declared reply. A refused call is answered, never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.records import TrainerRecord
+from coordinator.core.run import attach_decision, new_run
+from coordinator.core.trace_layout import child
+from coordinator.core.validate import (
+    flag_problem,
+    rank_handles,
+    role_problem,
+    span,
+    step_problem,
+    trainer_id_problem,
+)
+from coordinator.core.window_plan import Ignored
+from coordinator.protocol.replies import OpenRunReply, RegisterReply, StepReply
+from coordinator.service.captures import Captures
+from coordinator.service.rank_calls import any_alive, fan_out, run_commands
+from coordinator.service.shell import CONFIGURE_TIMEOUT_S, CoordinatorShell, Key
+
+log = logging.getLogger(__name__)
+
+
+class RunCalls:
+    """``open_run``, ``register``, ``start``, ``step`` and ``stop`` (see the actor's docs)."""
+
+    def __init__(self, shell: CoordinatorShell, captures: Captures) -> None:
+        self.shell = shell
+        self.captures = captures
+
+    async def open_run(self, config: dict[str, Any], trainer_id: str | None) -> OpenRunReply:
+        if not isinstance(config, dict):
+            raise ValueError(
+                f"config must be a dict of ProfilerConfig fields, got {type(config).__name__}"
+            )
+        cfg = ProfilerConfig.from_dict(config, check_paths=False)
+        if trainer_id is not None and (problem := trainer_id_problem(trainer_id)):
+            raise ValueError(problem)
+        sh = self.shell
+        async with sh.lock:
+            await sh.recover()
+            run = sh.run
+            stepping = run.state.stepping_trainer
+            alive = True
+            if run.active and stepping is not None and trainer_id != stepping:
+                alive = await any_alive(list(run.state.trainers[stepping].handles.values()))
+            decision, diff = attach_decision(run, cfg.to_dict(), trainer_id, alive)
+            if decision == "conflict":
+                raise ValueError(self._conflict(diff))
+            if decision == "fresh":
+                why = "its stepping trainer is gone without a stop" if run.active else "stopped"
+                await self.begin_run(cfg, f"replaced by a new run ({why})")
+            elif diff:
+                self._warn_mismatch(trainer_id, diff)
+            sh.save()
+            return {
+                "run": sh.run.name,
+                "run_dir": sh.run.run_dir,
+                "decision": decision,
+                "config": sh.run.config.public_dict(),
+                "mismatch": diff if decision != "fresh" else [],
+            }
+
+    def _conflict(self, diff: list[str]) -> str:
+        sh, run = self.shell, self.shell.run
+        return (
+            f"profiler coordinator {sh.namespace}/{sh.name} is serving run "
+            f"{run.name!r} (stepping trainer {run.state.stepping_trainer!r}, global step "
+            f"{run.state.global_step}), which has not stopped, with another config "
+            f"(fields that differ: {', '.join(diff)}). Give this job its own "
+            "coordinator (ProfilingHooks.attach(..., name='profiler-<job>') or "
+            "get_or_create_coordinator(config, name=...)), or stop that run first"
+        )
+
+    def _warn_mismatch(self, trainer_id: str | None, diff: list[str]) -> None:
+        sh = self.shell
+        key = f"{sh.run.name}:{trainer_id}:{','.join(diff)}"
+        if key in sh.warned:
+            return
+        sh.warned.add(key)
+        log.warning(
+            "trainer %r attached to run %s with another config; the run keeps its own "
+            "(fields that differ: %s)",
+            trainer_id,
+            sh.run.name,
+            ", ".join(diff),
+        )
+
+    async def begin_run(self, cfg: ProfilerConfig, why: str, carry: bool = False) -> None:
+        """End the current run (kept for reading unless it is empty) and begin a fresh one.
+
+        ``carry``: register the current run's trainers in the new one (a trainer that starts
+        again after it stopped).
+        """
+        sh = self.shell
+        old = sh.run
+        sh.end_requests(f"the run {old.name} ended: {why}")
+        taken = {r.name for r in sh.previous}
+        empty = old.lifecycle == "configured" and not old.state.trainers and not old.state.windows
+        if not empty:
+            if old.lifecycle in ("configured", "running"):
+                old.lifecycle, old.ended_at, old.ended_reason = "abandoned", time.time(), why
+            for w in old.state.windows.values():
+                for agg in w.aggregates.values():
+                    agg.drop_detail()
+            sh.previous.append(old)
+            taken.add(old.name)
+        sh.run = new_run(cfg, taken)
+        sh.throttled = sh.next_report_waits = False
+        sh.changed()
+        if carry:
+            for t in old.state.trainers.values():
+                stepping = t.trainer_id == old.state.stepping_trainer
+                await self.register_locked(t.trainer_id, t.handles, t.role, stepping)
+
+    async def register(
+        self, trainer_id: str, workers: Any, role: str, advances_step: bool | None
+    ) -> RegisterReply:
+        sh = self.shell
+        async with sh.lock:
+            await sh.recover()
+            reply = await self.register_locked(trainer_id, workers, role, advances_step)
+            sh.save()
+            return reply
+
+    async def register_locked(
+        self, trainer_id: str, workers: Any, role: str, advances_step: bool | None
+    ) -> RegisterReply:
+        """``register`` under the lock: check, record the trainer, configure its ranks."""
+        handles = _checked_registration(trainer_id, workers, role, advances_step)
+        run, world = self.shell.run, sorted(handles)
+        cfg, st = run.config, run.state
+        if cfg.ranks != "all" and (outside := [r for r in cfg.ranks if r not in handles]):
+            raise ValueError(
+                f"profiler config selects ranks {outside}, which trainer {trainer_id!r} "
+                f"does not have (its ranks: {span(world)})"
+            )
+        existing = st.trainers.get(trainer_id)
+        run_dir = run.run_dir
+        if existing is not None:
+            run_dir = existing.run_dir
+        elif st.trainers and run.run_dir is not None:
+            run_dir = child(run.run_dir, trainer_id)  # a second trainer: its own directory
+        trainer = TrainerRecord(trainer_id, role, world, handles, run_dir)
+        keys = st.register(trainer, advances_step, lambda r: cfg.enable and cfg.selects(r))
+        cfg_dict, report_to = cfg.to_dict(), self.shell.report_to(trainer_id)
+        await fan_out(
+            run,
+            keys,
+            "configure_profiler",
+            lambda key: (key[1], cfg_dict, run_dir, True, report_to),
+            timeout=max(CONFIGURE_TIMEOUT_S, cfg.worker_timeout_s),
+        )
+        await self._join_open_window(keys)
+        return {
+            "trainer_id": trainer_id,
+            "advances_step": st.stepping_trainer == trainer_id,
+            "world_size": len(world),
+            "selected_ranks": [r for _, r in keys],
+            "run": run.name,
+            "run_dir": run_dir,
+        }
+
+    async def _join_open_window(self, keys: list[Key]) -> None:
+        """Ranks registered while a window is open (a restarted driver) join it now."""
+        run = self.shell.run
+        rec, cur = run.state.current_window(), run.plan.current
+        if rec is None or cur is None or run.plan.last_step is None:
+            return
+        rec.participants.update(keys)
+        w, nxt = cur.to_dict(), run.plan.last_step + 1
+        await fan_out(run, keys, "start_profile", lambda _: (w, nxt))
+
+    async def start(self, trainer_id: str, first_step: int, throttled: bool) -> StepReply:
+        sh = self.shell
+        async with sh.lock:
+            await sh.recover()
+            no = self._trainer_call_problem(
+                trainer_id, "start", ("first_step", first_step), ("throttled", throttled)
+            )
+            if no:
+                return sh.step_reply(False, no)
+            if sh.run.lifecycle == "stopped":
+                await self.begin_run(sh.run.config, "started again after it stopped", carry=True)
+            run = sh.run
+            run.lifecycle, run.started_at = "running", run.started_at or time.time()
+            st = run.state
+            st.global_step = first_step - 1 if first_step > 0 else st.global_step
+            sh.throttled = bool(throttled)
+            await run_commands(run, run.plan.start(first_step))
+            reply = sh.step_reply(True)
+            self._expect_next_report(reply, first_step, waited=True)
+            sh.save()
+            return reply
+
+    async def step(self, trainer_id: str, k: int, waiting: bool) -> StepReply:
+        sh = self.shell
+        async with sh.lock:
+            await sh.recover()
+            no = self._trainer_call_problem(trainer_id, "step", ("step", k), ("waiting", waiting))
+            if no:
+                return sh.step_reply(False, no)
+            run = sh.run
+            if run.lifecycle == "stopped":
+                why = f"the run {run.name} stopped; start() begins a new run first"
+                return sh.step_reply(False, sh.refuse("step", why))
+            plan = run.plan
+            fresh = plan.last_step is None or k > plan.last_step
+            if waiting and fresh and sh.requests:
+                await self.captures.plan_waiting()  # the trainer waits: it runs k+1 after this
+            result = plan.step(k)
+            if isinstance(result, Ignored):
+                run.state.counters["ignored_steps"] += 1
+                run.state.counters[f"ignored_steps_{result.reason}"] += 1
+                return sh.step_reply(False, ignored=result.reason)
+            changed = bool(result) or run.lifecycle == "configured"
+            if run.lifecycle == "configured":
+                run.lifecycle, run.started_at = "running", time.time()
+            run.state.global_step = k
+            await run_commands(run, result)
+            reply = sh.step_reply(True)
+            self._expect_next_report(reply, k + 1, waited=waiting)
+            if changed:
+                sh.save()  # a window started, stepped or stopped: the run, now
+            else:
+                sh.save_progress()  # only the step moved: its counters, soon
+            return reply
+
+    async def stop(self, trainer_id: str) -> StepReply:
+        sh = self.shell
+        async with sh.lock:
+            await sh.recover()
+            no = sh.not_the_stepping_trainer(trainer_id, "stop")
+            if no:
+                return sh.step_reply(False, no)
+            run = sh.run
+            if run.lifecycle != "running":
+                return sh.step_reply(True)  # nothing started, or stopped already
+            st = run.state
+            await run_commands(run, run.plan.stop())
+            why = f"the run stopped at step {st.global_step}"
+            for w in run.plan.drop_captures():
+                st.never_opened(w, f"{why} before the window opened")
+                run.capture_ranks.pop(w.index, None)
+            sh.end_requests(why)
+            pending = sorted({k for w in st.windows.values() for k in w.summaries_pending})
+            if pending:
+                wait_s = min(30.0, run.config.worker_timeout_s / 2)
+                await fan_out(run, pending, "dump_profiler_summary", lambda _: (wait_s,))
+            run.lifecycle, run.ended_at, run.ended_reason = "stopped", time.time(), why
+            sh.save()
+            return sh.step_reply(True)
+
+    def _trainer_call_problem(
+        self, trainer_id: str, what: str, step: tuple[str, object], flag: tuple[str, object]
+    ) -> str | None:
+        """Why a ``start``/``step`` call is refused (its trainer, its step, its flag), or None."""
+        no = self.shell.not_the_stepping_trainer(trainer_id, what)
+        if no:
+            return no
+        problem = step_problem(*step) or flag_problem(*flag)
+        return self.shell.refuse(what, problem) if problem else None
+
+    def _expect_next_report(self, reply: StepReply, next_step: int, waited: bool) -> None:
+        """Whether the trainer will wait for its next report's answer (a capture can then be
+        planned at once): always, unless it is throttled; then only if it read this answer
+        before running ``next_step`` and that answer told it to wait from ``next_step``."""
+        ns = reply["next_sync_step"]
+        self.shell.next_report_waits = not self.shell.throttled or (
+            waited and ns is not None and ns <= next_step
+        )
+
+
+def _checked_registration(
+    trainer_id: str, workers: Any, role: str, advances_step: bool | None
+) -> dict[int, Any]:
+    """The ``{rank: handle}`` of a registration; ValueError naming what is wrong."""
+    problem = trainer_id_problem(trainer_id)
+    if problem:
+        raise ValueError(problem)
+    handles = rank_handles(trainer_id, workers)
+    odd = [r for r, h in handles.items() if not isinstance(h, ray.actor.ActorHandle)]
+    if odd:
+        raise ValueError(
+            f"trainer {trainer_id!r}: the workers of ranks {span(sorted(odd))} are not Ray "
+            "actor handles"
+        )
+    problem = role_problem(role) or flag_problem("advances_step", advances_step, none_ok=True)
+    if problem:
+        raise ValueError(problem)
+    return handles

@@ -1,0 +1,129 @@
+"""The house rules, read from the source: which room may import what, and how long a part may be.
+
+Rooms are the packages by the process their code runs in (see docs/architecture.md). A rule
+applies to every module under its prefix; every rule that matches a module must hold.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGES = ("coordinator", "worker_ext", "trainers")
+MAX_FUNCTION_LINES = 60
+MAX_CLASS_LINES = 300
+
+
+@dataclass(frozen=True)
+class Rule:
+    room: str
+    """The modules the rule is about (a package prefix)."""
+    may_import: tuple[str, ...]
+    """The project's packages they may import; every other one of the project is refused."""
+    never: tuple[str, ...] = ()
+    """Third-party packages they must not import, not even inside a function."""
+    why: str = ""
+
+
+PURE = "pure: runs anywhere, imports neither Ray nor torch"
+RULES = (
+    Rule("coordinator.protocol", ("coordinator.protocol",), ("ray", "torch"), PURE),
+    Rule("coordinator.core", ("coordinator.core", "coordinator.protocol"), ("ray", "torch"), PURE),
+    Rule("coordinator", ("coordinator",), ("torch",), "the coordinator never loads torch"),
+    Rule(
+        "coordinator.service",
+        ("coordinator.core", "coordinator.protocol", "coordinator.service"),
+        why="the actor never imports the trainer's or the operator's rooms",
+    ),
+    Rule(
+        "coordinator.client",
+        ("coordinator.core", "coordinator.protocol", "coordinator.client", "coordinator.service"),
+        why="the trainer's process reaches the actor, never the operator's tools",
+    ),
+    Rule(
+        "worker_ext",
+        ("coordinator.core", "coordinator.protocol", "worker_ext"),
+        why="a rank and its agent speak to the coordinator only through the protocol",
+    ),
+    Rule(
+        "worker_ext.agent",
+        ("coordinator.core", "coordinator.protocol", "worker_ext.agent"),
+        ("torch",),
+        "the node agent reads traces; it never loads torch or the rank's code",
+    ),
+    Rule(
+        "trainers",
+        ("coordinator", "worker_ext", "trainers"),
+        why="trainers use the project; nothing of the project imports trainers",
+    ),
+)
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Every module of the project's packages under ``root``, by dotted name."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def imports(name: str, path: Path) -> set[str]:
+    """Every module ``name`` imports, at the top or inside a function, as dotted names (a
+    ``from a import b`` counts as ``a`` and ``a.b``)."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def import_violations(root: Path) -> list[str]:
+    """Every import that breaks a rule, as ``module imports X: why``."""
+    mods = modules(root)
+    out = []
+    for name, path in mods.items():
+        for imported in sorted(imports(name, path)):
+            top = imported.split(".")[0]
+            for rule in RULES:
+                if not _within(name, rule.room):
+                    continue
+                ours = top in PACKAGES
+                allowed = any(_within(imported, p) for p in rule.may_import)
+                if ours and not allowed and any(_within(imported, m) for m in mods):
+                    out.append(f"{name} imports {imported}: {rule.why or rule.room}")
+                if not ours and top in rule.never:
+                    out.append(f"{name} imports {imported}: {rule.why}")
+    return sorted(set(out))
+
+
+def long_parts(root: Path) -> list[str]:
+    """Every function over ``MAX_FUNCTION_LINES`` and class over ``MAX_CLASS_LINES`` lines."""
+    out = []
+    for name, path in modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    out.append(f"{name}.{node.name}: a function of {n} lines")
+            elif isinstance(node, ast.ClassDef):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > MAX_CLASS_LINES:
+                    out.append(f"{name}.{node.name}: a class of {n} lines")
+    return out

@@ -1,0 +1,67 @@
+"""The incremental checkpoint against Ray's real key-value store: a settled window is written
+once, the runs' record holds only what can still change, and a load puts everything back."""
+
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.records import TrainerRecord
+from coordinator.core.run import new_run
+from coordinator.core.schedule import Window
+from coordinator.protocol.summary_codec import KernelRow, RankSummary, encode_summary
+from coordinator.service import checkpoint
+
+
+def run_with_windows(settled: int):
+    run = new_run(ProfilerConfig(max_windows=4), set())
+    st = run.state
+    keys = st.register(TrainerRecord("t", "policy", [0, 1], {}, None), None, lambda r: True)
+    for i in range(settled + 1):
+        rec = st.open_window(Window(i, 10 * i, 10 * i + 1, 10 * i + 2), keys)
+        for key in keys:
+            kernels = [KernelRow("aten::mm", 5.0 + i, 1, 0)]
+            st.ingest_summary(
+                key, encode_summary(RankSummary(key[1], i, (1, 2), False, "cpu", kernels))
+            )
+        if i < settled:
+            st.close_window(rec)
+    return run
+
+
+def stored(ckpt):
+    from ray.experimental import internal_kv
+
+    prefix = f"{ckpt.namespace}/{ckpt.name}".encode()
+    return sorted(internal_kv._internal_kv_list(prefix, namespace=checkpoint.KV_NAMESPACE))
+
+
+def test_settled_windows_are_written_once_and_come_back(ray_session):
+    ckpt = checkpoint.Checkpointer("tests", "ckpt-once")
+    run = run_with_windows(settled=3)
+    ckpt.save_runs(run, [], {"throttled": False, "restarts": 0})
+    ckpt.flush()
+    first = ckpt.stats["bytes"]
+    keys = stored(ckpt)
+    assert [k for k in keys if b"/window/" in k] == [
+        f"tests/ckpt-once/window/{run.name}/{i}".encode() for i in range(3)
+    ]
+    ckpt.save_runs(run, [], {"throttled": False, "restarts": 0})  # nothing settled since
+    ckpt.flush()
+    assert ckpt.stats["bytes"] < first and ckpt.stats["error"] is None
+    runs, extra = checkpoint.load_runs("tests", "ckpt-once")
+    (back,) = runs
+    assert list(back.state.windows) == [0, 1, 2, 3] and extra["restarts"] == 0
+    assert back.state.windows[1].aggregates["t"].top(1)[0]["total_us"] == 12.0
+    assert not back.state.windows[3].closed  # the open window rode in the record
+    checkpoint.delete("tests", "ckpt-once")
+    assert stored(ckpt) == []
+
+
+def test_a_window_dropped_from_the_history_is_deleted_from_the_store(ray_session):
+    ckpt = checkpoint.Checkpointer("tests", "ckpt-drop")
+    run = run_with_windows(settled=2)
+    ckpt.save_runs(run, [], {})
+    ckpt.flush()
+    del run.state.windows[0]
+    ckpt.save_runs(run, [], {})
+    ckpt.flush()
+    windows = [k for k in stored(ckpt) if b"/window/" in k]
+    assert windows == [f"tests/ckpt-drop/window/{run.name}/1".encode()]
+    checkpoint.delete("tests", "ckpt-drop")

@@ -1,0 +1,86 @@
+"""The house rules hold: rooms import only what they may, parts stay short, and the rank RPCs
+are declared once in the protocol and implemented by the mixin."""
+
+import inspect
+import shutil
+from pathlib import Path
+
+from tests.conftest import ROOT
+from tests.house_rules import PACKAGES, RULES, import_violations, long_parts, modules
+
+ROOT_PATH = Path(ROOT)
+
+
+def test_every_room_imports_only_what_it_may():
+    assert import_violations(ROOT_PATH) == []
+
+
+def test_no_function_over_60_lines_and_no_class_over_300():
+    assert long_parts(ROOT_PATH) == []
+
+
+def test_every_module_is_in_a_room_that_a_rule_names():
+    rooms = {r.room for r in RULES}
+    for name in modules(ROOT_PATH):
+        assert any(name == room or name.startswith(room + ".") for room in rooms), name
+
+
+def test_the_check_fails_when_a_pure_module_imports_the_service(tmp_path):
+    for package in PACKAGES:
+        shutil.copytree(ROOT_PATH / package, tmp_path / package)
+    schedule = tmp_path / "coordinator" / "core" / "schedule.py"
+    schedule.write_text(schedule.read_text() + "\nfrom coordinator.service import shell\n")
+    pure = tmp_path / "coordinator" / "protocol" / "replies.py"
+    pure.write_text(pure.read_text() + "\ndef f():\n    import ray\n")
+    found = import_violations(tmp_path)
+    assert any(v.startswith("coordinator.core.schedule imports coordinator.service") for v in found)
+    assert any(v.startswith("coordinator.protocol.replies imports ray") for v in found)
+
+
+def test_the_check_fails_when_the_coordinator_imports_worker_ext(tmp_path):
+    for package in PACKAGES:
+        shutil.copytree(ROOT_PATH / package, tmp_path / package)
+    rank_calls = tmp_path / "coordinator" / "service" / "rank_calls.py"
+    rank_calls.write_text(rank_calls.read_text() + "\nfrom worker_ext.rank import mixin\n")
+    assert any(
+        v.startswith("coordinator.service.rank_calls imports worker_ext")
+        for v in import_violations(tmp_path)
+    )
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    for package in PACKAGES:
+        shutil.copytree(ROOT_PATH / package, tmp_path / package)
+    body = "".join(f"    x{i} = {i}\n" for i in range(61))
+    (tmp_path / "coordinator" / "core" / "long.py").write_text(f"def long():\n{body}")
+    assert long_parts(tmp_path) == ["coordinator.core.long.long: a function of 62 lines"]
+
+
+def test_the_mixin_implements_the_rank_rpcs_with_their_signatures():
+    from coordinator.protocol.rank_rpc import RANK_RPCS, RankRPC
+    from coordinator.service.worker_handles import ProfilerWorkerStub
+    from worker_ext import ProfilerWorkerMixin
+
+    def params(cls, name):
+        # (Ray's tracing adds ``_ray_trace_ctx`` to the methods of a class once it is remote.)
+        found = inspect.signature(getattr(cls, name)).parameters.values()
+        return [(p.name, p.default) for p in found if p.name != "_ray_trace_ctx"]
+
+    assert issubclass(ProfilerWorkerMixin, RankRPC) and issubclass(ProfilerWorkerStub, RankRPC)
+    for name in RANK_RPCS:
+        assert params(RankRPC, name) == params(ProfilerWorkerMixin, name), name
+        assert name not in vars(ProfilerWorkerStub), name  # the stub only inherits them
+
+
+def test_the_public_names_keep_working():
+    from importlib.metadata import entry_points
+
+    from coordinator import ProfilerConfig, connect, get_or_create_coordinator
+    from coordinator.__main__ import main as module_main  # python -m coordinator
+    from trainers import ProfilingHooks
+    from worker_ext import ProfilerWorkerMixin
+
+    assert ProfilerConfig and connect and get_or_create_coordinator
+    assert ProfilingHooks and ProfilerWorkerMixin
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "ray-profiler"]
+    assert script.load() is module_main

@@ -1,0 +1,159 @@
+"""CoordinatorState on its own: the bookkeeping of one run, without Ray (milliseconds each)."""
+
+import pytest
+
+from coordinator.core.records import TrainerRecord
+from coordinator.core.schedule import Window
+from coordinator.core.state import CoordinatorState
+from coordinator.protocol.summary_codec import Breakdown, KernelRow, RankSummary, encode_summary
+
+W0 = Window(0, 1, 2, 3)
+
+
+def state(world=4, selected=(0, 1), **kw):
+    st = CoordinatorState(max_windows=kw.pop("max_windows", 8), **kw)
+    keys = st.register(
+        TrainerRecord("t", "policy", list(range(world)), {}, None), None, selected.__contains__
+    )
+    return st, keys
+
+
+def blob(rank, window=0, us=10.0):
+    s = RankSummary(rank, window, (2, 3), False, "cpu", [KernelRow("aten::mm", us, 2, 0)])
+    s.breakdown = Breakdown(compute_us=us, window_us=2 * us)
+    return encode_summary(s)
+
+
+def closed_reply(window=0, pending=(), steps=(2, 3)):
+    return {
+        "state": "ok",
+        "closed": {"window": window, "steps": list(steps), "partial": False, "trace_path": None},
+        "summaries_pending": list(pending),
+    }
+
+
+def test_the_first_trainer_steps_and_a_later_one_takes_over_only_when_asked():
+    st, keys = state()
+    assert st.stepping_trainer == "t" and keys == [("t", 0), ("t", 1)]
+    st.register(TrainerRecord("gen", "rollout", [0], {}, None), None, lambda r: False)
+    assert st.stepping_trainer == "t"
+    st.register(TrainerRecord("gen", "rollout", [0], {}, None), True, lambda r: False)
+    assert st.stepping_trainer == "gen" and st.counters["registrations"] == 3
+
+
+def test_registering_again_replaces_the_ranks_records():
+    st, _ = state(world=4)
+    st.rank_failed(("t", 0), "lost", {"where": "x", "type": "X", "message": "gone"})
+    st.register(TrainerRecord("t", "policy", [0, 1], {}, None), None, lambda r: True)
+    assert sorted(st.ranks) == [("t", 0), ("t", 1)] and st.ranks[("t", 0)].state == "ok"
+
+
+def test_a_closing_reply_with_a_pending_summary_waits_for_it_and_the_push_ends_the_wait():
+    st, keys = state()
+    rec = st.open_window(W0, keys)
+    st.apply_reply(("t", 0), closed_reply(pending=[0]))
+    st.apply_reply(("t", 1), closed_reply())
+    st.close_window(rec)
+    assert rec.steps == (2, 3) and rec.summaries_pending == {("t", 0)}
+    st.ingest_summary(("t", 0), blob(0))
+    assert rec.summaries_pending == set() and rec.aggregates["t"].ranks == [0]
+    assert rec.to_dict()["summaries_pending"] == [] and rec.to_dict()["kept"]
+
+
+def test_a_summary_pushed_before_the_closing_reply_is_not_waited_for():
+    st, keys = state()
+    rec = st.open_window(W0, keys)
+    st.ingest_summary(("t", 0), blob(0))
+    st.apply_reply(("t", 0), closed_reply(pending=[0]))
+    assert rec.summaries_pending == set()
+
+
+def test_a_malformed_reply_disables_only_that_rank():
+    st, keys = state()
+    st.open_window(W0, keys)
+    st.apply_reply(("t", 0), ["not", "a", "reply"])
+    assert st.ranks[("t", 0)].state == "disabled" and st.ranks[("t", 1)].state == "ok"
+    assert "malformed reply" in st.ranks[("t", 0)].reason["message"]
+
+
+def test_a_rank_that_lost_its_config_is_disabled_with_a_reason():
+    st, _ = state()
+    st.apply_reply(("t", 1), {"state": "not_configured"})
+    rank = st.ranks[("t", 1)]
+    assert rank.state == "disabled" and rank.reason["type"] == "NotConfigured"
+
+
+def test_a_bad_summary_marks_that_rank_bad_for_the_window_and_nothing_else():
+    st, keys = state()
+    rec = st.open_window(W0, keys)
+    st.ingest_summary(("t", 0), b"\x93garbage")
+    st.ingest_summary(("t", 1), blob(1))
+    agg = rec.aggregates["t"]
+    assert list(agg.bad_ranks) == [0] and agg.ranks == [1]
+    assert st.counters["bad_summaries"] == 1
+
+
+def test_summaries_of_unknown_windows_or_other_ranks_are_counted_not_kept():
+    st, keys = state()
+    st.open_window(W0, keys)
+    st.ingest_summary(("t", 0), blob(0, window=5))
+    st.ingest_summary(("t", 0), blob(1))  # rank 0 pushing rank 1's summary
+    assert st.counters["unexpected_summaries"] == 2
+
+
+def test_a_lost_summary_from_a_dead_agent_names_where_the_trace_stays():
+    st, keys = state()
+    rec = st.open_window(W0, keys)
+    why = {"where": "agent", "type": "RayActorError", "message": "died", "trace_path": "/t/r0"}
+    assert st.summary_failed(("t", 0), 0, why)
+    assert rec.traces[("t", 0)]["path"] == "/t/r0" and rec.traces[("t", 0)]["error"]
+    assert st.counters["lost_summaries"] == 1 and st.ranks[("t", 0)].last_agent_error
+    assert not st.summary_failed(("t", 0), 9, why)  # a window this run does not know
+
+
+def test_a_failed_rank_is_no_longer_waited_for():
+    st, keys = state()
+    rec = st.open_window(W0, keys)
+    st.apply_reply(("t", 0), closed_reply(pending=[0]))
+    st.rank_failed(("t", 0), "lost", {"where": "profile_step", "type": "X", "message": "x"})
+    assert rec.summaries_pending == set() and st.ranks[("t", 0)].state == "lost"
+    st.rank_failed(("t", 0), "disabled", {"where": "y", "type": "Y", "message": "later"})
+    assert (
+        st.ranks[("t", 0)].state == "lost" and st.ranks[("t", 0)].reason["where"] == "profile_step"
+    )
+
+
+def test_trace_reports_for_unknown_windows_change_nothing():
+    st, keys = state()
+    assert not st.trace_stored(("t", 0), 3, "/x", None)
+    assert st.counters["unexpected_trace_reports"] == 1
+
+
+def test_history_is_bounded_and_old_windows_drop_their_detail():
+    st, keys = state(max_windows=2, detail_windows=1)
+    for i in range(4):
+        rec = st.open_window(Window(i, i * 10, i * 10 + 1, i * 10 + 2), keys)
+        st.ingest_summary(("t", 0), blob(0, window=i))
+        st.close_window(rec)
+    assert [w.window.index for w in st.closed_windows()] == [2, 3]
+    assert st.counters["windows_evicted"] == 2
+    assert st.windows[2].aggregates["t"].per_rank(["aten::mm"]) is None
+    assert st.windows[3].aggregates["t"].per_rank(["aten::mm"]) == {"aten::mm": {0: 10.0}}
+
+
+def test_a_window_cut_short_says_why_it_did_not_keep_its_promise():
+    st, keys = state()
+    rec = st.open_window(W0, keys)
+    st.apply_reply(("t", 0), closed_reply(steps=(2, 2)))
+    rec.partial, rec.stopped_at = True, 2
+    kept, why = rec.promise()
+    assert not kept and why == "the run stopped at step 2 inside the window: recorded 2-2 of 2-3"
+
+
+def test_kernel_summary_of_a_window_no_longer_kept_lists_what_is_kept():
+    st, keys = state()
+    rec = st.open_window(W0, keys)
+    st.close_window(rec)
+    with pytest.raises(ValueError, match=r"no window 7: the closed windows kept are \[0\]"):
+        st.kernel_summary(7, 10, None)
+    assert st.kernel_summary(None, 10, None)["window"] == 0

@@ -1,0 +1,177 @@
+"""The node agent: one detached Ray actor per node that finishes every rank's closed trace.
+
+It runs in its own process, never a training rank's: named ``agent-<version>-<node id>`` in
+namespace ``profiler_agents`` (``coordinator.protocol.names``), ``num_cpus=0``, pinned to its node
+with ``NodeAffinitySchedulingStrategy`` and created on demand by the first rank there that needs
+it (``worker_ext.rank.agent_link``). Being detached, it outlives every rank (a killed rank does
+not cost the other ranks of its node their summaries) and stops with the cluster (or
+``stop_node_agents``). It is an asyncio actor with two lanes: summaries (built one at a time, then
+pushed to the coordinator) and file work (compression, folded stacks, clean-up, upload) on one
+thread of the lowest CPU priority, so every pending summary goes before any compression, and the
+file work yields the CPU to training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import os
+import re
+from typing import Any
+
+from coordinator.protocol.names import AGENT_NAMESPACE, is_agent_name
+from coordinator.protocol.reasons import reason
+from coordinator.protocol.replies import Reason
+from worker_ext.agent.trace_jobs import (
+    JobResult,
+    TraceJob,
+    finish_trace,
+    lowest_cpu_priority,
+    summarise_job,
+    upload_trace,
+)
+
+PUBLISH_TIMEOUT_S = 30.0
+
+
+class NodeAgent:
+    """The node agent's body (see the module docstring); every method is called through Ray."""
+
+    def __init__(self) -> None:
+        self._coordinators: dict[tuple[str, str], Any] = {}
+        # Summaries hold the GIL while they parse: one at a time is as fast as several.
+        self._summaries = concurrent.futures.ThreadPoolExecutor(1, "profiler-summary")
+        self._files = concurrent.futures.ThreadPoolExecutor(
+            1, "profiler-files", initializer=lowest_cpu_priority
+        )
+        import ray
+
+        self._node = str(ray.get_runtime_context().get_node_id())
+
+    async def ping(self) -> int:
+        """The agent's pid."""
+        return os.getpid()
+
+    async def read_trace_chunk(self, path: str, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes of a trace file on this node from ``offset`` (b"" at its end).
+
+        Serves trace files of the trace layout only (``window_*/rank*.pt.trace.json[.gz]``,
+        ``rank*.stacks.txt``), for ``coordinator.ops.collect``; anything else is a ValueError.
+        """
+        if not is_trace_file(path):
+            raise ValueError(f"{path!r} is not a trace file of a profiling window")
+        if not isinstance(offset, int) or not isinstance(size, int) or offset < 0 or size < 1:
+            raise ValueError("offset must be an int >= 0 and size an int >= 1")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, _read_chunk, path, offset, min(size, MAX_CHUNK))
+
+    async def process(self, job: TraceJob) -> JobResult:
+        """Summarise and push, then finish and upload the trace file; never raises."""
+        loop = asyncio.get_running_loop()
+        res, blob, folded = await loop.run_in_executor(self._summaries, summarise_job, job)
+        if blob is not None:
+            res.pushed = await self._publish(job, blob, res)
+            if not res.pushed:
+                res.summary = blob  # it rides on the rank's next reply
+        elif job.report_to:
+            await self._notify(job, res.errors[-1])
+        await loop.run_in_executor(self._files, finish_trace, job, folded, res)
+        if job.upload_to is not None:
+            await loop.run_in_executor(self._files, upload_trace, job, res)
+        if job.report_to and job.final_path is not None:
+            await self._stored(job, res)
+        return res
+
+    async def _call(self, report_to: dict[str, str], method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call the coordinator ``report_to`` names; a handle that has gone stale (the
+        coordinator was killed, restarted or replaced by a new run) is looked up once more."""
+        import ray
+
+        key = (report_to["namespace"], report_to["name"])
+        for attempt in (1, 2):
+            handle = self._coordinators.get(key)
+            try:
+                if handle is None:  # a blocking lookup: off the event loop
+                    loop = asyncio.get_running_loop()
+                    handle = await loop.run_in_executor(
+                        None, functools.partial(ray.get_actor, key[1], namespace=key[0])
+                    )
+                    self._coordinators[key] = handle
+                ref = getattr(handle, method).remote(
+                    report_to["trainer_id"], *args, run=report_to.get("run"), **kwargs
+                )
+                return await asyncio.wait_for(ref, PUBLISH_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ValueError):
+                self._coordinators.pop(key, None)
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _publish(self, job: TraceJob, blob: bytes, res: JobResult) -> bool:
+        if not job.report_to:
+            return False
+        try:
+            return bool(await self._call(job.report_to, "ingest_summary", job.rank, blob))
+        except Exception as exc:
+            res.errors.append(reason("publish", exc))
+            return False
+
+    async def _stored(self, job: TraceJob, res: JobResult) -> None:
+        """Tell the coordinator where the trace is now, or why it is not."""
+        assert job.report_to is not None
+        files = [e for e in res.errors if e["where"] not in ("summary", "publish")]
+        with contextlib.suppress(Exception):
+            await self._call(
+                job.report_to,
+                "trace_stored",
+                job.rank,
+                job.window,
+                res.trace_path,
+                files[-1] if files else None,
+                local_path=res.local_path,
+                node=self._node,
+            )
+
+    async def _notify(self, job: TraceJob, why: Reason) -> None:
+        """Tell the coordinator at once that this summary is lost."""
+        assert job.report_to is not None
+        with contextlib.suppress(Exception):
+            await self._call(job.report_to, "summary_failed", job.rank, job.window, why)
+
+
+MAX_CHUNK = 8 << 20
+_TRACE_FILE = re.compile(
+    r"(^|/)window_\d{4,}_steps_\d+-\d+/rank\d+\.(pt\.trace\.json(\.gz)?|stacks\.txt)$"
+)
+
+
+def is_trace_file(path: object) -> bool:
+    """Whether ``path`` names an existing trace file of the trace layout on this node."""
+    return (
+        isinstance(path, str)
+        and "/../" not in path
+        and bool(_TRACE_FILE.search(path))
+        and os.path.isfile(path)
+    )
+
+
+def _read_chunk(path: str, offset: int, size: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)
+
+
+def stop_node_agents() -> list[str]:
+    """Kill every node agent of this version on the cluster (they are detached); their names."""
+    import ray
+
+    killed = []
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        name = a.get("name", "")
+        if a.get("namespace") == AGENT_NAMESPACE and is_agent_name(name):
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(name, namespace=AGENT_NAMESPACE))
+                killed.append(name)
+    return killed

@@ -1,0 +1,213 @@
+"""What happens to a window's trace after the rank wrote it, in a process other than the rank's.
+
+A rank's training process only stops the profiler and writes the raw chrome trace; it then
+hands a ``TraceJob`` to its node's agent (``worker_ext.agent.node_agent``), which builds the
+summary from the trace (``summarise_job``), pushes it to the coordinator, then compresses the
+trace, writes folded stacks or deletes the temporary trace (``finish_trace``), and uploads it
+(``upload_trace``). ``run_job`` is the same without the push, for the local agent outside Ray.
+Imports neither torch nor Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.protocol.reasons import reason
+from coordinator.protocol.replies import Reason
+from coordinator.protocol.summary_codec import encode_summary
+from worker_ext.agent.trace_summary import summarise_trace
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    """One rank's closed window: where the raw trace is and what to make of it."""
+
+    rank: int
+    window: int
+    steps: tuple[int, int]
+    partial: bool
+    device: str
+    top_k: int
+    with_flops: bool
+    export_type: str
+    raw_path: str
+    """The chrome trace torch wrote (for ``chrome_trace`` it is already the final file)."""
+    final_path: str | None
+    """The file the window promises (``.json.gz``, ``.stacks.txt``); None for ``none``."""
+    report_to: dict[str, str] | None = None
+    upload_to: str | None = None
+    """The URL the finished trace goes to (a URL ``save_path``), or None to keep it here."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    keep_local: bool = False
+    """Keep the local copy once it is uploaded."""
+
+
+@dataclass
+class JobResult:
+    """What the agent did with a job; every field crosses processes."""
+
+    window: int
+    pid: int
+    seconds: float = 0.0
+    summary: bytes | None = None
+    """The encoded summary when it could not be pushed (it rides on the rank's next reply)."""
+    pushed: bool = False
+    trace_path: str | None = None
+    """Where the window's trace is now (its URL once uploaded)."""
+    local_path: str | None = None
+    """The copy on this node that stays: kept on purpose, or because the upload failed."""
+    errors: list[Reason] = field(default_factory=list)
+    """``where`` (summary, publish, compress, stacks, cleanup, upload), ``type``, ``message``."""
+
+
+def run_job(job: TraceJob) -> JobResult:
+    """Summarise, then finish the trace file, for a agent that does not push (the summary
+    rides on the rank's next reply). Never raises: failures go in ``errors``."""
+    t0 = time.perf_counter()
+    res, blob, folded = summarise_job(job)
+    res.summary = blob
+    finish_trace(job, folded, res)
+    upload_trace(job, res)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def summarise_job(job: TraceJob) -> tuple[JobResult, bytes | None, list[str] | None]:
+    """The encoded summary of ``job``'s trace (None on failure, with the reason in ``errors``)
+    and its folded stacks when the export type asks for them. Never raises."""
+    res = JobResult(window=job.window, pid=os.getpid(), trace_path=job.raw_path)
+    try:
+        summary, folded = summarise_trace(
+            job.raw_path,
+            rank=job.rank,
+            window=job.window,
+            steps=job.steps,
+            partial=job.partial,
+            device=job.device,
+            top_k=job.top_k,
+            stacks=job.export_type == "stacks",
+            flops=job.with_flops,
+        )
+        return res, encode_summary(summary), folded
+    except Exception as exc:  # the reason goes to the rank's status
+        res.errors.append(reason("summary", exc))
+        return res, None, None
+
+
+def finish_trace(job: TraceJob, folded: list[str] | None, res: JobResult) -> None:
+    """Compress, write stacks or delete: whatever the export type asks of the raw trace.
+
+    Sets ``res.trace_path`` to where the trace is now; a failure goes in ``res.errors``.
+    """
+    export, raw, final = job.export_type, job.raw_path, job.final_path
+    if res.errors and res.errors[0]["where"] == "summary" and export in ("stacks", "none"):
+        return  # the raw trace stays where it is, for whoever wants to look at it
+    try:
+        if export == "chrome_trace":
+            res.trace_path = raw
+        elif export == "chrome_trace_gz" and final:
+            _atomic(final, lambda tmp: _gzip(raw, tmp))
+            res.trace_path = final
+            os.unlink(raw)
+        elif export == "stacks" and final:
+            _atomic(final, lambda tmp: _write_lines(tmp, folded or []))
+            res.trace_path = final
+            os.unlink(raw)
+        elif export == "none":
+            res.trace_path = None
+            os.unlink(raw)
+    except Exception as exc:
+        where = {"chrome_trace_gz": "compress", "stacks": "stacks"}.get(export, "cleanup")
+        res.errors.append(reason(where, exc))
+
+
+UPLOAD_ATTEMPTS = 4
+UPLOAD_BACKOFF_S = 0.5
+
+
+def upload_trace(
+    job: TraceJob, res: JobResult, sleep: Callable[[float], None] = time.sleep
+) -> None:
+    """Copy the finished trace to ``job.upload_to``, retrying with backoff; then drop the local
+    copy unless ``keep_local``. A failure keeps the local copy and goes in ``res.errors``."""
+    local = res.trace_path
+    if job.upload_to is None or local is None or not os.path.exists(local):
+        return
+    from coordinator.core.storage import filesystem
+
+    _lower_fsspec_io_priority()
+    delay = UPLOAD_BACKOFF_S
+    for attempt in range(1, UPLOAD_ATTEMPTS + 1):
+        try:
+            fs, path = filesystem(job.upload_to, job.storage_options)
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            fs.put_file(local, path)
+            break
+        except Exception as exc:
+            if attempt == UPLOAD_ATTEMPTS:
+                err = reason("upload", exc)
+                err["message"] = (
+                    f"upload to {job.upload_to} failed {attempt} times; the trace stays at "
+                    f"{local}: {err['message']}"
+                )[:1000]
+                res.errors.append(err)
+                res.local_path = local
+                return
+            sleep(delay)
+            delay *= 2
+    res.trace_path = job.upload_to
+    if job.keep_local:
+        res.local_path = local
+        return
+    try:
+        os.unlink(local)
+    except OSError as exc:
+        res.local_path = local
+        res.errors.append(reason("cleanup", exc))
+
+
+def lowest_cpu_priority() -> None:
+    """Give the calling thread the lowest CPU priority (Linux: nice is per thread)."""
+    with contextlib.suppress(Exception):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def _lower_fsspec_io_priority() -> None:
+    """Async filesystems (s3fs, gcsfs) do their work on fsspec's own I/O thread: give it the
+    lowest CPU priority too, so an upload yields the CPU to training (Linux: nice per thread)."""
+    try:
+        from fsspec.asyn import get_loop
+
+        get_loop().call_soon_threadsafe(lowest_cpu_priority)
+    except Exception:
+        return
+
+
+def _atomic(final: str, write: Callable[[str], None]) -> None:
+    tmp = final + ".part"
+    try:
+        write(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _gzip(src: str, dst: str) -> None:
+    with open(src, "rb") as fin, gzip.open(dst, "wb", compresslevel=6) as fout:
+        shutil.copyfileobj(fin, fout, 1 << 20)
+
+
+def _write_lines(path: str, lines: list[str]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(line + "\n")

@@ -1,0 +1,381 @@
+"""A window's summary from the chrome trace torch wrote: no torch, no Ray, no ``key_averages()``.
+
+``trace_reader.read_trace`` turns the file into columns in one streaming pass; this module nests
+the CPU events of each thread (one tight pass with a stack: the parent of an event is the
+innermost earlier event that contains it) and derives everything else with numpy: every event's
+self time (its duration minus that of its direct children, as ``key_averages()`` computes it),
+the per-op rows, the time breakdown, the memory table and the folded stacks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.protocol.summary_codec import (
+    MAX_NAME_CHARS,
+    Breakdown,
+    KernelRow,
+    MemoryRow,
+    RankSummary,
+    StreamRow,
+)
+from worker_ext.agent.trace_reader import (
+    ANNOTATION,
+    CHUNK_BYTES,
+    COPY,
+    OP,
+    PYTHON,
+    STEP_NAME,
+    TraceDigest,
+    read_trace,
+)
+
+MEMORY_TOP_K = 20
+
+# Breakdown classes.
+COMPUTE, COMM, MEMCPY, OTHER = 0, 1, 2, 3
+_COMM = re.compile(r"^(nccl|c10d::|gloo:|record_param_comms)", re.IGNORECASE)
+# A ProcessGroup's work span ("gloo:all_reduce") starts on the calling thread and ends on the
+# backend's: key_averages() treats it as async, with no self time and outside the op tree.
+_ASYNC_WORK = re.compile(r"^(gloo|nccl|mpi|ucc|xccl):")
+_CPU_COPY = re.compile(r"^(aten::(copy_|_to_copy|to)$|cudaMemcpy|cudaMemset|Memcpy|Memset)")
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
+def summarise_trace(
+    path: str,
+    *,
+    rank: int,
+    window: int,
+    steps: tuple[int, int],
+    partial: bool,
+    device: str,
+    top_k: int,
+    stacks: bool = False,
+    flops: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> tuple[RankSummary, list[str] | None]:
+    """Read ``path`` once and build the rank's summary (and folded stacks when ``stacks``).
+
+    ``flops``: count matrix-product flops from the recorded input shapes (``with_flops``).
+    Raises ``trace_reader.TraceError`` for a trace that cannot be read.
+    """
+    digest = read_trace(path, chunk_bytes=chunk_bytes, flops=flops)
+    return summarise(
+        digest,
+        rank=rank,
+        window=window,
+        steps=steps,
+        partial=partial,
+        device=device,
+        top_k=top_k,
+        stacks=stacks,
+    )
+
+
+def summarise(
+    d: TraceDigest,
+    *,
+    rank: int,
+    window: int,
+    steps: tuple[int, int],
+    partial: bool,
+    device: str,
+    top_k: int,
+    stacks: bool = False,
+) -> tuple[RankSummary, list[str] | None]:
+    """The rank's summary of a read trace, and folded-stack lines (``a;b;c self_us``)."""
+    step_spans, w0, w1 = _window_span(d, steps)
+    cpu = _nest(d, stacks, (w0, w1))
+    cpu.breakdown[COMM] = _union_ns(cpu.comm_spans, w0, w1)  # wall time in collectives
+    dev = _device(d, w0, w1)
+    on_device = device == "cuda" and bool(d.device)
+    rows, brk = (dev.rows, dev.breakdown) if on_device else (cpu.rows, cpu.breakdown)
+    kept, dropped = _top_rows(d, rows, top_k)
+    busy = brk[COMPUTE] + brk[COMM] + brk[MEMCPY]
+    other = dev.idle_ns if on_device else max(0, (w1 - w0) - busy)
+    peak, memory = _memory(d, cpu, device)
+    summary = RankSummary(
+        rank=rank,
+        window=window,
+        steps=steps,
+        partial=partial,
+        device=device,
+        kernels=[KernelRow(n, v[0] / 1e3, int(v[1]), int(v[2])) for n, v in kept],
+        dropped_rows=len(dropped),
+        dropped_us=sum(v[0] for _, v in dropped) / 1e3,
+        step_us=[(s, (e - b) / 1e3) for s, b, e in step_spans],
+        breakdown=Breakdown(
+            compute_us=brk[COMPUTE] / 1e3,
+            comm_us=brk[COMM] / 1e3,
+            memcpy_us=brk[MEMCPY] / 1e3,
+            other_us=other / 1e3,
+            window_us=(w1 - w0) / 1e3,
+        ),
+        streams=dev.streams,
+        peak_bytes=peak,
+        memory=memory,
+    )
+    folded = None
+    if stacks:
+        folded = [f"{path} {round(ns / 1e3)}" for path, ns in cpu.folded.items() if ns >= 500]
+    return summary, folded
+
+
+def _window_span(
+    d: TraceDigest, steps: tuple[int, int]
+) -> tuple[list[tuple[int, int, int]], int, int]:
+    """The recorded steps' spans ``(step, begin, end)`` and the window they make (ns): from
+    the first step's begin to the last step's end, or, without step markers, the span of the
+    recorded CPU events."""
+    first, last = steps
+    step_spans = sorted((s, b, e) for s, b, e in d.steps if first <= s <= last)
+    cols = d.cpu()
+    if step_spans:
+        w0, w1 = min(b for _, b, _ in step_spans), max(e for _, _, e in step_spans)
+    elif len(cols.start):
+        w0, w1 = int(cols.start.min()), int(cols.end.max())
+    else:
+        w0 = w1 = 0
+    return step_spans, w0, max(w0, w1)
+
+
+def _top_rows(
+    d: TraceDigest, rows: dict[int, list[int]], top_k: int
+) -> tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]]:
+    """Rows by normalised name (step markers left out), the ``top_k`` by self time and the rest."""
+    named: dict[str, list[int]] = {}
+    for i, (self_ns, count, fl) in rows.items():
+        if self_ns <= 0 or STEP_NAME.match(d.names[i]):
+            continue
+        acc = named.setdefault(normalise_name(d.names[i]), [0, 0, 0])
+        acc[0] += self_ns
+        acc[1] += count
+        acc[2] += fl
+    ordered = sorted(named.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    return ordered[:top_k], ordered[top_k:]
+
+
+def _memory(d: TraceDigest, cpu: _CpuResult, device: str) -> tuple[int | None, list[MemoryRow]]:
+    """Peak allocated bytes on the rank's device and the top allocating ops, or (None, [])
+    when the trace has no memory events."""
+    device_type = 1 if device == "cuda" else 0  # [memory] events' "Device Type"
+    peaks = [v for (dt, _), v in d.peak_allocated.items() if dt == device_type]
+    if not peaks and not cpu.allocations:
+        return None, []
+    top_alloc = sorted(cpu.allocations.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    return max(peaks, default=0), [MemoryRow(n, b, c) for n, (b, c) in top_alloc[:MEMORY_TOP_K]]
+
+
+@dataclass
+class _CpuResult:
+    rows: dict[int, list[int]]  # name id -> [self ns, count, flops]
+    breakdown: list[int]
+    allocations: dict[str, list[int]]  # op name -> [bytes, allocations]
+    folded: dict[str, int]
+    comm_spans: list[tuple[int, int]]  # outermost collective spans, on every thread
+
+
+def _nest(d: TraceDigest, stacks: bool, span: tuple[int, int]) -> _CpuResult:
+    """Self time per CPU event, the breakdown (of the events inside ``span``, the window),
+    allocations and folded stacks."""
+    c = d.cpu()
+    names = d.names
+    is_work = np.array([bool(_ASYNC_WORK.match(n)) for n in names] or [False])
+    is_comm = np.array([bool(_COMM.match(n)) for n in names] or [False])
+    is_copy = np.array([bool(_CPU_COPY.match(n)) for n in names] or [False])
+    work = (c.kind == ANNOTATION) & is_work[c.name]
+    comm_spans = list(zip(c.start[work].tolist(), c.end[work].tolist(), strict=True))
+    # Async work spans sit outside the op tree; everything else is nested per thread.
+    keep = np.flatnonzero(~work)
+    order = keep[np.lexsort((-c.end[keep], c.start[keep], c.thread[keep]))]
+    thread, start, end = c.thread[order], c.start[order], c.end[order]
+    name, kind, flops = c.name[order], c.kind[order], c.flops[order]
+    n = len(order)
+    parent = _parents(thread, start, end)
+    has_parent = parent >= 0
+    p = np.where(has_parent, parent, 0)
+    dur = end - start
+    child_ns = np.bincount(parent[has_parent], weights=dur[has_parent], minlength=n)
+    n_children = np.bincount(parent[has_parent], minlength=n)
+    self_ns = dur - np.rint(child_ns).astype(np.int64)
+    # key_averages() folds an op into a same-named parent whose only child it is.
+    folded_in = has_parent & (name[p] == name) & (n_children[p] == 1)
+    counted = ~folded_in
+    in_comm = _inherited(is_comm[name] if n else np.zeros(0, bool), parent)
+    in_copy = _inherited(is_copy[name] if n else np.zeros(0, bool), parent)
+    klass = np.where(in_comm, COMM, np.where(in_copy, MEMCPY, np.where(kind == OP, COMPUTE, OTHER)))
+    outer_comm = in_comm & ~(has_parent & in_comm[p])
+    comm_spans += list(zip(start[outer_comm].tolist(), end[outer_comm].tolist(), strict=True))
+    positive = (self_ns > 0) & (start >= span[0]) & (end <= span[1])
+    brk = [0, 0, 0, 0]
+    brk[COMPUTE] = int(self_ns[(klass == COMPUTE) & positive].sum())
+    brk[MEMCPY] = int(self_ns[(klass == MEMCPY) & positive].sum())
+    rows: dict[int, list[int]] = {}
+    if n:
+        size = len(names)
+        self_by_name = np.bincount(name, weights=self_ns, minlength=size)
+        count_by_name = np.bincount(name[counted], minlength=size)
+        for i in np.flatnonzero(count_by_name | (self_by_name != 0)).tolist():
+            rows[i] = [int(round(float(self_by_name[i]))), int(count_by_name[i]), 0]
+        for i in np.flatnonzero(counted & (flops > 0)).tolist():
+            rows[int(name[i])][2] += int(flops[i])
+    allocs = _allocations(d, thread, start, end, kind, name, parent)
+    folded = _folded(names, name, kind, parent, self_ns) if stacks else {}
+    return _CpuResult(rows, brk, allocs, folded, comm_spans)
+
+
+def _parents(thread: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Each event's parent (an index, -1 for none) among events sorted by thread, start, -end.
+
+    The parent is the innermost open event on the same thread that contains it; an event that
+    starts at or after another's end, or ends after it, is not inside it.
+    """
+    n = len(start)
+    parent = [-1] * n
+    starts, ends = start.tolist(), end.tolist()
+    bounds = np.flatnonzero(np.diff(thread)) + 1
+    for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), n], strict=True):
+        stack: list[int] = []
+        push, pop = stack.append, stack.pop
+        for i in range(lo, hi):
+            s, e = starts[i], ends[i]
+            while stack:
+                pe = ends[stack[-1]]
+                if s >= pe or e > pe:
+                    pop()
+                else:
+                    parent[i] = stack[-1]
+                    break
+            push(i)
+    return np.array(parent, dtype=np.int64)
+
+
+def _inherited(flag: np.ndarray, parent: np.ndarray) -> np.ndarray:
+    """``flag`` OR-ed over every event's ancestors (pointer doubling: log(depth) passes)."""
+    out, anc = flag.copy(), parent.copy()
+    while True:
+        live = np.flatnonzero(anc >= 0)
+        if not len(live):
+            return out
+        up = anc[live]
+        out[live] |= out[up]
+        anc[live] = anc[up]
+
+
+def _allocations(
+    d: TraceDigest,
+    thread: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+    kind: np.ndarray,
+    name: np.ndarray,
+    parent: np.ndarray,
+) -> dict[str, list[int]]:
+    """Bytes allocated per op: each allocation goes to the innermost op running at that time."""
+    out: dict[str, list[int]] = {}
+    if not d.allocations:
+        return out
+    # Positions of each thread's events in the sorted arrays, for a binary search by time.
+    lo_of = np.searchsorted(thread, np.arange(len(d.threads)), side="left")
+    hi_of = np.searchsorted(thread, np.arange(len(d.threads)), side="right")
+    for t, ts, nbytes in d.allocations:
+        lo, hi = int(lo_of[t]), int(hi_of[t])
+        i = lo + int(np.searchsorted(start[lo:hi], ts, side="right")) - 1
+        while i >= lo and not (end[i] > ts and kind[i] == OP):  # up to the enclosing op
+            i = int(parent[i])
+        key = normalise_name(d.names[int(name[i])]) if i >= lo else "<outside any op>"
+        acc = out.setdefault(key, [0, 0])
+        acc[0] += nbytes
+        acc[1] += 1
+    return out
+
+
+def _folded(
+    names: list[str],
+    name: np.ndarray,
+    kind: np.ndarray,
+    parent: np.ndarray,
+    self_ns: np.ndarray,
+) -> dict[str, int]:
+    """Self time per stack of Python frames and ops (``a;b;op``); parents precede children."""
+    clean = [normalise_name(n).replace(";", ":") for n in names]
+    paths = [""] * len(name)
+    folded: dict[str, int] = {}
+    for i, (nm, k, p, ns) in enumerate(
+        zip(name.tolist(), kind.tolist(), parent.tolist(), self_ns.tolist(), strict=True)
+    ):
+        base = paths[p] if p >= 0 else ""
+        if k in (OP, PYTHON):
+            paths[i] = f"{base};{clean[nm]}" if base else clean[nm]
+            if ns > 0:
+                folded[paths[i]] = folded.get(paths[i], 0) + ns
+        else:
+            paths[i] = base
+    return folded
+
+
+@dataclass
+class _DeviceResult:
+    rows: dict[int, list[int]]
+    breakdown: list[int]
+    streams: list[StreamRow]
+    idle_ns: int
+
+
+def _device(d: TraceDigest, w0: int, w1: int) -> _DeviceResult:
+    """Device activity timed by its own duration; busy and idle time per stream in the window."""
+    rows: dict[int, list[int]] = {}
+    brk = [0, 0, 0, 0]
+    per_stream: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for s, e, nm, kind, dev, stream in d.device:
+        dur = e - s
+        acc = rows.get(nm)
+        if acc is None:
+            acc = rows[nm] = [0, 0, 0]
+        acc[0] += dur
+        acc[1] += 1
+        if kind == COPY:
+            brk[MEMCPY] += dur
+        elif _COMM.match(d.names[nm]):
+            brk[COMM] += dur
+        else:
+            brk[COMPUTE] += dur
+        per_stream.setdefault((dev, stream), []).append((s, e))
+    streams = []
+    everything = []
+    for (dev, stream), spans in sorted(per_stream.items()):
+        busy = _union_ns(spans, w0, w1)
+        everything.extend(spans)
+        streams.append(StreamRow(dev, stream, busy / 1e3, max(0, (w1 - w0) - busy) / 1e3))
+    idle = max(0, (w1 - w0) - _union_ns(everything, w0, w1)) if everything else w1 - w0
+    return _DeviceResult(rows, brk, streams, idle)
+
+
+def _union_ns(spans: list[tuple[int, int]], lo: int, hi: int) -> int:
+    """Length of the union of ``spans`` clipped to ``[lo, hi]``."""
+    total, cur_s, cur_e = 0, 0, None
+    for s, e in sorted(spans):
+        s, e = max(s, lo), min(e, hi)
+        if e <= s:
+            continue
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def normalise_name(name: str) -> str:
+    """Drop memory addresses (``<built-in method ... at 0x7f..>``) and cap the length."""
+    name = _ADDRESS.sub("0x?", name)
+    if len(name) > MAX_NAME_CHARS:
+        name = name[: MAX_NAME_CHARS - 1] + "…"
+    return name or "<unnamed>"

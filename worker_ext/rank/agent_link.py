@@ -1,0 +1,175 @@
+"""A rank's link to the agent that finishes its closed traces, never in the training process.
+
+In a Ray cluster that is the node's agent (``worker_ext.agent.node_agent``), created on demand by
+the first rank of the node that needs it. Outside Ray (a ``RankProfiler`` in a plain process) it
+is one spawned child process per training process, the local agent. Either way the training
+process only submits a small ``TraceJob`` and gets a ``JobResult`` back through a
+``concurrent.futures.Future``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import multiprocessing
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Protocol
+
+from coordinator.protocol.names import AGENT_NAMESPACE, agent_name
+from worker_ext.agent.node_agent import NodeAgent
+from worker_ext.agent.trace_jobs import JobResult, TraceJob, run_job
+
+# The first start of an agent can wait for a busy node (Kineto warm-ups on 2 cores: tens of s).
+START_TIMEOUT_S = 120.0
+
+
+class AgentLink(Protocol):
+    """The agent a rank hands its ``TraceJob``s to, in a process other than the rank's."""
+
+    kind: str
+
+    def prepare(self) -> int | None:
+        """Start the agent now (not in a window's closing step); its pid, or None."""
+        ...
+
+    def submit(self, job: TraceJob) -> concurrent.futures.Future[JobResult]:
+        """Queue ``job``; the future fails if the agent dies or cannot be reached."""
+        ...
+
+    def forget(self) -> None:
+        """The agent died: start a new one on the next ``prepare``/``submit``."""
+        ...
+
+
+_ACTOR: Any = None
+
+
+def _agent_actor() -> Any:
+    global _ACTOR
+    if _ACTOR is None:
+        import ray
+
+        _ACTOR = ray.remote(num_cpus=0, max_restarts=0)(NodeAgent)
+    return _ACTOR
+
+
+class NodeAgentLink:
+    """The node agent of the node this process runs on."""
+
+    kind = "node_agent"
+
+    def __init__(self) -> None:
+        self._agent: Any = None
+        self._lock = threading.Lock()
+
+    def _handle(self) -> Any:
+        with self._lock:
+            if self._agent is None:
+                import ray
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                node = ray.get_runtime_context().get_node_id()
+                self._agent = (
+                    _agent_actor()
+                    .options(
+                        name=agent_name(node),
+                        namespace=AGENT_NAMESPACE,
+                        lifetime="detached",
+                        get_if_exists=True,
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                    )
+                    .remote()
+                )
+            return self._agent
+
+    def prepare(self) -> int | None:
+        import ray
+
+        try:
+            return int(ray.get(self._handle().ping.remote(), timeout=START_TIMEOUT_S))
+        except ray.exceptions.RayActorError:  # the agent this process knew died: a new one
+            self.forget()
+            return int(ray.get(self._handle().ping.remote(), timeout=START_TIMEOUT_S))
+
+    def submit(self, job: TraceJob) -> concurrent.futures.Future[JobResult]:
+        fut: concurrent.futures.Future[JobResult] = self._handle().process.remote(job).future()
+        return fut
+
+    def forget(self) -> None:
+        with self._lock:
+            self._agent = None
+
+
+class LocalAgentLink:
+    """A spawned child of this process (used when this process is not part of a Ray cluster)."""
+
+    kind = "local_process"
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                ctx = multiprocessing.get_context("spawn")  # never fork a process running torch
+                self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx)
+            return self._pool
+
+    def prepare(self) -> int | None:
+        import os
+
+        with _main_hidden():
+            fut = self._executor().submit(os.getpid)
+        return int(fut.result(timeout=START_TIMEOUT_S))
+
+    def submit(self, job: TraceJob) -> concurrent.futures.Future[JobResult]:
+        with _main_hidden():  # the child process is started by the first submit
+            try:
+                return self._executor().submit(run_job, job)
+            except BrokenProcessPool:
+                self.forget()
+                return self._executor().submit(run_job, job)
+
+    def forget(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """Start spawned children without re-running the caller's script.
+
+    A spawned child imports the parent's ``__main__`` from its path, which runs a script that
+    has no ``if __name__ == "__main__"`` guard (its training loop included) a second time.
+    """
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+_LINKS: dict[str, AgentLink] = {}
+
+
+def default_link() -> AgentLink:
+    """The node agent when this process is part of a Ray cluster, else a local child process.
+
+    One per process, so every rank profiler in it shares one handle (and one child process).
+    """
+    ray = sys.modules.get("ray")
+    in_ray = ray is not None and ray.is_initialized()
+    kind = NodeAgentLink.kind if in_ray else LocalAgentLink.kind
+    agent = _LINKS.get(kind)
+    if agent is None:
+        agent = _LINKS[kind] = NodeAgentLink() if in_ray else LocalAgentLink()
+    return agent

@@ -1,0 +1,214 @@
+"""The torch side of a rank's window: building the profiler, exporting its trace, and the one
+torch profiler a process may run. ``RankProfiler`` owns every call into these; they hold no
+guard of their own beyond the process-wide claim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerAction as TorchAction
+from torch.profiler import ProfilerActivity
+
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.schedule import Window
+from coordinator.core.storage import join
+from coordinator.core.trace_layout import contained, trace_path, window_dir
+from worker_ext.agent.trace_jobs import TraceJob
+
+STAGING_ENV = "RAY_PROFILER_STAGING"
+
+_CLAIM_LOCK = threading.Lock()
+_CLAIMED_BY: Any = None  # the one owner (a RankProfiler) with a live torch profiler
+
+
+def activities(device: str) -> list[ProfilerActivity]:
+    """What torch records: CPU, and CUDA on a GPU rank."""
+    acts = [ProfilerActivity.CPU]
+    if device == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    return acts
+
+
+def window_profiler(
+    config: ProfilerConfig,
+    device: str,
+    rank: int,
+    window: Window,
+    step: int,
+    on_trace_ready: Callable[[Any], None],
+) -> Any:
+    """A torch profiler for ``window``, not yet started; training step ``step`` runs next.
+
+    Its schedule only warms up and records: the trace is written by ``stop()`` alone (never
+    inside ``step()``), so the caller decides the one moment it happens.
+    """
+
+    def window_action(n: int) -> TorchAction:
+        # torch asks for step 0 at construction; answer as for the first step we run.
+        n = max(n, step)
+        return TorchAction.WARMUP if n < window.first else TorchAction.RECORD
+
+    prof = torch.profiler.profile(
+        activities=activities(device),
+        schedule=window_action,
+        on_trace_ready=on_trace_ready,
+        record_shapes=config.record_shapes,
+        profile_memory=config.profile_memory,
+        with_stack=config.with_stack,
+        with_flops=config.with_flops,
+        with_modules=config.with_modules,
+        # Folded stacks need per-event Python stacks, which torch keeps only in verbose mode.
+        experimental_config=(
+            torch.profiler._ExperimentalConfig(verbose=True)
+            if config.export_type == "stacks"
+            else None
+        ),
+    )
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        # distributedInfo carries the rank otherwise; HTA reads either.
+        prof.preset_metadata_json("rank", str(rank))
+    prof.step_num = step  # ProfilerStep#N markers carry the global step
+    return prof
+
+
+@dataclass(frozen=True)
+class TraceTarget:
+    """Where one rank writes its traces: the run directory (its staging copy on this node when
+    ``remote_run_dir`` is a URL the agent uploads to)."""
+
+    rank: int
+    device: str
+    run_directory: str
+    remote_run_dir: str | None
+
+
+def export_trace(
+    prof: Any,
+    config: ProfilerConfig,
+    target: TraceTarget,
+    window: int,
+    steps: tuple[int, int],
+    partial: bool,
+    report_to: dict[str, str] | None,
+) -> TraceJob:
+    """Write the stopped profiler's raw chrome trace (never half of one: a temporary name, then
+    a rename) and return the job that tells the agent what to make of it."""
+    first, last = steps
+    export, rank = config.export_type, target.rank
+    if export == "none":  # summarised from a temporary trace, then deleted
+        os.makedirs(target.run_directory, exist_ok=True)
+        final, upload = None, None
+        raw = contained(target.run_directory, f".rank{rank}.window{window:04d}.json")
+    else:
+        wdir = window_dir(target.run_directory, window, first, last)
+        os.makedirs(wdir, exist_ok=True)
+        final = trace_path(wdir, rank, export)
+        raw = trace_path(wdir, rank, "chrome_trace")  # the agent compresses or folds it
+        upload = None
+        if target.remote_run_dir is not None:
+            upload = join(target.remote_run_dir, os.path.basename(wdir), os.path.basename(final))
+    tmp = raw + ".tmp"
+    try:
+        prof.export_chrome_trace(tmp)
+        os.replace(tmp, raw)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return TraceJob(
+        rank=rank,
+        window=window,
+        steps=(first, last),
+        partial=partial,
+        device=target.device,
+        top_k=config.top_k,
+        with_flops=config.with_flops,
+        export_type=export,
+        raw_path=raw,
+        final_path=final,
+        report_to=report_to,
+        upload_to=upload,
+        storage_options=dict(config.storage_options),
+        keep_local=config.keep_local,
+    )
+
+
+def staging_dir(config: ProfilerConfig, run_url: str) -> str:
+    """This node's local copy of a remote run directory: ``<staging>/<run name>``.
+
+    ``<staging>`` is ``$RAY_PROFILER_STAGING`` on this node, else the config's
+    ``staging_path``, else ``<tmp>/ray-profiler-staging``.
+    """
+    root = (
+        os.environ.get(STAGING_ENV)
+        or config.staging_path
+        or os.path.join(tempfile.gettempdir(), "ray-profiler-staging")
+    )
+    name = run_url.rstrip("/").rsplit("/", 1)[-1]
+    return contained(root, name) if os.path.isdir(root) else os.path.join(root, name)
+
+
+def node_id() -> str | None:
+    """The Ray node this process runs on, or None outside Ray."""
+    ray = sys.modules.get("ray")
+    try:
+        if ray is not None and ray.is_initialized():
+            return str(ray.get_runtime_context().get_node_id())
+    except Exception:
+        return None
+    return None
+
+
+def pick_device(config: ProfilerConfig) -> tuple[str, str | None]:
+    """``cuda`` when the config asks for it and this process has a GPU, else ``cpu`` (with a
+    note saying why, when cuda was asked for)."""
+    if "cuda" not in config.activities:
+        return "cpu", None
+    try:
+        has_gpu = torch.cuda.is_available()
+    except Exception:
+        has_gpu = False
+    if has_gpu:
+        return "cuda", None
+    return "cpu", "cuda requested but this rank has no GPU: recording cpu only"
+
+
+def claim(owner: Any) -> bool:
+    """Take the process's one torch profiler for ``owner``; False if another owner holds it."""
+    global _CLAIMED_BY
+    with _CLAIM_LOCK:
+        if _CLAIMED_BY is not None and _CLAIMED_BY is not owner:
+            return False
+        _CLAIMED_BY = owner
+        return True
+
+
+def release(owner: Any) -> None:
+    """Give the process's torch profiler back, if ``owner`` holds it."""
+    global _CLAIMED_BY
+    with _CLAIM_LOCK:
+        if _CLAIMED_BY is owner:
+            _CLAIMED_BY = None
+
+
+def other_profiler_reason(owner: Any) -> str | None:
+    """Why ``owner`` must not start a profiler now (another one runs in this process), or None."""
+    with _CLAIM_LOCK:
+        if _CLAIMED_BY is not None and _CLAIMED_BY is not owner:
+            return f"rank {_CLAIMED_BY.rank}'s profiler is already running in this process"
+    try:
+        running = torch._C._autograd._profiler_enabled()
+    except Exception:
+        running = False
+    if running:
+        return "another torch.profiler session is already running in this process"
+    return None
