@@ -127,3 +127,32 @@ def long_parts(root: Path) -> list[str]:
                 if n > MAX_CLASS_LINES:
                     out.append(f"{name}.{node.name}: a class of {n} lines")
     return out
+
+
+BLOCKING = ("ray.get", "ray.get_actor", "ray.wait", "ray.kill", "time.sleep")
+
+
+def blocking_calls_in_async(root: Path) -> list[str]:
+    """Every blocking call (``BLOCKING``, or a Ray KV call) written inside an ``async def`` of
+    the project (not inside a plain function nested in it): it would stall that event loop."""
+    out = []
+    for name, path in modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.AsyncFunctionDef):
+                out += [f"{name}.{node.name}: {call}" for call in _calls_in(node)]
+    return out
+
+
+def _calls_in(fn: ast.AsyncFunctionDef) -> list[str]:
+    found = []
+    todo: list[ast.AST] = list(fn.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue  # its own body runs elsewhere (an executor, a callback)
+        if isinstance(node, ast.Call):
+            called = ast.unparse(node.func)
+            if called in BLOCKING or "_internal_kv_" in called:
+                found.append(called)
+        todo.extend(ast.iter_child_nodes(node))
+    return found

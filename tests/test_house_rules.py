@@ -84,3 +84,20 @@ def test_the_public_names_keep_working():
     assert ProfilingHooks and ProfilerWorkerMixin
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "ray-profiler"]
     assert script.load() is module_main
+
+
+def test_no_async_method_makes_a_blocking_call():
+    from tests.house_rules import blocking_calls_in_async
+
+    assert blocking_calls_in_async(ROOT_PATH) == []
+
+
+def test_the_blocking_check_sees_a_ray_get_in_an_async_method(tmp_path):
+    from tests.house_rules import blocking_calls_in_async
+
+    for package in PACKAGES:
+        shutil.copytree(ROOT_PATH / package, tmp_path / package)
+    (tmp_path / "worker_ext" / "agent" / "slow.py").write_text(
+        "import ray\n\nasync def f(h):\n    return ray.get(h.ping.remote())\n"
+    )
+    assert blocking_calls_in_async(tmp_path) == ["worker_ext.agent.slow.f: ray.get"]
