@@ -14,9 +14,13 @@ class ToyWorker(ProfilerWorkerMixin):
     def __init__(self) -> None:
         self.model = TinyMLP()
 
-    def train_step(self, repeat: int = 1) -> float:
+    def train_step(self, repeat: int = 1, sleep_s: float = 0.0) -> float:
         for _ in range(repeat):
             loss = self.model.train_step()
+        if sleep_s:
+            import time
+
+            time.sleep(sleep_s)  # a slower step (data loading, a throttled node)
         return loss
 
     def pid(self) -> int:

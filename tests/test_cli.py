@@ -4,7 +4,7 @@ import pytest
 
 from coordinator.ops.cli import _EXAMPLES, EXIT_USAGE, parse_args
 
-COMMANDS = ["status", "top", "capture --active 1", "cancel 3", "stragglers", "watch"]
+COMMANDS = ["status", "top", "capture --active 1", "cancel 3", "stragglers", "watch", "auto on"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -35,8 +35,44 @@ def test_ray_address_is_the_default_and_auto_is_accepted(monkeypatch):
     assert parse_args(["status"]).address == "auto"
 
 
+def test_auto_switches_on_or_off_or_shows():
+    assert parse_args(["auto", "on"]).switch == "on"
+    assert parse_args(["auto", "off"]).switch == "off"
+    assert parse_args(["auto"]).switch is None
+
+
+def test_auto_capture_reads_as_one_line_with_its_reason():
+    from coordinator.ops.tables import render_auto, trigger_text
+
+    entry = {
+        "enabled": True,
+        "source": "operator",
+        "captures": 1,
+        "max_per_run": 5,
+        "baseline_ms": 20.4,
+        "recent_ms": 61.0,
+        "slow_steps": 0,
+        "last_trigger": 312,
+    }
+    assert render_auto(entry) == (
+        "auto capture: on (operator), 1 of at most 5 taken, baseline step 20.4 ms"
+    )
+    trigger = {
+        "step": 312,
+        "ratio": 2.99,
+        "baseline_ms": 20.4,
+        "recent_ms": 61.0,
+        "slow_steps": [301, 312],
+        "region": None,
+    }
+    assert trigger_text(trigger) == (
+        "steps 301-312 ran 2.99x the baseline: 61.0 ms against 20.4 ms"
+    )
+
+
 @pytest.mark.parametrize(
-    "argv", [[], ["nope"], ["capture"], ["status", "--bogus"], ["top", "--k", "x"]]
+    "argv",
+    [[], ["nope"], ["capture"], ["status", "--bogus"], ["top", "--k", "x"], ["auto", "maybe"]],
 )
 def test_usage_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -106,7 +106,13 @@ def test_public_entry_points_say_what_they_take_return_and_raise(module, name):
 
 
 @pytest.mark.parametrize(
-    "module", ["coordinator.core.config", "coordinator.client.attach", "trainers.hooks"]
+    "module",
+    [
+        "coordinator.core.config",
+        "coordinator.core.validate",
+        "coordinator.client.attach",
+        "trainers.hooks",
+    ],
 )
 def test_the_examples_that_need_no_cluster_run(module):
     import importlib

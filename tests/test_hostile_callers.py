@@ -50,6 +50,9 @@ METHODS = {
     "ingest_summary": 4,
     "summary_failed": 5,
     "trace_stored": 5,
+    "set_auto_capture": 1,
+    "wait_window": 4,
+    "ping": 0,
 }
 CALLS = st.sampled_from(sorted(METHODS)).flatmap(
     lambda m: st.tuples(st.just(m), st.lists(HOSTILE, min_size=METHODS[m], max_size=METHODS[m]))

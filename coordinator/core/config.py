@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 import tempfile
@@ -11,8 +10,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.core.slowdown import AutoCapture
 from coordinator.core.storage import check_backend, is_remote, local_path, redact
-from coordinator.core.validate import MAX_WORLD
+from coordinator.core.validate import MAX_WORLD, check_known_keys
 
 ACTIVITIES = ("cpu", "cuda")
 EXPORT_TYPES = ("chrome_trace", "chrome_trace_gz", "stacks", "none")
@@ -98,6 +98,10 @@ class ProfilerConfig:
     """Flag a rank whose step time or kernel time exceeds this multiple of the median."""
     max_capture_steps: int = 1000
     """The most steps (warm-up and recorded) one on-demand capture may ask for."""
+    auto_capture: AutoCapture = field(default_factory=AutoCapture)
+    """Profile slow steps by themselves: ``enable``, ``slowdown_ratio``, ``after_steps``,
+    ``active``, ``warmup``, ``cooldown_steps``, ``max_per_run``, ``ignore_first``,
+    ``baseline_steps`` (see ``coordinator.core.slowdown.AutoCapture``); off by default."""
 
     @classmethod
     def from_dict(
@@ -131,12 +135,11 @@ class ProfilerConfig:
             )
         names = [f.name for f in dataclasses.fields(cls)]
         values: dict[str, Any] = {}
-        for key in mapping.keys():  # noqa: SIM118 - OmegaConf mappings are not always iterable dicts
-            if key not in names:
-                close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"profiler config: unknown key {key!r}{hint}")
-            values[key] = _plain(mapping[key])
+        keys = list(mapping.keys())  # (OmegaConf mappings are not always iterable dicts)
+        check_known_keys(keys, names)
+        for key in keys:
+            value = mapping[key]
+            values[key] = AutoCapture.from_value(value) if key == "auto_capture" else _plain(value)
         return cls(**values).validate(check_paths)
 
     def to_dict(self) -> dict[str, Any]:
@@ -190,6 +193,7 @@ class ProfilerConfig:
                 raise ValueError(
                     f"profiler config: {name!r} is {getattr(self, name)}, beyond 2**62 steps"
                 )
+        self.auto_capture = AutoCapture.from_value(self.auto_capture).validate()
         self._validate_ranks()
         self._validate_activities()
         self._validate_export()

@@ -10,6 +10,7 @@ from coordinator.core.schedule import Window
 from coordinator.protocol.replies import (
     AgentEntry,
     AgentError,
+    AutoTrigger,
     RankEntry,
     RankState,
     TrainerEntry,
@@ -100,6 +101,7 @@ class WindowRecord:
     unopened: str | None = None  # why a planned window never opened (the run stopped first)
     stopped_at: int | None = None  # the last step when stop() cut the window short
     cut: str | None = None  # why the window was cut short, when not by the trainer's stop()
+    trigger: AutoTrigger | None = None  # why an auto capture was taken
 
     def aggregate(self, trainer_id: str) -> WindowAggregate:
         agg = self.aggregates.get(trainer_id)
@@ -162,4 +164,5 @@ class WindowRecord:
                     for r in a.stragglers(self.threshold)["flagged"]
                 }
             ),
+            "trigger": self.trigger,
         }

@@ -14,10 +14,11 @@ from typing import Any, Literal
 
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.schedule import Schedule
+from coordinator.core.slowdown import SlowdownDetector
 from coordinator.core.state import CoordinatorState
 from coordinator.core.trace_layout import child, default_run_name
 from coordinator.core.window_plan import WindowPlan
-from coordinator.protocol.replies import RunEntry, RunLifecycle
+from coordinator.protocol.replies import AutoTrigger, RunEntry, RunLifecycle
 
 Decision = Literal["join", "resume", "fresh", "conflict"]
 
@@ -38,6 +39,19 @@ class Run:
     ended_reason: str | None = None
     # ranks each requested capture profiles, until it opens
     capture_ranks: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
+    # why each planned auto capture was taken, until it opens
+    auto_triggers: dict[int, AutoTrigger] = field(default_factory=dict)
+    detector: SlowdownDetector | None = None
+    auto_override: bool | None = None  # an operator's switch (``set_auto_capture``), else None
+
+    @property
+    def auto_enabled(self) -> bool:
+        """Whether slow steps are profiled by themselves now: the operator's switch, else the
+        config's (and never while profiling is disabled)."""
+        wanted = (
+            self.config.auto_capture.enable if self.auto_override is None else self.auto_override
+        )
+        return self.config.enable and wanted
 
     @property
     def active(self) -> bool:
@@ -69,6 +83,7 @@ def new_run(config: ProfilerConfig, taken: set[str], now: float | None = None) -
         config=config,
         run_dir=run_dir,
         plan=WindowPlan(Schedule(config)),
+        detector=SlowdownDetector(config.auto_capture),
         state=CoordinatorState(
             config.max_windows, config.detail_windows, config.straggler_threshold
         ),

@@ -13,6 +13,8 @@ from typing import Any
 
 from coordinator.protocol.replies import WindowSteps
 
+WINDOW_KINDS = ("scheduled", "capture", "auto")
+
 
 class ProfilerAction(enum.Enum):
     """Same names as ``torch.profiler.ProfilerAction``."""
@@ -32,7 +34,8 @@ class Window:
     first: int
     last: int
     kind: str = "scheduled"
-    """``scheduled`` (from the config's schedule) or ``capture`` (requested at run time)."""
+    """``scheduled`` (the config's schedule), ``capture`` (an operator's) or ``auto`` (slow
+    steps profiled by themselves)."""
 
     def action(self, step: int) -> ProfilerAction:
         """The action during ``step`` if this were the only window."""
@@ -66,6 +69,8 @@ class Window:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Window:
         kind = str(d.get("kind", "scheduled"))
+        if kind not in WINDOW_KINDS:
+            raise ValueError(f"window {d!r:.200}: kind must be one of {list(WINDOW_KINDS)}")
         w = cls(int(d["index"]), int(d["warmup_start"]), int(d["first"]), int(d["last"]), kind)
         if not 0 <= w.warmup_start <= w.first <= w.last:
             raise ValueError(f"window {d!r}: need 0 <= warmup_start <= first <= last")

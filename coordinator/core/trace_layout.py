@@ -1,4 +1,5 @@
-"""Where traces go: ``{save_path}/{run_name}/window_{k:04d}_steps_{first}-{last}/rank{r}.<ext>``."""
+"""Where traces go: ``{save_path}/{run_name}/window_{k:04d}_steps_{first}-{last}/rank{r}.<ext>``
+(``window_{k:04d}_auto_steps_...`` for an auto capture)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import time
 from coordinator.core.storage import is_remote, join
 
 WINDOW_DIR = "window_{index:04d}_steps_{first}-{last}"
+AUTO_WINDOW_DIR = (
+    "window_{index:04d}_auto_steps_{first}-{last}"  # slow steps, profiled by themselves
+)
 TRACE_FILE = {
     "chrome_trace": "rank{rank}.pt.trace.json",
     "chrome_trace_gz": "rank{rank}.pt.trace.json.gz",
@@ -25,10 +29,14 @@ def run_dir(save_path: str, run_name: str) -> str:
     return contained(save_path, run_name)
 
 
-def window_dir(run_directory: str, index: int, first: int, last: int) -> str:
-    """The directory of one window; all its numbers are ints, so it cannot escape."""
+def window_dir(
+    run_directory: str, index: int, first: int, last: int, kind: str = "scheduled"
+) -> str:
+    """The directory of one window (an auto capture's says ``auto``); all its numbers are ints,
+    so it cannot escape."""
+    layout = AUTO_WINDOW_DIR if kind == "auto" else WINDOW_DIR
     return contained(
-        run_directory, WINDOW_DIR.format(index=int(index), first=int(first), last=int(last))
+        run_directory, layout.format(index=int(index), first=int(first), last=int(last))
     )
 
 

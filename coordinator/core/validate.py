@@ -7,6 +7,7 @@ ranks stay below ``MAX_WORLD``, names are short.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from typing import Any
@@ -89,6 +90,21 @@ def rank_handles(trainer_id: str, workers: Any) -> dict[int, Any]:
     if not handles:
         raise ValueError(f"trainer {trainer_id!r}: no workers given")
     return handles
+
+
+def check_known_keys(keys: Any, names: list[str], prefix: str = "") -> None:
+    """ValueError for the first key not in ``names``, naming the closest one.
+
+    >>> check_known_keys(["actve"], ["active", "warmup"])
+    Traceback (most recent call last):
+    ...
+    ValueError: profiler config: unknown key 'actve'; did you mean 'active'?
+    """
+    for key in keys:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"profiler config: unknown key {prefix + str(key)!r}{hint}")
 
 
 def span(ranks: list[int]) -> str:

@@ -92,7 +92,9 @@ class WindowPlan:
         """The first step the trainer has not reported finished (0 before any report)."""
         return self.last_step + 1 if self.last_step is not None else 0
 
-    def request_capture(self, warmup: int, active: int, start_step: int | None) -> Window | str:
+    def request_capture(
+        self, warmup: int, active: int, start_step: int | None, kind: str = "capture"
+    ) -> Window | str:
         """Plan a capture recording ``active`` steps from ``start_step`` (default: the earliest
         step whose warm-up can begin at a boundary the trainer has not reached).
 
@@ -120,7 +122,7 @@ class WindowPlan:
             warmup_start,
             warmup_start + warmup,
             warmup_start + warmup + active - 1,
-            "capture",
+            kind,
         )
         clash = self._clash(w)
         if clash is not None:

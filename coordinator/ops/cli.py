@@ -4,6 +4,7 @@
     ray-profiler top --window 3 --k 20
     ray-profiler capture --active 3 --warmup 1 --ranks 0 1 --wait
     ray-profiler cancel 4
+    ray-profiler auto on
     ray-profiler stragglers
     ray-profiler watch --interval 2
 
@@ -21,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from coordinator.ops.tables import render_status, render_stragglers, render_top
+from coordinator.ops.tables import render_auto, render_status, render_stragglers, render_top
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 _EXAMPLES = {
@@ -32,6 +33,7 @@ _EXAMPLES = {
         "  ray-profiler capture --active 2 --start-step 5000 --ranks 0 1"
     ),
     "cancel": "ray-profiler cancel 8",
+    "auto": "ray-profiler auto on\n  ray-profiler auto off\n  ray-profiler auto --json",
     "stragglers": "ray-profiler stragglers --window 3",
     "watch": "ray-profiler watch --interval 2\n  ray-profiler watch --count 10 > status.log",
     "collect": (
@@ -113,6 +115,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     coll.add_argument("--to", required=True, help="a local directory or an fsspec URL")
     coll.add_argument("--run", default=None, help="an earlier run (default: the current one)")
     coll.add_argument("--wait", type=float, default=60.0, help="seconds to wait for traces")
+    auto = command("auto", "profile slow steps by themselves: switch it on or off, or show it")
+    auto.add_argument("switch", nargs="?", choices=["on", "off"], help="default: show")
     watch = command("watch", "a refreshing status view")
     watch.add_argument("--interval", type=float, default=2.0)
     watch.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
@@ -173,10 +177,25 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"cannot cancel window {args.window}: {res['reason']}")
     elif args.command == "capture":
         return capture(h, args)
+    elif args.command == "auto":
+        return auto(h, args)
     elif args.command == "watch":
         watch(h, args)
     elif args.command == "collect":
         return collect(h, args)
+    return EXIT_OK
+
+
+def auto(h: Any, args: argparse.Namespace) -> int:
+    """Show auto capture, or switch it on or off for the running job (an operator's change)."""
+    if args.switch is None:
+        state = call(h, "status")["auto_capture"]
+    else:
+        res = call(h, "set_auto_capture", args.switch == "on")
+        if not res["applied"]:
+            raise CliError(f"auto capture not switched {args.switch}: {res['reason']}")
+        state = res["auto_capture"]
+    print(json.dumps(state) if args.json else render_auto(state))
     return EXIT_OK
 
 

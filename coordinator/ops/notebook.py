@@ -109,12 +109,17 @@ def ranks_frame(status: dict[str, Any]) -> Any:
 
 
 def windows_frame(status: dict[str, Any]) -> Any:
-    """One row per closed window."""
+    """One row per closed window; an auto capture's row says why it was taken (``ratio`` of its
+    slow steps over the run's baseline, ``baseline_ms``, ``recent_ms``, ``trigger_step``)."""
     pd = _pd()
     rows = [
         {
             "index": w["index"],
             "kind": w.get("kind"),
+            "ratio": (w.get("trigger") or {}).get("ratio"),
+            "baseline_ms": (w.get("trigger") or {}).get("baseline_ms"),
+            "recent_ms": (w.get("trigger") or {}).get("recent_ms"),
+            "trigger_step": (w.get("trigger") or {}).get("step"),
             "first": w["steps"][0] if w["steps"] else None,
             "last": w["steps"][1] if w["steps"] else None,
             "partial": w["partial"],

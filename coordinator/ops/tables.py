@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from coordinator.protocol.replies import KernelSummaryReply, StatusReply, WindowSteps
+from coordinator.protocol.replies import (
+    AutoCaptureEntry,
+    AutoTrigger,
+    KernelSummaryReply,
+    StatusReply,
+    WindowSteps,
+)
 
 
 def render_status(st: StatusReply) -> str:
@@ -16,6 +22,7 @@ def render_status(st: StatusReply) -> str:
         f"trace dir: {st['run_dir']}",
         f"worker RPCs {c.get('worker_rpcs', 0)}, ignored steps {c.get('ignored_steps', 0)}, "
         f"refused steps {c.get('refused_step', 0)}, windows closed {c.get('windows_closed', 0)}",
+        render_auto(st["auto_capture"]),
         "",
         f"{'trainer':<12} {'rank':>4} {'state':<13} {'windows':>7}  reason / note",
     ]
@@ -36,6 +43,8 @@ def render_status(st: StatusReply) -> str:
                 f"{w['index']:>6} {w.get('kind', ''):<9} {steps + flag:<12} "
                 f"{str(w['ranks']):<16} {broken}{strag}{w['trace_dir'] or ''}"
             )
+            if (t := w["trigger"]) is not None:
+                lines.append(f"{'':>6} {'':<9} why: {trigger_text(t)}")
     if st["previous_runs"]:
         lines += ["", "earlier runs (ray-profiler top --run NAME):"]
         for p in st["previous_runs"]:
@@ -45,6 +54,26 @@ def render_status(st: StatusReply) -> str:
                 f"{len(p['windows'])} windows, {prev['run_dir']}"
             )
     return "\n".join(lines)
+
+
+def trigger_text(t: AutoTrigger) -> str:
+    """Why an auto capture was taken, in one line."""
+    first, last = t["slow_steps"]
+    where = f" ({t['region']})" if t.get("region") else ""
+    return (
+        f"steps {first}-{last} ran {t['ratio']:.2f}x the baseline{where}: "
+        f"{t['recent_ms']:.1f} ms against {t['baseline_ms']:.1f} ms"
+    )
+
+
+def render_auto(a: AutoCaptureEntry) -> str:
+    """Auto capture's state in one line."""
+    state = "on" if a["enabled"] else "off"
+    base = f"{a['baseline_ms']:.1f} ms" if a["baseline_ms"] is not None else "not yet"
+    return (
+        f"auto capture: {state} ({a['source']}), {a['captures']} of at most "
+        f"{a['max_per_run']} taken, baseline step {base}"
+    )
 
 
 def _window(w: WindowSteps | None) -> str:

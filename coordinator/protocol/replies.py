@@ -171,11 +171,27 @@ class WindowTrace(TypedDict):
     error: dict[str, str] | None
 
 
+WindowKind = Literal["scheduled", "capture", "auto"]
+"""Where a window comes from: the config's schedule, an operator's capture, or an auto capture
+of slow steps."""
+
+
+class AutoTrigger(TypedDict):
+    """Why an auto capture was taken: the run's steps had slowed down."""
+
+    step: int  # the step whose report found the run slow
+    ratio: float  # the recent step time over the baseline
+    baseline_ms: float  # the run's rolling median step time
+    recent_ms: float  # the step time measured at the trigger
+    slow_steps: list[int]  # [first, last] of the slow steps, to a report's resolution (~0.1 s)
+    region: str | None  # the part of the step that grew, when known
+
+
 class WindowEntry(TypedDict):
     """One window of a run, in ``status()["windows"]``."""
 
     index: int
-    kind: Literal["scheduled", "capture"]
+    kind: WindowKind
     planned: list[int]
     steps: list[int] | None
     kept: bool
@@ -189,6 +205,7 @@ class WindowEntry(TypedDict):
     trace_errors: dict[int, dict[str, str]]
     traces: dict[int, WindowTrace]
     stragglers: list[int]
+    trigger: AutoTrigger | None  # for an ``auto`` window: why it was taken
 
 
 class TrainerEntry(TypedDict):
@@ -226,6 +243,28 @@ class WindowSteps(TypedDict):
     first: int
     last: int
     kind: str
+
+
+class AutoCaptureEntry(TypedDict):
+    """``status()["auto_capture"]``: whether slow steps are profiled by themselves now, and
+    what the detector sees."""
+
+    enabled: bool
+    source: Literal["config", "operator"]  # who set ``enabled`` last
+    captures: int  # auto captures planned in this run
+    max_per_run: int
+    baseline_ms: float | None  # the run's rolling median step time (None: not enough steps)
+    recent_ms: float | None  # the last step time measured
+    slow_steps: int  # consecutive slow steps now
+    last_trigger: int | None  # the step of the last auto capture's trigger
+
+
+class AutoCaptureReply(TypedDict):
+    """``set_auto_capture``: whether the switch was applied, and the state after it."""
+
+    applied: bool
+    reason: str | None
+    auto_capture: AutoCaptureEntry
 
 
 class ProcessEntry(TypedDict):
@@ -275,6 +314,7 @@ class StatusReply(TypedDict):
     restarts: int  # how often Ray restarted this coordinator (each time from its checkpoint)
     last_restart: float | None  # when it last did (epoch seconds)
     checkpoint: CheckpointEntry
+    auto_capture: AutoCaptureEntry
 
 
 class PingReply(TypedDict):

@@ -15,6 +15,7 @@ from typing import Any
 import ray
 
 from coordinator.protocol.replies import (
+    AutoCaptureReply,
     CancelReply,
     CaptureReply,
     KernelSummaryReply,
@@ -135,6 +136,12 @@ class _Coordinator:
     async def cancel_capture(self, window: int) -> CancelReply:
         """Drop a requested capture that has not started yet."""
         return await self._captures.cancel_capture(window)
+
+    async def set_auto_capture(self, enable: bool) -> AutoCaptureReply:
+        """An operator switches auto captures (slow steps profiled by themselves) on or off
+        for the current run, whatever its config says (``status()["auto_capture"]["source"]``
+        then says ``operator``). Switching off drops an auto capture not planned yet."""
+        return await self._captures.set_auto_capture(enable)
 
     # ------------------------------------------------------------ what node agents report
 

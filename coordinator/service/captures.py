@@ -7,18 +7,22 @@ is waited for, else after its next report, whose answer makes a ``StepClient`` w
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from coordinator.core.validate import (
     MAX_WORLD,
+    flag_problem,
     is_int,
     is_number,
     is_rank,
     span,
     step_problem,
 )
-from coordinator.protocol.replies import CancelReply, CaptureReply
+from coordinator.protocol.replies import AutoCaptureReply, AutoTrigger, CancelReply, CaptureReply
 from coordinator.service.rank_calls import fan_out
 from coordinator.service.shell import CONFIGURE_TIMEOUT_S, CaptureRequest, CoordinatorShell, Key
+
+log = logging.getLogger(__name__)
 
 # How long request_capture waits for the trainer's next report before it says no.
 CAPTURE_REPORT_TIMEOUT_S = 30.0
@@ -110,7 +114,7 @@ class Captures:
                 return f"unknown ranks {unknown}: trainer {tid!r} has ranks {span(world)}"
         keys = self._capture_keys(req)
         down = [r for (t, r) in keys if st.ranks[(t, r)].selected and not st.ranks[(t, r)].active]
-        if down:
+        if down and req.kind != "auto":  # an auto capture profiles the ranks that can
             return f"ranks {down} cannot profile: " + "; ".join(
                 f"rank {r} is {st.ranks[(tid, r)].state}" for r in down
             )
@@ -126,21 +130,29 @@ class Captures:
             if req.ranks is None
             else sorted(set(req.ranks))
         )
+        if req.kind == "auto":
+            wanted = [r for r in wanted if st.ranks[(tid, r)].active]
         return [(tid, r) for r in wanted]
 
     async def _plan(self, req: CaptureRequest) -> CaptureReply:
         """Plan ``req`` now: the trainer learns of it before it runs another step."""
         run = self.shell.run
         no = self._capture_refusal(req)
-        if no:
-            return self.shell.capture_no(no)
-        planned = run.plan.request_capture(req.warmup, req.active, req.start_step)
-        if isinstance(planned, str):
-            return self.shell.capture_no(planned)
+        if no is None:
+            planned = run.plan.request_capture(req.warmup, req.active, req.start_step, req.kind)
+            no = planned if isinstance(planned, str) else None
+        if no is not None:
+            return self._auto_refused(req, no) if req.kind == "auto" else self.shell.capture_no(no)
+        assert not isinstance(planned, str)
         keys = self._capture_keys(req)
         await self._configure_for_capture(keys)
         run.capture_ranks[planned.index] = keys
-        run.state.counters["captures_requested"] += 1
+        if req.trigger is not None and run.detector is not None:
+            run.auto_triggers[planned.index] = req.trigger
+            run.detector.accepted(req.trigger)
+            run.state.counters["auto_captures"] += 1
+        else:
+            run.state.counters["captures_requested"] += 1
         self.shell.save()
         return {
             "accepted": True,
@@ -151,6 +163,49 @@ class Captures:
             "warmup_start": planned.warmup_start,
             "ranks": [r for _, r in keys],
         }
+
+    def _auto_refused(self, req: CaptureRequest, why: str) -> CaptureReply:
+        """An auto capture that cannot be planned now (another window is in the way): the
+        detector tries again a little later; nobody waits for this answer."""
+        run = self.shell.run
+        if req.trigger is not None and run.detector is not None:
+            run.detector.refused(req.trigger["step"])
+        run.state.counters["auto_captures_deferred"] += 1
+        return {
+            "accepted": False,
+            "reason": why,
+            "run": run.name,
+            "window": None,
+            "steps": None,
+            "warmup_start": None,
+            "ranks": None,
+        }
+
+    def request_auto(self, trigger: AutoTrigger) -> None:
+        """The run is slow: ask for an auto capture, planned at the trainer's next waited
+        report like any capture (one at a time)."""
+        sh = self.shell
+        if any(r.kind == "auto" for r in sh.requests):
+            return
+        cfg = sh.run.config.auto_capture
+        sh.requests.append(CaptureRequest(cfg.active, cfg.warmup, None, None, "auto", trigger))
+
+    async def set_auto_capture(self, enable: object) -> AutoCaptureReply:
+        sh = self.shell
+        async with sh.lock:
+            no = flag_problem("enable", enable)
+            if no is None and not sh.run.config.enable:
+                no = "profiling is disabled in this run's config"
+            if no is not None or not isinstance(enable, bool):
+                why = sh.refuse("auto_capture", no or "")
+                return {"applied": False, "reason": why, "auto_capture": sh.auto_capture_entry()}
+            sh.run.auto_override = enable
+            if not enable:  # an auto capture not planned yet is dropped with it
+                sh.requests = [r for r in sh.requests if r.kind != "auto"]
+            sh.run.state.counters[f"auto_capture_switched_{'on' if enable else 'off'}"] += 1
+            log.warning("auto capture switched %s by an operator", "on" if enable else "off")
+            sh.save()
+            return {"applied": True, "reason": None, "auto_capture": sh.auto_capture_entry()}
 
     async def plan_waiting(self) -> None:
         requests, self.shell.requests = self.shell.requests, []

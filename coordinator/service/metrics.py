@@ -22,6 +22,7 @@ class CoordinatorMetrics:
     COUNTERS = {
         "profiler_windows_captured": "Profiling windows closed",
         "profiler_worker_rpcs": "Calls the coordinator made to worker ranks",
+        "profiler_auto_captures": "Auto captures planned because the run slowed down",
     }
 
     def __init__(self, name: str) -> None:
@@ -54,6 +55,7 @@ class CoordinatorMetrics:
             "profiler_ranks_unresponsive": float(states.count("unresponsive")),
             "profiler_windows_captured": float(st.counters["windows_closed"]),
             "profiler_worker_rpcs": float(st.counters["worker_rpcs"]),
+            "profiler_auto_captures": float(st.counters["auto_captures"]),
         }
         try:
             for n, g in self._gauges.items():

@@ -75,7 +75,8 @@ async def run_commands(run: Run, commands: Sequence[Command]) -> None:
             if keys is None:  # a scheduled window: the ranks the config selects
                 keys = [k for k, r in st.ranks.items() if r.active and run.config.selects(k[1])]
             keys = [k for k in keys if st.ranks[k].active]
-            st.open_window(cmd.window, keys, cmd.planned)
+            opened = st.open_window(cmd.window, keys, cmd.planned)
+            opened.trigger = run.auto_triggers.pop(cmd.window.index, None)
             w = cmd.window.to_dict()
             await fan_out(run, keys, "start_profile", same_args(w, cmd.step))
             continue

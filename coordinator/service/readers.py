@@ -73,6 +73,7 @@ class Readers:
             "last_restart": sh.last_restart_at,
             "checkpoint": dict(sh.checkpoint.stats),  # type: ignore[typeddict-item]
             "previous_runs": [_previous(r) for r in sh.previous],
+            "auto_capture": sh.auto_capture_entry(),
         }
 
     async def kernel_summary(

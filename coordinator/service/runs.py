@@ -200,6 +200,8 @@ class RunCalls:
             st = run.state
             st.global_step = first_step - 1 if first_step > 0 else st.global_step
             sh.throttled = bool(throttled)
+            if run.detector is not None:
+                run.detector.restart(first_step)
             await run_commands(run, run.plan.start(first_step))
             reply = sh.step_reply(True)
             self._expect_next_report(reply, first_step, waited=True)
@@ -221,6 +223,7 @@ class RunCalls:
             fresh = plan.last_step is None or k > plan.last_step
             if waiting and fresh and sh.requests:
                 await self.captures.plan_waiting()  # the trainer waits: it runs k+1 after this
+            in_window = plan.current is not None
             result = plan.step(k)
             if isinstance(result, Ignored):
                 run.state.counters["ignored_steps"] += 1
@@ -231,6 +234,7 @@ class RunCalls:
                 run.lifecycle, run.started_at = "running", time.time()
             run.state.global_step = k
             await run_commands(run, result)
+            self._watch_for_slowdown(k, in_window or bool(result))
             reply = sh.step_reply(True)
             self._expect_next_report(reply, k + 1, waited=waiting)
             if changed:
@@ -263,6 +267,16 @@ class RunCalls:
             run.lifecycle, run.ended_at, run.ended_reason = "stopped", time.time(), why
             sh.save()
             return sh.step_reply(True)
+
+    def _watch_for_slowdown(self, k: int, in_window: bool) -> None:
+        """Time step ``k``'s report; when the run has slowed down, ask for an auto capture
+        (planned at the trainer's next waited report, so its steps are exact)."""
+        run = self.shell.run
+        if run.detector is None:
+            return
+        trigger = run.detector.observe(k, time.monotonic(), in_window)
+        if trigger is not None and run.auto_enabled:
+            self.captures.request_auto(trigger)
 
     def _trainer_call_problem(
         self, trainer_id: str, what: str, step: tuple[str, object], flag: tuple[str, object]

@@ -21,7 +21,13 @@ import ray
 
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.run import Run, new_run
-from coordinator.protocol.replies import CaptureReply, Phase, StepReply
+from coordinator.protocol.replies import (
+    AutoCaptureEntry,
+    AutoTrigger,
+    CaptureReply,
+    Phase,
+    StepReply,
+)
 from coordinator.service import checkpoint
 from coordinator.service.metrics import CoordinatorMetrics
 from coordinator.service.rank_calls import run_commands
@@ -45,6 +51,8 @@ class CaptureRequest:
     warmup: int
     ranks: list[int] | None
     start_step: int | None
+    kind: str = "capture"  # or ``auto``: slow steps, nobody waits for the answer
+    trigger: AutoTrigger | None = None
     answer: asyncio.Future[CaptureReply] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -115,6 +123,8 @@ class CoordinatorShell:
         }
         self._restore_progress(checkpoint.load(self.namespace, self.name, checkpoint.PROGRESS))
         self.throttled = saved["throttled"]
+        if self.run.detector is not None:
+            self.run.detector.forget_clock()  # its times came from the old process's clock
         self.recovering = self.run.plan.current is not None
         log.warning(
             "coordinator %s restarted (restart %d): run %s at global step %s restored",
@@ -269,11 +279,28 @@ class CoordinatorShell:
             return "idle"
         return "warmup" if plan.next_boundary < cur.first else "recording"
 
+    def auto_capture_entry(self) -> AutoCaptureEntry:
+        """``status()["auto_capture"]`` of the current run."""
+        run = self.run
+        seen = run.detector.to_mapping() if run.detector else {}
+        return {
+            "enabled": run.auto_enabled,
+            "source": "config" if run.auto_override is None else "operator",
+            "captures": seen.get("captures", 0),
+            "max_per_run": run.config.auto_capture.max_per_run,
+            "baseline_ms": seen.get("baseline_ms"),
+            "recent_ms": seen.get("recent_ms"),
+            "slow_steps": seen.get("slow_steps", 0),
+            "last_trigger": seen.get("last_trigger"),
+        }
+
     def end_requests(self, why: str) -> None:
         """Answer every waiting capture request with ``why`` (the run ended)."""
         requests, self.requests = self.requests, []
         for req in requests:
-            if not req.answer.done():
+            if req.kind == "auto":  # nobody waits for it: dropped with the run
+                self.run.state.counters["auto_captures_dropped"] += 1
+            elif not req.answer.done():
                 req.answer.set_result(self.capture_no(f"no steps can be promised: {why}"))
 
     def capture_no(self, why: str) -> CaptureReply:

@@ -143,7 +143,7 @@ class NodeAgent:
 
 MAX_CHUNK = 8 << 20
 _TRACE_FILE = re.compile(
-    r"(^|/)window_\d{4,}_steps_\d+-\d+/rank\d+\.(pt\.trace\.json(\.gz)?|stacks\.txt)$"
+    r"(^|/)window_\d{4,}_(auto_)?steps_\d+-\d+/rank\d+\.(pt\.trace\.json(\.gz)?|stacks\.txt)$"
 )
 
 

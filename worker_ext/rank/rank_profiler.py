@@ -328,7 +328,7 @@ class RankProfiler:
                 prof,
                 self.config,
                 TraceTarget(self.rank, self.device, self.run_directory, self.remote_run_dir),
-                closing.window.index,
+                closing.window,
                 closing.steps,
                 closing.partial,
                 self.report_to,

@@ -95,7 +95,7 @@ def export_trace(
     prof: Any,
     config: ProfilerConfig,
     target: TraceTarget,
-    window: int,
+    window: Window,
     steps: tuple[int, int],
     partial: bool,
     report_to: dict[str, str] | None,
@@ -103,13 +103,13 @@ def export_trace(
     """Write the stopped profiler's raw chrome trace (never half of one: a temporary name, then
     a rename) and return the job that tells the agent what to make of it."""
     first, last = steps
-    export, rank = config.export_type, target.rank
+    export, rank, index = config.export_type, target.rank, window.index
     if export == "none":  # summarised from a temporary trace, then deleted
         os.makedirs(target.run_directory, exist_ok=True)
         final, upload = None, None
-        raw = contained(target.run_directory, f".rank{rank}.window{window:04d}.json")
+        raw = contained(target.run_directory, f".rank{rank}.window{index:04d}.json")
     else:
-        wdir = window_dir(target.run_directory, window, first, last)
+        wdir = window_dir(target.run_directory, index, first, last, window.kind)
         os.makedirs(wdir, exist_ok=True)
         final = trace_path(wdir, rank, export)
         raw = trace_path(wdir, rank, "chrome_trace")  # the agent compresses or folds it
@@ -126,7 +126,7 @@ def export_trace(
         raise
     return TraceJob(
         rank=rank,
-        window=window,
+        window=index,
         steps=(first, last),
         partial=partial,
         device=target.device,
