@@ -1,4 +1,5 @@
-"""On-demand captures: ``request_capture`` plans exactly the steps the ranks will record.
+"""Captures: an operator's (``request_capture``) and the coordinator's own when the run slows
+down (``request_auto``); both are planned to exactly the steps the ranks will record.
 
 A capture is planned only while the trainer waits for an answer: at once when its next report
 is waited for, else after its next report, whose answer makes a ``StepClient`` wait.
@@ -114,6 +115,8 @@ class Captures:
                 return f"unknown ranks {unknown}: trainer {tid!r} has ranks {span(world)}"
         keys = self._capture_keys(req)
         down = [r for (t, r) in keys if st.ranks[(t, r)].selected and not st.ranks[(t, r)].active]
+        if req.kind == "auto" and not keys:
+            return "no rank the config selects can profile"
         if down and req.kind != "auto":  # an auto capture profiles the ranks that can
             return f"ranks {down} cannot profile: " + "; ".join(
                 f"rank {r} is {st.ranks[(tid, r)].state}" for r in down

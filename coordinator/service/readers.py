@@ -117,7 +117,8 @@ class Readers:
         while True:
             reply = self._window_now(name, window, until)
             left = deadline - time.monotonic()
-            if reply["done"] or reply["window"] is None and reply["reason"] or left <= 0:
+            gone = reply["window"] is None and reply["reason"] is not None
+            if reply["done"] or gone or left <= 0:
                 return reply
             await self.shell.wait_for_change(left)
 

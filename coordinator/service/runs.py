@@ -275,7 +275,9 @@ class RunCalls:
         if run.detector is None:
             return
         trigger = run.detector.observe(k, time.monotonic(), in_window)
-        if trigger is not None and run.auto_enabled:
+        if trigger is None or not run.auto_enabled:
+            return
+        if any(r.active for r in run.state.ranks.values()):  # someone can profile it
             self.captures.request_auto(trigger)
 
     def _trainer_call_problem(
