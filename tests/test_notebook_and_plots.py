@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 
 @pytest.fixture(scope="module")
 def run(ray_session, worker_pool, tmp_path_factory):
-    """3 ranks, 2 windows; rank 2 does 6x the work of the others.
+    """3 ranks, 2 windows; rank 2 does 12x the work of the others.
 
     Each rank's step is a few milliseconds of ops, well above a scheduler time slice: on a
     loaded 2-core machine a rank preempted in the middle of an op sees that op's wall time grow
@@ -39,7 +39,7 @@ def run(ray_session, worker_pool, tmp_path_factory):
     ray.get(coord.register.remote("t", workers))
     ray.get(coord.start.remote("t", 0))
     for k in range(6):
-        ray.get([w.train_step.remote(48 if r == 2 else 8) for r, w in enumerate(workers)])
+        ray.get([w.train_step.remote(96 if r == 2 else 8) for r, w in enumerate(workers)])
         ray.get(coord.step.remote("t", k))
     ray.get(coord.stop.remote("t"))
     status = ray.get(coord.status.remote())
