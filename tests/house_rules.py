@@ -32,8 +32,13 @@ RULES = (
     Rule("coordinator.core", ("coordinator.core", "coordinator.protocol"), ("ray", "torch"), PURE),
     Rule("coordinator", ("coordinator",), ("torch",), "the coordinator never loads torch"),
     Rule(
+        "coordinator.raylink",
+        ("coordinator.protocol", "coordinator.raylink"),
+        why="Ray glue shared by the coordinator and the node agents: the protocol, nothing else",
+    ),
+    Rule(
         "coordinator.service",
-        ("coordinator.core", "coordinator.protocol", "coordinator.service"),
+        ("coordinator.core", "coordinator.protocol", "coordinator.raylink", "coordinator.service"),
         why="the actor never imports the trainer's or the operator's rooms",
     ),
     Rule(
@@ -43,12 +48,12 @@ RULES = (
     ),
     Rule(
         "worker_ext",
-        ("coordinator.core", "coordinator.protocol", "worker_ext"),
+        ("coordinator.core", "coordinator.protocol", "coordinator.raylink", "worker_ext"),
         why="a rank and its agent speak to the coordinator only through the protocol",
     ),
     Rule(
         "worker_ext.agent",
-        ("coordinator.core", "coordinator.protocol", "worker_ext.agent"),
+        ("coordinator.core", "coordinator.protocol", "coordinator.raylink", "worker_ext.agent"),
         ("torch",),
         "the node agent reads traces; it never loads torch or the rank's code",
     ),

@@ -85,16 +85,18 @@ def test_stragglers_are_flagged_against_the_median():
     )
 )
 def test_running_sums_equal_a_direct_computation(per_rank):
+    """Sums are kept in whole nanoseconds: each value counts to within 0.5 ns."""
     agg = WindowAggregate(0)
     for r, rows in enumerate(per_rank):
         agg.add(summary(r, [(n, us, 1) for n, us in rows.items()]))
     n = len(per_rank)
+    ns = 0.5e-3 * n
     for row in agg.top(10):
         values = [rows.get(row["name"], 0.0) for rows in per_rank]
-        assert row["total_us"] == pytest.approx(sum(values))
-        assert row["min_us"] == pytest.approx(min(values))
-        assert row["max_us"] == pytest.approx(max(values))
+        assert row["total_us"] == pytest.approx(sum(values), abs=ns)
+        assert row["min_us"] == min(values)
+        assert row["max_us"] == max(values)
         assert row["std_us"] == pytest.approx(
-            statistics.pstdev(values), abs=1e-6 * max(values) + 1e-9
+            statistics.pstdev(values), abs=1e-6 * max(values) + 1e-3
         )
-        assert math.isclose(row["mean_us"], sum(values) / n, rel_tol=1e-9, abs_tol=1e-9)
+        assert math.isclose(row["mean_us"], sum(values) / n, rel_tol=1e-9, abs_tol=ns / n)

@@ -37,18 +37,23 @@ def result_of(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def run_script(module: str, *args: str) -> dict:
+    """Run a driver script of tests/scripts in its own process; the RESULT it printed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    return result_of(proc)
+
+
 def test_two_nodes_upload_to_s3_and_collect_names_the_ranks_of_a_removed_node():
     with s3_server() as s3:
         s3.make_bucket("traces")
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests.scripts.multinode_run", s3.endpoint],
-            cwd=ROOT,
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=400,
-        )
-    out = result_of(proc)
+        out = run_script("tests.scripts.multinode_run", s3.endpoint)
     assert out["distinct_nodes"] == 2
     # 1. every window of every rank, from both nodes, is in the bucket; staging is empty again
     dirs = ["window_0000_steps_1-2", "window_0001_steps_4-5"]
@@ -327,3 +332,27 @@ def test_cli_errors_are_one_line(head):
     )
     assert no_cluster.returncode == 1 and len(no_cluster.stderr.strip().splitlines()) == 1
     assert no_cluster.stderr.startswith("error: no Ray cluster answers at 127.0.0.1:")
+
+
+def test_three_nodes_fan_out_through_agents_fold_partials_and_lose_a_removed_node():
+    out = run_script("tests.scripts.three_nodes_run")
+    assert out["distinct_nodes"] == 3
+    # Window commands went through the three agents (one group: one relay); each window's
+    # summaries came as one partial, merged by the relay from its three nodes' partials.
+    assert out["paths"]["by_path"] == {"agent": 3}, out["paths"]
+    assert out["counters"]["node_commands"] >= 6
+    assert out["counters"].get("node_fallback_ranks", 0) == 0
+    assert out["counters"]["partials"] == 2 and out["counters"]["summaries"] == 12
+    assert out["tables"] == {"0": list(range(6)), "1": list(range(6))}
+    # Node 3 removed after step 7: its ranks are lost, the others' table is complete.
+    assert out["ranks"] == {"0": "ok", "1": "ok", "2": "ok", "3": "ok", "4": "lost", "5": "lost"}
+    assert out["lost_reasons"] and set(out["lost_reasons"]) <= {
+        "ActorDiedError",
+        "RayActorError",
+        "ActorUnavailableError",
+    }, out["lost_reasons"]
+    assert out["last"]["steps"] == [7, 8] and out["last"]["ranks"] == [0, 1, 2, 3]
+    assert out["last"]["table"] == [0, 1, 2, 3] and out["last"]["pending"] == []
+    # The run stopped: the agents, idle for agent_idle_exit_s = 2, left by themselves.
+    assert out["agents_before_exit"] >= 2 and out["agents_after"] == []
+    assert out["torch_loaded"] is False

@@ -91,10 +91,13 @@ def test_end_to_end_windows_traces_and_aggregates(ray_session, make, tmp_path):
     assert c["worker_rpcs"] == 3 + 2 * 3 + 2 * 3 * 3 + late and late <= 3
     assert c["summaries"] == 2 * 3
     assert st["process"]["torch_loaded"] is False
-    # The summaries were built and pushed by one process per node, neither a rank nor this one.
+    # The summaries were built by one process per node, neither a rank nor this one, and pushed
+    # as one node partial per window; the window commands went through that agent too.
     agents = {(r["agent"]["kind"], r["agent"]["pid"]) for r in st["ranks"]}
     ((kind, agent_pid),) = agents
-    assert kind == "node_agent" and c["summaries_pushed"] == 2 * 3
+    assert kind == "node_agent" and c["partials_pushed"] == 2 and c["partials"] == 2
+    assert c["summaries"] == 2 * 3 and c.get("summaries_pushed", 0) == 0
+    assert st["nodes"]["by_path"] == {"agent": 1} and c["node_commands"] >= 6
     rank_pids = set(ray.get([w.pid.remote() for w in workers]))
     assert agent_pid not in rank_pids | {os.getpid(), st["process"]["pid"]}
 

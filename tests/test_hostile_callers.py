@@ -46,8 +46,10 @@ METHODS = {
     "request_capture": 5,
     "cancel_capture": 1,
     "kernel_summary": 5,
-    "status": 0,
+    "status": 1,
+    "ranks": 4,
     "ingest_summary": 4,
+    "ingest_partial": 3,
     "summary_failed": 5,
     "trace_stored": 5,
     "set_auto_capture": 1,
@@ -150,3 +152,15 @@ def test_a_100_mb_garbage_summary_is_refused_before_it_is_decoded(ray_session, t
     assert c.get("bad_summaries", 0) == before.get("bad_summaries", 0)  # never decoded
     assert all(0 not in w["summaries_pending"] for w in after["windows"])
     assert rss_mb() < 400  # the coordinator did not keep it
+
+
+def test_oversized_or_malformed_node_partials_are_refused_and_nothing_changes(ray_session, target):
+    ray = ray_session
+    before = ray.get(target.status.remote())["counters"]
+    assert ray.get(target.ingest_partial.remote("t", os.urandom(40 << 20))) is True
+    assert ray.get(target.ingest_partial.remote("t", b"\x93garbage")) is False  # ranks resend
+    assert ray.get(target.ingest_partial.remote("t", "not bytes")) is True
+    c = ray.get(target.status.remote())["counters"]
+    assert c["refused_ingest_partial"] == before.get("refused_ingest_partial", 0) + 2
+    assert c["bad_partials"] == before.get("bad_partials", 0) + 1
+    assert c.get("partials", 0) == before.get("partials", 0)

@@ -58,7 +58,7 @@ def test_the_length_check_sees_a_long_function(tmp_path):
 
 def test_the_mixin_implements_the_rank_rpcs_with_their_signatures():
     from coordinator.protocol.rank_rpc import RANK_RPCS, RankRPC
-    from coordinator.service.worker_handles import ProfilerWorkerStub
+    from coordinator.raylink.handle_stubs import ForeignActorStub as ProfilerWorkerStub
     from worker_ext import ProfilerWorkerMixin
 
     def params(cls, name):
@@ -70,6 +70,20 @@ def test_the_mixin_implements_the_rank_rpcs_with_their_signatures():
     for name in RANK_RPCS:
         assert params(RankRPC, name) == params(ProfilerWorkerMixin, name), name
         assert name not in vars(ProfilerWorkerStub), name  # the stub only inherits them
+
+
+def test_the_node_agent_implements_the_agent_rpcs_with_their_signatures():
+    from coordinator.protocol.agent_rpc import AgentRPC
+    from coordinator.raylink.handle_stubs import ForeignActorStub
+    from worker_ext.agent.node_agent import NodeAgent
+
+    def params(cls, name):
+        found = inspect.signature(getattr(cls, name)).parameters.values()
+        return [(p.name, p.default) for p in found if p.name != "_ray_trace_ctx"]
+
+    assert issubclass(NodeAgent, AgentRPC) and issubclass(ForeignActorStub, AgentRPC)
+    for name in ("ping", "command"):
+        assert params(NodeAgent, name) == params(AgentRPC, name), name
 
 
 def test_the_public_names_keep_working():

@@ -94,6 +94,23 @@ def test_stop_without_start_and_double_stop_are_noops(tmp_path):
     assert second["state"] == "ok"
 
 
+def test_a_window_told_twice_is_recorded_once(tmp_path):
+    """A command can reach a rank twice (its relay failed after delivering it, and the
+    coordinator told it directly): the same start and the same steps change nothing."""
+    rp = RankProfiler(0, cfg_for(tmp_path), str(tmp_path / "run"))
+    w = Window(0, 0, 1, 2)
+    rp.start_window(w, 0)
+    closed = []
+    for k in range(3):
+        TinyMLP().train_step()
+        if k == 0:
+            rp.start_window(w, 0)  # the second time
+        closed += [rp.step(k)["closed"], rp.step(k)["closed"]]
+    assert [c["steps"] for c in closed if c] == [[1, 2]]
+    assert os.listdir(tmp_path / "run") == ["window_0000_steps_1-2"]
+    assert rp.status()["windows_captured"] == 1 and rp.status()["state"] == "ok"
+
+
 def test_unselected_rank_creates_no_profiler(tmp_path, monkeypatch):
     made = []
     real = torch.profiler.profile

@@ -1,12 +1,15 @@
 """Cross-rank kernel aggregation for one window: pure, incremental, bounded.
 
-Each rank's summary is folded into running per-kernel sums when it arrives, so a top-k query
-costs O(kernels), not O(ranks x kernels). Per-rank values (for rank x kernel views) are kept as
-one float32 array per rank until ``drop_detail``; the coordinator keeps them for recent windows.
+Each rank's summary, or each node partial of several ranks' summaries, is folded into running
+per-kernel sums when it arrives, so a top-k query costs O(kernels), not O(ranks x kernels).
+Sums are integers, so the table does not depend on the order of arrival or on how the ranks
+were grouped into partials. Per-rank values (for rank x kernel views) are kept as float32
+blocks until ``drop_detail``; the coordinator keeps them for recent windows.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import heapq
 import math
@@ -14,6 +17,10 @@ import statistics
 from array import array
 from typing import Any, cast
 
+import msgspec
+
+from coordinator.core.partial import Rows, rank_part, unique_rows
+from coordinator.protocol.partial_codec import NS, NodePartial, RankPart, TableRow
 from coordinator.protocol.replies import (
     BreakdownTable,
     KernelStats,
@@ -31,60 +38,107 @@ from coordinator.protocol.summary_codec import (
     StreamRow,
 )
 
+CHEAP_RANKS = 256
+"""Up to this many ranks, a window's stragglers are computed wherever they are asked for."""
+
 
 class _Table:
-    """Running per-name statistics over ranks: one row per op, kernel or allocating op."""
+    """Running per-name statistics over ranks: one row per op, kernel or allocating op.
 
-    def __init__(self) -> None:
+    Sums are integers (nanoseconds for times, bytes for memory), so the table is the same
+    whatever order its ranks and node partials arrive in.
+    """
+
+    def __init__(self, scale: int) -> None:
+        self.scale = scale
         self.ids: dict[str, int] = {}
         self.names: list[str] = []
-        self.total: list[float] = []
-        self.sumsq: list[float] = []
+        self.total: list[int] = []
+        self.sumsq: list[int] = []
         self.max: list[float] = []
         self.max_rank: list[int] = []
         self.min_present: list[float] = []
         self.present: list[int] = []
         self.count: list[int] = []
 
-    def add(self, rank: int, rows: list[tuple[str, float, int]]) -> array[float]:
-        """Fold one rank's ``(name, value, count)`` rows in; returns its values by row id."""
-        ids, names = self.ids, self.names
-        row = array("f")
-        for name, v, count in rows:
-            i = ids.get(name)
-            if i is None:
-                i = ids[name] = len(names)
-                names.append(name)
-                self.total.append(0.0)
-                self.sumsq.append(0.0)
-                self.max.append(-1.0)
-                self.max_rank.append(rank)
-                self.min_present.append(math.inf)
-                self.present.append(0)
-                self.count.append(0)
-            self.total[i] += v
-            self.sumsq[i] += v * v
-            if v > self.max[i]:
-                self.max[i], self.max_rank[i] = v, rank
+    def copy(self) -> _Table:
+        out = _Table(self.scale)
+        out.ids = dict(self.ids)
+        for name in (
+            "names",
+            "total",
+            "sumsq",
+            "max",
+            "max_rank",
+            "min_present",
+            "present",
+            "count",
+        ):
+            setattr(out, name, list(getattr(self, name)))
+        return out
+
+    def id_of(self, name: str) -> int:
+        i = self.ids.get(name)
+        if i is None:
+            i = self.ids[name] = len(self.names)
+            self.names.append(name)
+            self.total.append(0)
+            self.sumsq.append(0)
+            self.max.append(-1.0)
+            self.max_rank.append(-1)
+            self.min_present.append(math.inf)
+            self.present.append(0)
+            self.count.append(0)
+        return i
+
+    def add_rank(self, rank: int, rows: Rows) -> array[float]:
+        """Fold in one rank's rows (the fold of ``RowFold`` and ``merge`` in one pass); returns
+        the rank's values by row id."""
+        scale = self.scale
+        mine = array("f")
+        for name, (v, count) in unique_rows(rows).items():
+            i = self.id_of(name)
+            q = round(v * scale)
+            self.total[i] += q
+            self.sumsq[i] += q * q
+            self.count[i] += count
+            self.present[i] += 1
             if v < self.min_present[i]:
                 self.min_present[i] = v
-            self.present[i] += 1
-            self.count[i] += count
-            if len(row) <= i:
-                row.extend([0.0] * (i + 1 - len(row)))
-            row[i] += v
-        return row
+            if v > self.max[i] or (v == self.max[i] and rank < self.max_rank[i]):
+                self.max[i], self.max_rank[i] = v, rank
+            if len(mine) <= i:
+                mine.extend([0.0] * (i + 1 - len(mine)))
+            mine[i] = v
+        return mine
+
+    def merge(self, rows: list[TableRow]) -> list[int]:
+        """Fold in a partial's rows; returns their row ids, in order."""
+        ids = []
+        for r in rows:
+            i = self.id_of(r.name)
+            ids.append(i)
+            self.total[i] += r.total
+            self.sumsq[i] += r.square_sum
+            self.count[i] += r.count
+            self.present[i] += r.present
+            self.min_present[i] = min(self.min_present[i], r.min)
+            if r.max > self.max[i] or (r.max == self.max[i] and r.max_rank < self.max_rank[i]):
+                self.max[i], self.max_rank[i] = r.max, r.max_rank
+        return ids
 
     def top(self, k: int, n: int, grand: float, unit: str) -> list[dict[str, Any]]:
         """The ``k`` rows with the largest total over the ``n`` reporting ranks."""
         if n == 0 or k <= 0:
             return []
-        order = heapq.nlargest(k, range(len(self.names)), key=self.total.__getitem__)
+        totals, names = self.total, self.names  # ties by name: the same order however folded
+        order = heapq.nsmallest(k, range(len(names)), key=lambda i: (-totals[i], names[i]))
         rows = []
         for i in order:
-            total = self.total[i]
+            total = self.total[i] / self.scale
             mean = total / n
-            var = max(0.0, self.sumsq[i] / n - mean * mean)  # absent ranks count as 0
+            q_mean = self.total[i] / n  # absent ranks count as 0
+            var = max(0.0, self.sumsq[i] / n - q_mean * q_mean) / (self.scale * self.scale)
             rows.append(
                 {
                     "name": self.names[i],
@@ -102,6 +156,29 @@ class _Table:
         return rows
 
 
+@dataclasses.dataclass
+class _Block:
+    """Per-rank values of some kernels for some ranks: a rank's own summary (every kernel it
+    ran, ``ids`` None: ``values`` by kernel id), or a node's block of a partial (its largest
+    kernels, ``ids`` naming the columns; a kernel outside them is not known per rank)."""
+
+    ranks: list[int]
+    ids: list[int] | None
+    values: array[float]  # rank-major: values[n * len(ids) + column]
+
+    def fill(self, out: dict[int, float], kernel: int | None) -> None:
+        """Put each of the block's ranks' value of ``kernel`` into ``out``, where it is known."""
+        if self.ids is None:
+            known = kernel is not None and kernel < len(self.values)
+            out[self.ranks[0]] = float(self.values[kernel]) if known else 0.0  # type: ignore[index]
+            return
+        if kernel not in self.ids:
+            return
+        col, width = self.ids.index(kernel), len(self.ids)
+        for n, rank in enumerate(self.ranks):
+            out[rank] = float(self.values[n * width + col])
+
+
 class WindowAggregate:
     """Per-kernel statistics over the ranks that reported one window."""
 
@@ -111,47 +188,82 @@ class WindowAggregate:
         self.partial = False
         self.devices: set[str] = set()
         self.rank_totals: dict[int, float] = {}
-        self.rank_step_us: dict[int, list[tuple[int, float]]] = {}
+        self.rank_step_ms: dict[int, float] = {}  # mean step time
+        self._stragglers: tuple[tuple[int, float], Stragglers] | None = None
+        self.rank_dropped: dict[int, tuple[int, float]] = {}
         self.bad_ranks: dict[int, str] = {}
-        self.dropped_rows = 0
-        self.dropped_us = 0.0
         self.duplicates = 0
-        self.breakdowns: dict[int, Breakdown] = {}
+        self.breakdowns: dict[int, tuple[float, ...]] = {}  # Breakdown's fields (pickled fast)
         self.streams: dict[int, list[StreamRow]] = {}
         self.peak_bytes: dict[int, int] = {}
-        self._kernels = _Table()
-        self._memory = _Table()
-        self._detail: dict[int, array[float]] | None = {}  # rank -> self time by kernel id
+        self._kernels = _Table(NS)
+        self._memory = _Table(1)
+        # Per-rank values for the rank x kernel views, in blocks of ranks (see ``_Block``).
+        self._detail: list[_Block] | None = []
 
     @property
     def ranks(self) -> list[int]:
         return sorted(self.rank_totals)
 
+    @property
+    def dropped_rows(self) -> int:
+        return sum(rows for rows, _ in self.rank_dropped.values())
+
+    @property
+    def dropped_us(self) -> float:
+        return math.fsum(us for _, us in self.rank_dropped.values())
+
     def add(self, summary: RankSummary) -> bool:
         """Fold in one rank's summary; False (and nothing changes) for a repeat."""
-        rank = summary.rank
-        if rank in self.rank_totals or summary.window != self.window:
+        if summary.window != self.window:
             self.duplicates += 1
             return False
+        if summary.rank in self.rank_totals:
+            self.duplicates += 1
+            return False
+        self._add_rank(rank_part(summary))
+        values = self._kernels.add_rank(
+            summary.rank, ((k.name, k.self_us, k.count) for k in summary.kernels)
+        )
+        if summary.peak_bytes is not None:
+            rows = ((m.name, float(m.bytes), m.count) for m in summary.memory)
+            self._memory.add_rank(summary.rank, rows)
+        if self._detail is not None:
+            self._detail.append(_Block([summary.rank], None, values))
+        return True
+
+    def add_partial(self, p: NodePartial) -> list[int] | None:
+        """Fold in a node partial; None (and nothing changes) when the window is another or a
+        rank of it is already in. Returns the kernel row ids of its rows."""
+        if p.window != self.window or any(part.rank in self.rank_totals for part in p.ranks):
+            self.duplicates += 1
+            return None
+        for part in p.ranks:
+            self._add_rank(part)
+        ids = self._kernels.merge(p.kernels)
+        self._memory.merge(p.memory)
+        if self._detail is not None:
+            for block in p.detail:
+                names = [self._kernels.id_of(name) for name in block.names]
+                self._detail.append(_Block(block.ranks, names, array("f", block.values)))
+        return ids
+
+    def _add_rank(self, part: RankPart) -> None:
+        rank = part.rank
         self.bad_ranks.pop(rank, None)
         if self.steps is None:
-            self.steps = summary.steps
-        self.partial = self.partial or summary.partial
-        self.devices.add(summary.device)
-        self.rank_totals[rank] = summary.total_us
-        self.rank_step_us[rank] = list(summary.step_us)
-        self.dropped_rows += summary.dropped_rows
-        self.dropped_us += summary.dropped_us
-        self.breakdowns[rank] = summary.breakdown
-        if summary.streams:
-            self.streams[rank] = list(summary.streams)
-        if summary.peak_bytes is not None:
-            self.peak_bytes[rank] = summary.peak_bytes
-            self._memory.add(rank, [(m.name, float(m.bytes), m.count) for m in summary.memory])
-        row = self._kernels.add(rank, [(k.name, k.self_us, k.count) for k in summary.kernels])
-        if self._detail is not None:
-            self._detail[rank] = row
-        return True
+            self.steps = part.steps
+        self.partial = self.partial or part.partial
+        self.devices.add(part.device)
+        self.rank_totals[rank] = part.total_us
+        if part.step_us:
+            self.rank_step_ms[rank] = statistics.fmean(us for _, us in part.step_us) / 1e3
+        self.rank_dropped[rank] = part.dropped
+        self.breakdowns[rank] = tuple(part.breakdown)
+        if part.streams:
+            self.streams[rank] = list(part.streams)
+        if part.peak_bytes is not None:
+            self.peak_bytes[rank] = part.peak_bytes
 
     def drop_detail(self) -> None:
         """Forget per-rank values (the running statistics stay)."""
@@ -161,21 +273,23 @@ class WindowAggregate:
         """Pickled (the coordinator's checkpoint) without the per-rank values: they are the
         bulk of a window at scale, and only the rank x kernel views need them."""
         state = dict(self.__dict__)
-        state["_detail"] = None
+        state["_detail"] = state["_stragglers"] = None
         return state
 
     def per_rank(self, names: list[str]) -> dict[str, dict[int, float]] | None:
-        """Self time of each named kernel on each reporting rank, or None once dropped."""
+        """Self time of each named kernel on each reporting rank, or None once dropped.
+
+        A rank folded into a node partial has a value for its node's largest kernels
+        (``MAX_PARTIAL_TOP``); it is left out of the others.
+        """
         if self._detail is None:
             return None
-        out = {}
-        for name in names:
-            i = self._kernels.ids.get(name)
-            out[name] = {
-                r: (float(row[i]) if i is not None and i < len(row) else 0.0)
-                for r, row in sorted(self._detail.items())
-            }
-        return out
+        out: dict[str, dict[int, float]] = {name: {} for name in names}
+        wanted = [(name, self._kernels.ids.get(name)) for name in names]
+        for block in self._detail:
+            for name, i in wanted:
+                block.fill(out[name], i)
+        return {name: dict(sorted(by_rank.items())) for name, by_rank in out.items()}
 
     def stragglers(self, threshold: float) -> Stragglers:
         """Each rank's mean step time and compute time relative to the median over ranks.
@@ -183,12 +297,50 @@ class WindowAggregate:
         In a collective the fast ranks wait for the slow one, so communication time marks the
         victims: the culprit is the rank whose compute time is high. A rank is flagged when its
         step or compute ratio exceeds ``threshold``; ``comm_ms`` shows the waiting beside it.
+        Kept until another rank arrives: every ``status()`` shows each window's stragglers.
         """
-        step_ms = {
-            r: statistics.fmean(us for _, us in steps) / 1e3
-            for r, steps in self.rank_step_us.items()
-            if steps
-        }
+        key = (len(self.rank_totals), threshold)
+        if self._stragglers is None or self._stragglers[0] != key:
+            self._stragglers = (key, self._find_stragglers(threshold))
+        return self._stragglers[1]
+
+    def flagged(self, threshold: float) -> list[int] | None:
+        """The flagged stragglers; None when they would have to be computed and the window has
+        over ``CHEAP_RANKS`` ranks (``stragglers()`` then runs off the event loop)."""
+        key = (len(self.rank_totals), threshold)
+        if self._stragglers is not None and self._stragglers[0] == key:
+            return self._stragglers[1]["flagged"]
+        if len(self.rank_totals) > CHEAP_RANKS:
+            return None
+        return self.stragglers(threshold)["flagged"]
+
+    def snapshot(self) -> WindowAggregate:
+        """A copy that later folds do not change, to read off the event loop (O(ranks) of
+        C-speed copies, the per-rank values shared: they are only ever appended to)."""
+        snap = copy.copy(self)
+        for name in (
+            "devices",
+            "rank_totals",
+            "rank_step_ms",
+            "rank_dropped",
+            "bad_ranks",
+            "breakdowns",
+            "streams",
+            "peak_bytes",
+        ):
+            setattr(snap, name, copy.copy(getattr(self, name)))
+        snap._kernels, snap._memory = self._kernels.copy(), self._memory.copy()
+        snap._detail = list(self._detail) if self._detail is not None else None
+        return snap
+
+    def keep_stragglers(self, snap: WindowAggregate) -> None:
+        """Keep the stragglers ``snap`` (a snapshot of this aggregate) computed, if no rank has
+        arrived since."""
+        if snap._stragglers is not None and snap._stragglers[0][0] == len(self.rank_totals):
+            self._stragglers = snap._stragglers
+
+    def _find_stragglers(self, threshold: float) -> Stragglers:
+        step_ms = self.rank_step_ms
         compute_ms = {r: self._compute_us(r) / 1e3 for r in self.rank_totals}
         med_step = statistics.median(step_ms.values()) if step_ms else 0.0
         med_compute = statistics.median(compute_ms.values()) if compute_ms else 0.0
@@ -197,7 +349,7 @@ class WindowAggregate:
             s = step_ms.get(r)
             s_ratio = s / med_step if s is not None and med_step > 0 else None
             c_ratio = compute_ms[r] / med_compute if med_compute > 0 else None
-            b = self.breakdowns.get(r)
+            b = self._breakdown(r)
             ranks[r] = {
                 "step_ms": s,
                 "step_ratio": s_ratio,
@@ -215,8 +367,12 @@ class WindowAggregate:
             "flagged": [r for r, v in ranks.items() if v["flagged"]],
         }
 
+    def _breakdown(self, rank: int) -> Breakdown | None:
+        fields = self.breakdowns.get(rank)
+        return Breakdown(*fields) if fields is not None else None
+
     def _compute_us(self, rank: int) -> float:
-        b = self.breakdowns.get(rank)
+        b = self._breakdown(rank)
         if b is not None and b.window_us > 0:
             return b.compute_us
         return self.rank_totals[rank]  # no breakdown: every op's self time
@@ -234,11 +390,13 @@ class WindowAggregate:
 
     def top(self, k: int) -> list[dict[str, Any]]:
         """The ``k`` kernels with the largest total self time over ranks."""
-        return self._kernels.top(k, len(self.rank_totals), sum(self.rank_totals.values()), "us")
+        return self._kernels.top(
+            k, len(self.rank_totals), math.fsum(self.rank_totals.values()), "us"
+        )
 
     def breakdown(self) -> BreakdownTable:
         """Per rank and on average: compute, comm, memcpy and other time, and shares."""
-        ranks = {r: _breakdown_row(b) for r, b in sorted(self.breakdowns.items())}
+        ranks = {r: _breakdown_row(Breakdown(*b)) for r, b in sorted(self.breakdowns.items())}
         n = len(ranks)
         mean = (
             {key: sum(row[key] for row in ranks.values()) / n for key in next(iter(ranks.values()))}
@@ -252,11 +410,12 @@ class WindowAggregate:
         if not self.peak_bytes:
             return None
         n = len(self.peak_bytes)
-        grand = sum(self._memory.total)
+        max_peak = max(self.peak_bytes.values())
+        grand = float(sum(self._memory.total))
         return {
             "peak_bytes": dict(sorted(self.peak_bytes.items())),
             "max_peak_bytes": max(self.peak_bytes.values()),
-            "max_peak_rank": max(self.peak_bytes, key=self.peak_bytes.__getitem__),
+            "max_peak_rank": min(r for r, b in self.peak_bytes.items() if b == max_peak),
             "ops": cast(list[MemoryStats], self._memory.top(k, n, grand, "bytes")),
         }
 
@@ -283,7 +442,7 @@ class WindowAggregate:
             "stragglers": self.stragglers(straggler_threshold),
             "breakdown": self.breakdown(),
             "streams": {
-                int(r): [dataclasses.asdict(row) for row in rows]
+                int(r): [msgspec.structs.asdict(row) for row in rows]
                 for r, rows in sorted(self.streams.items())
             },
             "memory": self.memory(top_k),

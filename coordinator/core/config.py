@@ -19,6 +19,9 @@ EXPORT_TYPES = ("chrome_trace", "chrome_trace_gz", "stacks", "none")
 _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+FANOUTS = ("node", "direct")
+
+
 @dataclass
 class ProfilerConfig:
     """Profiling settings shared by the coordinator and every rank.
@@ -98,6 +101,12 @@ class ProfilerConfig:
     """Flag a rank whose step time or kernel time exceeds this multiple of the median."""
     max_capture_steps: int = 1000
     """The most steps (warm-up and recorded) one on-demand capture may ask for."""
+    fanout: str = "node"
+    """How window commands reach the ranks: ``node`` (through each node's agent, one call per
+    group of nodes) or ``direct`` (one call per rank from the coordinator)."""
+    agent_idle_exit_s: float = 600.0
+    """A node agent with nothing to do for this long, while no coordinator it served has a live
+    run, exits (0: never)."""
     auto_capture: AutoCapture = field(default_factory=AutoCapture)
     """Profile slow steps by themselves: ``enable``, ``slowdown_ratio``, ``after_steps``,
     ``active``, ``warmup``, ``cooldown_steps``, ``max_per_run``, ``ignore_first``,
@@ -188,6 +197,12 @@ class ProfilerConfig:
         _check_int(self, "detail_windows", minimum=0)
         _check_number(self, "straggler_threshold", minimum_exclusive=1.0)
         _check_int(self, "max_capture_steps", minimum=1)
+        _check_number(self, "agent_idle_exit_s", minimum=0.0)
+        if self.fanout not in FANOUTS:
+            raise ValueError(
+                f"profiler config: 'fanout' must be one of {', '.join(FANOUTS)}, "
+                f"got {self.fanout!r:.80}"
+            )
         for name in ("skip_first", "wait", "warmup", "active", "repeat", "max_capture_steps"):
             if getattr(self, name) > 2**62:
                 raise ValueError(
@@ -384,16 +399,24 @@ def _check_int(cfg: ProfilerConfig, name: str, minimum: int) -> None:
         raise ValueError(f"profiler config: {name!r} must be >= {minimum}, got {value}")
 
 
-def _check_number(cfg: ProfilerConfig, name: str, minimum_exclusive: float) -> None:
+def _check_number(
+    cfg: ProfilerConfig,
+    name: str,
+    minimum_exclusive: float | None = None,
+    minimum: float | None = None,
+) -> None:
     value = getattr(cfg, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(
             f"profiler config: {name!r} must be a number, got {type(value).__name__}: {value!r}"
         )
-    if not value > minimum_exclusive or value != value or value == float("inf"):
-        raise ValueError(
-            f"profiler config: {name!r} must be a finite number > {minimum_exclusive}, got {value}"
-        )
+    if minimum_exclusive is not None:
+        low_ok = value > minimum_exclusive
+    else:
+        low_ok = minimum is None or value >= minimum
+    if not low_ok or value != value or value == float("inf"):
+        bound = f"> {minimum_exclusive}" if minimum_exclusive is not None else f">= {minimum}"
+        raise ValueError(f"profiler config: {name!r} must be a finite number {bound}, got {value}")
 
 
 def redact_value(value: Any) -> Any:

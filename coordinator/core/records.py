@@ -20,6 +20,8 @@ from coordinator.protocol.replies import (
 
 Key = tuple[str, int]
 """A rank of a trainer: ``(trainer_id, rank)``."""
+LISTED = 64
+"""Per-rank lists in a large run's default ``status()`` stop after this many ranks."""
 
 
 @dataclass
@@ -44,11 +46,16 @@ class RankRecord:
         """Whether RPCs still go to this rank."""
         return self.selected and self.state == "ok"
 
+    @property
+    def public_state(self) -> RankState:
+        """The state ``status()`` shows (``not_selected`` for a rank nobody profiles)."""
+        return self.state if self.selected else "not_selected"
+
     def to_dict(self) -> RankEntry:
         return {
             "trainer_id": self.trainer_id,
             "rank": self.rank,
-            "state": self.state if self.selected else "not_selected",
+            "state": self.public_state,
             "reason": self.reason,
             "device": self.device,
             "note": self.note,
@@ -134,12 +141,19 @@ class WindowRecord:
             f"the trainer skipped past the planned steps: recorded {got} instead of {want}",
         )
 
-    def to_dict(self) -> WindowEntry:
-        captured = sorted(
-            (t, r) for (t, r) in self.acked if (t, r) in self.participants and self.steps
-        )
+    def to_dict(self, complete: bool = True) -> WindowEntry:
+        """The window's entry; ``complete=False`` (a large run's default ``status()``) cuts
+        each per-rank list to its first ``LISTED`` ranks and lists only the failed traces."""
+        captured = sorted({r for _, r in self.acked & self.participants} if self.steps else ())
         plan = self.planned or self.window
         kept, why = self.promise()
+
+        def cut(xs: list[Any]) -> list[Any]:
+            return xs if complete else xs[:LISTED]
+
+        by_key = sorted(self.traces.items(), key=lambda kt: kt[0])
+        failed = [(r, t) for (_, r), t in by_key if t["error"]]
+        traces = [(r, t) for (_, r), t in by_key] if complete else failed
         return {
             "index": self.window.index,
             "kind": self.window.kind,  # type: ignore[typeddict-item]
@@ -148,21 +162,19 @@ class WindowRecord:
             "kept": kept,
             "reason": why,
             "partial": self.partial,
-            "ranks": sorted({r for _, r in captured}),
+            "ranks": cut(captured),
+            "rank_count": len(captured),
+            "complete": complete,
             "trace_dir": next(iter(self.trace_dirs.values()), None),
             "trace_dirs": dict(self.trace_dirs),
-            "summaries_pending": sorted(r for _, r in self.summaries_pending),
-            "traces_pending": sorted(r for _, r in self.traces_pending),
-            "trace_errors": {
-                r: err for (_, r), t in sorted(self.traces.items()) if (err := t["error"])
-            },
-            "traces": {r: t for (_, r), t in sorted(self.traces.items())},
-            "stragglers": sorted(
-                {
-                    r
-                    for a in self.aggregates.values()
-                    for r in a.stragglers(self.threshold)["flagged"]
-                }
+            "summaries_pending": cut(sorted(r for _, r in self.summaries_pending)),
+            "traces_pending": cut(sorted(r for _, r in self.traces_pending)),
+            "trace_errors": {r: t["error"] for r, t in cut(failed) if t["error"]},
+            "traces": dict(cut(traces)),
+            "stragglers": cut(
+                sorted(
+                    {r for a in self.aggregates.values() for r in a.flagged(self.threshold) or []}
+                )
             ),
             "trigger": self.trigger,
         }

@@ -14,6 +14,7 @@ from typing import Any, cast
 from coordinator.core.aggregate import empty_summary
 from coordinator.core.records import RankRecord, TrainerRecord, WindowRecord
 from coordinator.core.schedule import Window
+from coordinator.protocol.partial_codec import decode_partial
 from coordinator.protocol.replies import (
     AgentError,
     KernelSummaryReply,
@@ -39,6 +40,7 @@ class CoordinatorState:
         self.max_windows = max_windows
         self.global_step: int | None = None
         self.counters: collections.Counter[str] = collections.Counter()
+        self.ranks_version = 0  # moves whenever a rank's record may have changed (checkpoints)
 
     # ----------------------------------------------------------- trainers
 
@@ -66,6 +68,7 @@ class CoordinatorState:
             if selected:
                 keys.append((tid, r))
         self.counters["registrations"] += 1
+        self.ranks_version += 1
         return keys
 
     # ----------------------------------------------------------- windows
@@ -122,6 +125,7 @@ class CoordinatorState:
     def apply_reply(self, key: tuple[str, int], reply: Any) -> None:
         """Fold one worker reply into the state. Never raises on a bad reply."""
         rec = self.ranks[key]
+        self.ranks_version += 1
         if not isinstance(reply, dict) or "state" not in reply:
             message = f"malformed reply from the worker: {reply!r:.200}"
             self.rank_failed(
@@ -192,8 +196,9 @@ class CoordinatorState:
         if index in pending and not w.has_summary(key):
             w.summaries_pending.add(key)  # (a pushed summary can arrive before the closing reply)
 
-    def ingest_summary(self, key: tuple[str, int], blob: Any) -> None:
-        """Decode strictly; a bad summary marks that rank's window bad and nothing else."""
+    def ingest_summary(self, key: tuple[str, int], blob: Any) -> int | None:
+        """Decode strictly; a bad summary marks that rank's window bad and nothing else.
+        Returns the window's index when the summary was folded in."""
         trainer_id, rank = key
         try:
             s = decode_summary(blob)
@@ -204,16 +209,44 @@ class CoordinatorState:
                     w.aggregate(trainer_id).mark_bad(rank, str(exc))
                     w.summaries_pending.discard(key)
                     break
-            return
+            return None
         found = self.windows.get(s.window)
         if found is None or key not in found.participants or s.rank != rank:
             self.counters["unexpected_summaries"] += 1
-            return
-        if found.aggregate(trainer_id).add(s):
-            self.counters["summaries"] += 1
-        else:
-            self.counters["duplicate_summaries"] += 1
+            return None
+        added = found.aggregate(trainer_id).add(s)
+        self.counters["summaries" if added else "duplicate_summaries"] += 1
         found.summaries_pending.discard(key)
+        return s.window if added else None
+
+    def ingest_partial(self, trainer_id: str, blob: Any) -> tuple[bool, int | None]:
+        """Decode a node partial strictly and fold it into its window.
+
+        Returns (accepted, the window folded into). Accepted and no window: nobody wants it
+        (its window is not kept). Not accepted: refused whole (it is malformed, names a rank
+        that is not in the window, or repeats one already in); the agent then lets each rank
+        send its own summary, judged by itself.
+        """
+        try:
+            p = decode_partial(blob)
+        except SummaryDecodeError:
+            self.counters["bad_partials"] += 1
+            return False, None
+        w = self.windows.get(p.window)
+        if w is None:
+            self.counters["unexpected_summaries"] += len(p.ranks)
+            return True, None
+        keys = [(trainer_id, part.rank) for part in p.ranks]
+        if any(k not in w.participants for k in keys):
+            self.counters["unexpected_partials"] += 1
+            return False, None
+        if w.aggregate(trainer_id).add_partial(p) is None:
+            self.counters["duplicate_partials"] += 1
+            return False, None
+        self.counters["partials"] += 1
+        self.counters["summaries"] += len(keys)
+        w.summaries_pending.difference_update(keys)
+        return True, p.window
 
     def trace_stored(
         self,
@@ -233,6 +266,7 @@ class CoordinatorState:
             self.counters["unexpected_trace_reports"] += 1
             return False
         w.traces[key] = WindowTrace(path=path, local_path=local_path, node=node, error=error)
+        self.ranks_version += bool(error)
         w.traces_pending.discard(key)
         if error:
             self.counters["trace_failures"] += 1
@@ -250,6 +284,7 @@ class CoordinatorState:
         if w is None or key not in w.participants:
             self.counters["unexpected_summaries"] += 1
             return False
+        self.ranks_version += 1
         if isinstance(reason, dict):
             message = f"{reason.get('where')}: {reason.get('type')}: {reason.get('message')}"
             err = {str(k): v for k, v in reason.items()}
@@ -279,41 +314,56 @@ class CoordinatorState:
         """Rank ``key`` stopped taking part (``state`` says how, ``reason`` why); the first
         reason stays, and no window waits for the rank any more."""
         rec = self.ranks[key]
+        self.ranks_version += 1
         if rec.state == "ok":
             rec.state, rec.reason = state, reason
             self.counters[f"ranks_{state}"] += 1
         for w in self.windows.values():
             w.summaries_pending.discard(key)
 
-    # ----------------------------------------------------------- queries
 
-    def kernel_summary(
-        self, window: int | None, top_k: int, trainer_id: str | None, per_rank: bool = False
-    ) -> KernelSummaryReply:
-        tid = trainer_id or self.stepping_trainer
-        if window is None:
-            closed = self.closed_windows()
-            if not closed:
-                return empty_summary()
-            rec = closed[-1]
-        else:
-            found = self.windows.get(window)
-            if found is None:
-                known = [w.window.index for w in self.closed_windows()]
-                raise ValueError(
-                    f"no window {window}: the closed windows kept are {known} "
-                    f"(history holds the last {self.max_windows})"
-                )
-            rec = found
-        agg = rec.aggregates.get(tid) if tid else None
-        if agg is not None:
-            out = agg.to_dict(top_k, self.straggler_threshold, per_rank)
-        else:
-            out = empty_summary()
-            out["window"] = rec.window.index
-        out["steps"] = list(rec.steps) if rec.steps else out["steps"]
-        out["partial"] = rec.partial
-        out["closed"] = rec.closed
-        out["trainer_id"] = tid
-        out["summaries_pending"] = sorted(r for t, r in rec.summaries_pending if t == tid)
-        return out
+def kernel_summary(
+    st: CoordinatorState,
+    window: int | None,
+    top_k: int,
+    trainer_id: str | None,
+    per_rank: bool = False,
+) -> KernelSummaryReply:
+    """The cross-rank table of ``window`` (the last closed one when None) for a trainer."""
+    tid = trainer_id or st.stepping_trainer
+    rec = pick_window(st, window)
+    if rec is None:
+        return empty_summary()
+    agg = rec.aggregates.get(tid) if tid else None
+    table = agg.to_dict(top_k, st.straggler_threshold, per_rank) if agg is not None else None
+    return with_window(table, rec, tid)
+
+
+def pick_window(st: CoordinatorState, window: int | None) -> WindowRecord | None:
+    """Window ``window``, or the last closed one (None before any closed); ValueError for a
+    window that is not kept."""
+    if window is None:
+        closed = st.closed_windows()
+        return closed[-1] if closed else None
+    found = st.windows.get(window)
+    if found is None:
+        known = [w.window.index for w in st.closed_windows()]
+        raise ValueError(
+            f"no window {window}: the closed windows kept are {known} "
+            f"(history holds the last {st.max_windows})"
+        )
+    return found
+
+
+def with_window(
+    table: KernelSummaryReply | None, rec: WindowRecord, tid: str | None
+) -> KernelSummaryReply:
+    """``table`` (a trainer's aggregate of ``rec``, or None) with what the window adds."""
+    out = table if table is not None else empty_summary()
+    out["window"] = rec.window.index
+    out["steps"] = list(rec.steps) if rec.steps else out["steps"]
+    out["partial"] = rec.partial
+    out["closed"] = rec.closed
+    out["trainer_id"] = tid
+    out["summaries_pending"] = sorted(r for t, r in rec.summaries_pending if t == tid)
+    return out

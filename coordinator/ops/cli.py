@@ -1,6 +1,7 @@
 """``python -m coordinator`` / ``ray-profiler``: read and steer a running coordinator.
 
     ray-profiler status
+    ray-profiler ranks --state lost
     ray-profiler top --window 3 --k 20
     ray-profiler capture --active 3 --warmup 1 --ranks 0 1 --wait
     ray-profiler cancel 4
@@ -22,11 +23,21 @@ import sys
 import time
 from typing import Any
 
-from coordinator.ops.tables import render_auto, render_status, render_stragglers, render_top
+from coordinator.ops.tables import (
+    render_auto,
+    render_ranks,
+    render_status,
+    render_stragglers,
+    render_top,
+)
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 _EXAMPLES = {
-    "status": "ray-profiler status --address auto\n  ray-profiler status --json | jq .windows",
+    "status": (
+        "ray-profiler status --address auto\n  ray-profiler status --json | jq .windows\n"
+        "  ray-profiler status --all   # every rank of a run of over 256 ranks"
+    ),
+    "ranks": "ray-profiler ranks --state unresponsive\n  ray-profiler ranks --offset 1000",
     "top": "ray-profiler top --window 3 --k 20\n  ray-profiler top --run run_20261201-120000",
     "capture": (
         "ray-profiler capture --active 3 --warmup 1 --wait\n"
@@ -93,7 +104,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         _global_options(p, top=False)
         return p
 
-    command("status", "run, window phase, step, windows, ranks, counters")
+    status = command("status", "run, window phase, step, windows, ranks, counters")
+    status.add_argument(
+        "--all", action="store_true", help="every rank (a run of over 256 ranks lists the not-ok)"
+    )
+    ranks = command("ranks", "a page of the per-rank list, filtered by state")
+    ranks.add_argument("--state", default=None, help="ok, disabled, lost, unresponsive, ...")
+    ranks.add_argument("--trainer", default=None, help="one trainer's ranks")
+    ranks.add_argument("--offset", type=int, default=0)
+    ranks.add_argument("--limit", type=int, default=100)
     top = command("top", "cross-rank top kernels of a window")
     top.add_argument("--window", type=int, default=None, help="default: the latest closed")
     top.add_argument("--k", type=int, default=20)
@@ -155,8 +174,11 @@ def run(args: argparse.Namespace) -> int:
     h = connect(args.address, args.namespace, args.name)
     out = print
     if args.command == "status":
-        st = call(h, "status")
+        st = call(h, "status", ranks="all" if args.all else "summary")
         out(json.dumps(st) if args.json else render_status(st))
+    elif args.command == "ranks":
+        page = call(h, "ranks", args.offset, args.limit, args.state, args.trainer)
+        out(json.dumps(page) if args.json else render_ranks(page))
     elif args.command == "top":
         ks = call(h, "kernel_summary", window=args.window, top_k=args.k, run=args.run)
         out(json.dumps(ks) if args.json else render_top(ks))

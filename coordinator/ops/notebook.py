@@ -93,7 +93,9 @@ def memory_frame(summary: dict[str, Any]) -> Any:
 
 
 def ranks_frame(status: dict[str, Any]) -> Any:
-    """One row per registered rank: state, reason, windows captured, last trace."""
+    """One row per rank of a ``status()`` (or a ``ranks()`` page): state, reason, windows
+    captured, last trace. A default ``status()`` of a run of over 256 ranks lists only the
+    ranks that are not ok (``attrs["complete"]`` is then False): pass ``status(ranks="all")``."""
     pd = _pd()
     rows = []
     for r in status["ranks"]:
@@ -105,7 +107,9 @@ def ranks_frame(status: dict[str, Any]) -> Any:
                 "where": reason.get("where"),
             }
         )
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    frame.attrs["complete"] = status.get("ranks_complete", True)
+    return frame
 
 
 def windows_frame(status: dict[str, Any]) -> Any:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from coordinator.core.validate import span
 from coordinator.protocol.replies import (
     AutoCaptureEntry,
     AutoTrigger,
     KernelSummaryReply,
+    RankEntry,
+    RanksPage,
     StatusReply,
     WindowSteps,
 )
@@ -23,15 +26,16 @@ def render_status(st: StatusReply) -> str:
         f"worker RPCs {c.get('worker_rpcs', 0)}, ignored steps {c.get('ignored_steps', 0)}, "
         f"refused steps {c.get('refused_step', 0)}, windows closed {c.get('windows_closed', 0)}",
         render_auto(st["auto_capture"]),
+        _nodes_line(st),
         "",
-        f"{'trainer':<12} {'rank':>4} {'state':<13} {'windows':>7}  reason / note",
     ]
-    for r in st["ranks"]:
-        reason = r["reason"]["message"] if r.get("reason") else (r.get("note") or "")
+    if not st["ranks_complete"]:
+        counts = ", ".join(f"{n} {state}" for state, n in sorted(st["rank_counts"].items()))
         lines.append(
-            f"{r['trainer_id']:<12} {r['rank']:>4} {r['state']:<13} "
-            f"{r['windows_captured']:>7}  {reason[:70]}"
+            f"ranks: {counts}; listed: the {len(st['ranks'])} not ok "
+            "(ray-profiler ranks --state STATE, or status --all)"
         )
+    lines.extend(_rank_rows(st["ranks"]))
     if st["windows"]:
         lines += ["", f"{'window':>6} {'kind':<9} {'steps':<12} {'ranks':<16} stragglers / dir"]
         for w in st["windows"][-10:]:
@@ -39,9 +43,10 @@ def render_status(st: StatusReply) -> str:
             flag = " partial" if w["partial"] else ""
             strag = f"stragglers {w['stragglers']} " if w.get("stragglers") else ""
             broken = f"NOT AS PLANNED: {w['reason']} " if not w["kept"] else ""
+            ranks = span(w["ranks"]) if w["complete"] else f"{w['rank_count']} ranks"
             lines.append(
                 f"{w['index']:>6} {w.get('kind', ''):<9} {steps + flag:<12} "
-                f"{str(w['ranks']):<16} {broken}{strag}{w['trace_dir'] or ''}"
+                f"{ranks:<16} {broken}{strag}{w['trace_dir'] or ''}"
             )
             if (t := w["trigger"]) is not None:
                 lines.append(f"{'':>6} {'':<9} why: {trigger_text(t)}")
@@ -54,6 +59,37 @@ def render_status(st: StatusReply) -> str:
                 f"{len(p['windows'])} windows, {prev['run_dir']}"
             )
     return "\n".join(lines)
+
+
+def render_ranks(page: RanksPage) -> str:
+    """A page of ``ranks()``."""
+    end = page["offset"] + len(page["ranks"])
+    head = f"ranks {page['offset']}-{end} of {page['total']}" if page["ranks"] else "no ranks"
+    return "\n".join([head, *_rank_rows(page["ranks"])])
+
+
+def _rank_rows(ranks: list[RankEntry]) -> list[str]:
+    rows = [f"{'trainer':<12} {'rank':>4} {'state':<13} {'windows':>7}  reason / note"]
+    for r in ranks:
+        reason = r["reason"]["message"] if r.get("reason") else (r.get("note") or "")
+        rows.append(
+            f"{r['trainer_id']:<12} {r['rank']:>4} {r['state']:<13} "
+            f"{r['windows_captured']:>7}  {reason[:70]}"
+        )
+    return rows
+
+
+def _nodes_line(st: StatusReply) -> str:
+    by = st["nodes"]["by_path"]
+    if not by:
+        return "nodes: none known yet (window commands go to each rank)"
+    direct = [n for n in st["nodes"]["listed"] if n["path"] == "direct"]
+    why = ""
+    if direct:
+        first = direct[0]
+        message = first["reason"]["message"] if first["reason"] is not None else ""
+        why = f"; direct: {first['node'][:12]} ({message[:60]})"
+    return f"nodes: {by.get('agent', 0)} through their agents, {by.get('direct', 0)} direct{why}"
 
 
 def trigger_text(t: AutoTrigger) -> str:

@@ -1,7 +1,7 @@
 """The RPCs the coordinator calls on every profiled rank, declared once.
 
 ``worker_ext.rank.mixin.ProfilerWorkerMixin`` implements them inside a training rank; the
-coordinator's handle stubs (``coordinator.service.worker_handles``) inherit these signatures so
+coordinator's handle stubs (``coordinator.raylink.handle_stubs``) inherit these signatures so
 that Ray can build a worker handle's method table without importing the worker's class (and
 with it torch). The names are the seed's and stay: ``start_profile`` starts a window,
 ``profile_step`` steps it, ``stop_profile`` stops it early.

@@ -57,6 +57,7 @@ class AgentEntry(TypedDict):
 
     kind: str | None
     pid: int | None
+    name: str | None  # the node agent's actor name (namespace ``profiler_agents``)
 
 
 class ClosedWindow(TypedDict):
@@ -198,6 +199,8 @@ class WindowEntry(TypedDict):
     reason: str | None
     partial: bool
     ranks: list[int]
+    rank_count: int  # the ranks that captured the window (``ranks`` may be cut: see complete)
+    complete: bool  # False: each per-rank list holds its first 64 ranks, traces the failed ones
     trace_dir: str | None
     trace_dirs: dict[str, str]
     summaries_pending: list[int]  # the ranks whose summary has not arrived yet
@@ -267,12 +270,25 @@ class AutoCaptureReply(TypedDict):
     auto_capture: AutoCaptureEntry
 
 
+class LoopEntry(TypedDict):
+    """The coordinator's event loop: its longest stall (ms, and when, epoch seconds), the most
+    CPU its thread spent in one stall, and the last stalls of 20 ms or more, as ``[epoch
+    seconds, ms, ms of the loop thread's CPU]``."""
+
+    max_stall_ms: float
+    max_stall_at: float | None
+    max_busy_ms: float
+    recent_stalls: list[list[float]]
+    gc_max_ms: dict[str, float]  # the longest pause of each generation's garbage collection
+
+
 class ProcessEntry(TypedDict):
-    """The coordinator's process: its pid, and proof that it never loaded torch."""
+    """The coordinator's process: its pid, proof that it never loaded torch, its event loop."""
 
     pid: int
     torch_loaded: bool
     worker_handle_stubs: bool
+    loop: LoopEntry
 
 
 class CheckpointEntry(TypedDict):
@@ -306,7 +322,10 @@ class StatusReply(TypedDict):
     next_window: WindowSteps | None
     windows: list[WindowEntry]
     trainers: list[TrainerEntry]
-    ranks: list[RankEntry]
+    ranks: list[RankEntry]  # every rank, or (ranks_complete False) the ranks not ok, bounded
+    ranks_complete: bool  # False in a run of over 256 ranks, unless status(ranks="all")
+    rank_counts: dict[str, int]  # ranks by state, every rank counted
+    nodes: NodesEntry
     counters: dict[str, int]
     metrics: dict[str, Any]
     process: ProcessEntry
@@ -317,11 +336,46 @@ class StatusReply(TypedDict):
     auto_capture: AutoCaptureEntry
 
 
+NodePath = Literal["agent", "direct"]
+"""How window commands reach a node's ranks: through its agent, or one call per rank."""
+
+
+class NodeEntry(TypedDict):
+    """One node in ``status()["nodes"]``: its agent, its path and why it is ``direct``."""
+
+    node: str
+    agent: str
+    path: NodePath
+    ranks: int  # ranks of the node in the last command through it
+    commands: int  # commands its agent answered
+    reason: Reason | None
+
+
+class NodesEntry(TypedDict):
+    """``status()["nodes"]``: how many nodes each path serves, and the nodes (every node, or
+    when not complete only the ``direct`` ones, bounded)."""
+
+    by_path: dict[str, int]
+    listed: list[NodeEntry]
+    complete: bool
+
+
+class RanksPage(TypedDict):
+    """``ranks(offset, limit, state, trainer_id)``: one page of the per-rank list."""
+
+    total: int  # the ranks that match
+    offset: int
+    limit: int
+    ranks: list[RankEntry]
+
+
 class PingReply(TypedDict):
-    """``ping``: the current run's name and how often this coordinator restarted."""
+    """``ping``: the current run's name, how often this coordinator restarted, and whether the
+    run is live (configured or running: node agents it used stay up)."""
 
     run: str
     restarts: int
+    live: bool
 
 
 class WaitWindowReply(TypedDict):

@@ -175,26 +175,31 @@ def encode_summary(summary: RankSummary) -> bytes:
     return data
 
 
+def strict_decode(data: Any, what: str, cap: int, version: int, decoder: Any) -> Any:
+    """``decoder``'s struct of ``data``, checked: bytes, at most ``cap`` of them, of version
+    ``version``, every field; ``SummaryDecodeError`` (saying what, and where) on anything
+    else. The wire formats of summaries and node partials share it."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SummaryDecodeError(f"{what} must be bytes, got {type(data).__name__}")
+    if len(data) > cap:
+        raise SummaryDecodeError(f"{what} is {len(data)} bytes, over the {cap}-byte cap")
+    try:
+        found = _VERSION.decode(data).v
+        if type(found) is not int or found != version:
+            raise SummaryDecodeError(
+                f"{what} version {found!r:.40} is not supported (expected {version})"
+            )
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise SummaryDecodeError(f"{what} is malformed: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise SummaryDecodeError(f"{what} is not valid msgpack: {exc}") from None
+
+
 def decode_summary(data: Any) -> RankSummary:
     """Parse and check a payload from ``encode_summary``; ``SummaryDecodeError`` says what is
     wrong and where."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise SummaryDecodeError(f"summary must be bytes, got {type(data).__name__}")
-    if len(data) > MAX_PAYLOAD_BYTES:
-        raise SummaryDecodeError(
-            f"summary is {len(data)} bytes, over the {MAX_PAYLOAD_BYTES}-byte cap"
-        )
-    try:
-        version = _VERSION.decode(data).v
-        if type(version) is not int or version != SUMMARY_VERSION:
-            raise SummaryDecodeError(
-                f"summary version {version!r:.40} is not supported (expected {SUMMARY_VERSION})"
-            )
-        w = _DECODER.decode(data)
-    except msgspec.ValidationError as exc:
-        raise SummaryDecodeError(f"summary is malformed: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise SummaryDecodeError(f"summary is not valid msgpack: {exc}") from None
+    w = strict_decode(data, "summary", MAX_PAYLOAD_BYTES, SUMMARY_VERSION, _DECODER)
     dropped_rows, dropped_us = w.dropped
     return RankSummary(
         rank=w.rank,

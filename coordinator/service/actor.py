@@ -21,6 +21,7 @@ from coordinator.protocol.replies import (
     KernelSummaryReply,
     OpenRunReply,
     PingReply,
+    RanksPage,
     RegisterReply,
     StatusReply,
     StepReply,
@@ -154,6 +155,12 @@ class _Coordinator:
         """
         return await self._reports.ingest_summary(trainer_id, rank, blob, run)
 
+    async def ingest_partial(self, trainer_id: str, blob: bytes, run: str | None = None) -> bool:
+        """A node partial: the summaries of one node's ranks for one window, pushed by its
+        agent. True when the coordinator has it or never will want it; False when refused
+        (each rank then sends its own summary)."""
+        return await self._reports.ingest_partial(trainer_id, blob, run)
+
     async def summary_failed(
         self, trainer_id: str, rank: int, window: int, reason: Any, run: str | None = None
     ) -> bool:
@@ -178,15 +185,21 @@ class _Coordinator:
 
     # ------------------------------------------------------------ readers
 
-    async def status(self) -> StatusReply:
+    async def status(self, ranks: str = "summary") -> StatusReply:
         """Everything about the current run, and the runs kept before it; JSON-serialisable.
+
+        Args:
+            ranks: ``"summary"`` (the default): in a run of over 256 ranks, the ranks are
+                counted by state (``rank_counts``) and only those not ``ok`` are listed
+                (bounded), and each window's per-rank lists are cut (``complete: False``);
+                ``"all"``: every rank and every window in full (``ranks()`` pages them).
 
         Returns:
             A ``StatusReply``: the run and its ``lifecycle``, the window ``phase``, the global
             step, the current and next window, every closed window (``windows``: steps kept
             or why not, summaries and traces pending, where the traces are, stragglers), the
-            trainers, every rank's ``state`` (with the ``reason`` of a disabled rank), the
-            counters, the checkpoint and ``previous_runs``.
+            trainers, the ranks' ``state`` (with the ``reason`` of a disabled rank), the nodes
+            and their paths, the counters, the checkpoint and ``previous_runs``.
 
         Example::
 
@@ -194,7 +207,23 @@ class _Coordinator:
             st = ray.get(ray.get_actor("profiler").status.remote())
             st["run"]["lifecycle"], st["global_step"], [w["index"] for w in st["windows"]]
         """
-        return await self._readers.status()
+        return await self._readers.status(ranks)
+
+    async def ranks(
+        self,
+        offset: int = 0,
+        limit: int = 1000,
+        state: str | None = None,
+        trainer_id: str | None = None,
+    ) -> RanksPage:
+        """One page of the per-rank list (``status()`` entries), in (trainer, rank) order.
+
+        Args:
+            offset: ranks to skip; limit: at most this many (1..10000).
+            state: only ranks in this state (``ok``, ``disabled``, ``lost``, ``unresponsive``,
+                ``not_selected``); trainer_id: only this trainer's ranks.
+        """
+        return await self._readers.ranks(offset, limit, state, trainer_id)
 
     async def kernel_summary(
         self,
@@ -258,4 +287,10 @@ class _Coordinator:
 
 # Ray restarts it after a crash (same name, same handle); it picks its state up from the
 # checkpoint. Calls in flight when it died fail; later ones wait for the restart.
-ProfilerCoordinator = ray.remote(num_cpus=0, max_restarts=-1)(_Coordinator)
+# Every node agent pushes its partial when a window closes: at 10,000 ranks, 1,250 calls at once.
+# Ray's default of 1,000 concurrent calls would queue a step report behind them in Ray, where
+# nothing can let it pass; with room for all, they queue in the fold queue, which lets it pass.
+MAX_CONCURRENT_CALLS = 20_000
+ProfilerCoordinator = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=MAX_CONCURRENT_CALLS)(
+    _Coordinator
+)

@@ -16,6 +16,8 @@ from coordinator.core.validate import (
     is_rank,
     trainer_id_problem,
 )
+from coordinator.protocol.partial_codec import MAX_PARTIAL_BYTES
+from coordinator.service.fold_queue import FoldQueue
 from coordinator.service.shell import CoordinatorShell
 
 
@@ -24,6 +26,7 @@ class AgentReports:
 
     def __init__(self, shell: CoordinatorShell) -> None:
         self.shell = shell
+        self.folds = FoldQueue()
 
     async def ingest_summary(
         self, trainer_id: str, rank: int, blob: bytes, run: str | None = None
@@ -48,10 +51,40 @@ class AgentReports:
         if target is None:
             return True
         target.state.counters["summaries_pushed"] += 1
-        target.state.ingest_summary((trainer_id, rank), blob)
-        self.shell.metrics.export(self.shell.run.state)
-        self.shell.save(force=False)
+        key = (trainer_id, rank)
+        window = await self.folds.run(lambda: target.state.ingest_summary(key, blob))
+        if window is not None:
+            self.shell.refresh_stragglers(target, window)
+        self.shell.save(force=False)  # (no metric counts summaries: nothing to export)
         return True
+
+    async def ingest_partial(self, trainer_id: str, blob: bytes, run: str | None = None) -> bool:
+        """A node partial (``protocol.partial_codec``): the summaries of one node's ranks.
+
+        True when the coordinator has it, or never will want it; False when it is refused (the
+        agent then lets each rank send its own summary).
+        """
+        if trainer_id_problem(trainer_id) or not (run is None or isinstance(run, str)):
+            self.shell.run.state.counters["unexpected_reports"] += 1
+            return True
+        if not isinstance(blob, (bytes, bytearray)) or len(blob) > MAX_PARTIAL_BYTES:
+            size = f"{len(blob)} bytes" if isinstance(blob, (bytes, bytearray)) else type(blob)
+            self.shell.refuse(
+                "ingest_partial", f"a node partial must be bytes, at most 32 MiB; got {size}"
+            )
+            return True
+        target = self.shell.find_run(run)
+        if target is None or trainer_id not in target.state.trainers:
+            self.shell.run.state.counters["unexpected_summaries"] += 1
+            return True
+        target.state.counters["partials_pushed"] += 1
+        accepted, window = await self.folds.run(
+            lambda: target.state.ingest_partial(trainer_id, blob)
+        )
+        if window is not None:
+            self.shell.refresh_stragglers(target, window)
+        self.shell.save(force=False)
+        return accepted
 
     async def summary_failed(
         self, trainer_id: str, rank: int, window: int, reason: Any, run: str | None = None

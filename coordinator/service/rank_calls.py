@@ -10,15 +10,14 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import ray
-
 from coordinator.core.run import Run
 from coordinator.core.window_plan import Command, Start, Step, Stop
 from coordinator.protocol.reasons import reason
-from coordinator.protocol.replies import RankState
+from coordinator.raylink.failures import LOST, call_failure, no_answer
+from coordinator.service.node_fanout import YIELD_EVERY, NodeFanOut
 
 Key = tuple[str, int]
-_LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)
+SUBMIT_EVERY = 32  # Ray calls submitted between two yields (each costs about 0.5 ms of CPU)
 
 
 async def fan_out(
@@ -31,7 +30,9 @@ async def fan_out(
     """Call ``method`` on every active rank in ``keys``; wait up to the worker timeout."""
     st = run.state
     tasks: dict[Key, asyncio.Future[Any]] = {}
-    for key in keys:
+    for n, key in enumerate(keys):
+        if n % SUBMIT_EVERY == SUBMIT_EVERY - 1:
+            await asyncio.sleep(0)  # a long fan-out never stalls the event loop
         if not st.ranks[key].active:
             continue
         handle = st.trainers[key[0]].handles[key[1]]
@@ -47,26 +48,32 @@ async def fan_out(
         return
     timeout = timeout or run.config.worker_timeout_s
     _, late = await asyncio.wait(tasks.values(), timeout=timeout)
-    for key, task in tasks.items():
+    for n, (key, task) in enumerate(tasks.items()):
+        if n % YIELD_EVERY == YIELD_EVERY - 1:
+            await asyncio.sleep(0)
         if task in late:
             task.cancel()
-            st.rank_failed(
-                key,
-                "unresponsive",
-                {
-                    "where": method,
-                    "type": "Timeout",
-                    "message": f"no answer to {method} within {timeout:g} s",
-                },
-            )
+            st.rank_failed(key, "unresponsive", no_answer(method, timeout))
         elif (err := task.exception()) is not None:
-            state: RankState = "lost" if isinstance(err, _LOST) else "disabled"
-            st.rank_failed(key, state, reason(method, err))
+            st.rank_failed(key, *call_failure(method, err))
         else:
             st.apply_reply(key, task.result())
 
 
-async def run_commands(run: Run, commands: Sequence[Command]) -> None:
+async def send(
+    run: Run, keys: Sequence[Key], method: str, args: tuple[Any, ...], nodes: NodeFanOut | None
+) -> None:
+    """``method(*args)`` to every active rank in ``keys``: through the node agents when the
+    config says so (``fanout: node``), directly to the ranks they could not reach."""
+    keys = [k for k in keys if run.state.ranks[k].active]
+    if nodes is not None and run.config.fanout == "node" and keys:
+        keys = await nodes.fan_out(run, keys, method, args, run.config.worker_timeout_s)
+    await fan_out(run, keys, method, same_args(*args))
+
+
+async def run_commands(
+    run: Run, commands: Sequence[Command], nodes: NodeFanOut | None = None
+) -> None:
     """Send each window command to the ranks of the open window, in order."""
     st = run.state
     for cmd in commands:
@@ -78,20 +85,20 @@ async def run_commands(run: Run, commands: Sequence[Command]) -> None:
             opened = st.open_window(cmd.window, keys, cmd.planned)
             opened.trigger = run.auto_triggers.pop(cmd.window.index, None)
             w = cmd.window.to_dict()
-            await fan_out(run, keys, "start_profile", same_args(w, cmd.step))
+            await send(run, keys, "start_profile", (w, cmd.step), nodes)
             continue
         rec = st.current_window()
         if rec is None:
             continue
         keys = sorted(rec.participants)
         if isinstance(cmd, Step):
-            await fan_out(run, keys, "profile_step", same_args(cmd.step))
+            await send(run, keys, "profile_step", (cmd.step,), nodes)
             if cmd.stops:
                 close_late(run, keys)
                 st.close_window(rec)
         elif isinstance(cmd, Stop):
             rec.stopped_at = run.plan.last_step
-            await fan_out(run, keys, "stop_profile", same_args())
+            await send(run, keys, "stop_profile", (), nodes)
             close_late(run, keys)
             st.close_window(rec)
 
@@ -125,7 +132,7 @@ async def any_alive(handles: Sequence[Any], timeout: float = 3.0) -> bool:
     done, late = await asyncio.wait(tasks, timeout=timeout)
     for t in late:
         t.cancel()
-    return bool(late) or any(not isinstance(t.exception(), _LOST) for t in done)
+    return bool(late) or any(not isinstance(t.exception(), LOST) for t in done)
 
 
 async def _await(ref: Any) -> Any:

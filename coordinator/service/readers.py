@@ -7,24 +7,35 @@ window is done (its summaries in, or its traces finished too).
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import os
 import sys
 import time
 from typing import Any, Literal
 
+from coordinator.core.aggregate import CHEAP_RANKS
 from coordinator.core.run import Run
+from coordinator.core.state import kernel_summary, pick_window, with_window
 from coordinator.core.validate import is_int, is_number, trainer_id_problem
 from coordinator.protocol.replies import (
     KernelSummaryReply,
+    NodesEntry,
     PingReply,
     PreviousRunEntry,
+    RanksPage,
     StatusReply,
     WaitWindowReply,
     WindowEntry,
 )
+from coordinator.service.node_fanout import NodeFanOut
 from coordinator.service.shell import CoordinatorShell
 
 WaitUntil = Literal["summaries", "traces"]
+FULL_STATUS_RANKS = 256  # up to this many ranks, status() lists every one by default
+LISTED_RANKS = 128  # above it, at most this many ranks not ok are listed
+LISTED_NODES = 64
+RANK_STATES = ("ok", "disabled", "lost", "unresponsive", "not_selected")
 MAX_WAIT_S = 3600.0
 
 
@@ -34,7 +45,9 @@ class Readers:
     def __init__(self, shell: CoordinatorShell) -> None:
         self.shell = shell
 
-    async def status(self) -> StatusReply:
+    async def status(self, ranks: str = "summary") -> StatusReply:
+        if ranks not in ("summary", "all"):
+            raise ValueError(f"ranks must be 'summary' or 'all', got {ranks!r:.80}")
         sh = self.shell
         if sh.recovering:
             async with sh.lock:
@@ -42,6 +55,8 @@ class Readers:
         run = sh.run
         st, plan = run.state, run.plan
         cur, nxt = plan.current, plan.next_window()
+        complete = ranks == "all" or len(st.ranks) <= FULL_STATUS_RANKS
+        listed = [r.to_dict() for r in st.ranks.values() if complete or r.reason is not None]
         return {
             "name": sh.name,
             "namespace": sh.namespace,
@@ -52,11 +67,14 @@ class Readers:
             "global_step": st.global_step,
             "current_window": cur.to_dict() if cur else None,
             "next_window": nxt.to_dict() if nxt else None,
-            "windows": [w.to_dict() for w in st.closed_windows()],
+            "windows": [w.to_dict(complete) for w in st.closed_windows()],
             "trainers": [
                 t.to_dict(t.trainer_id == st.stepping_trainer) for t in st.trainers.values()
             ],
-            "ranks": [r.to_dict() for r in st.ranks.values()],
+            "ranks": listed[: None if complete else LISTED_RANKS],
+            "ranks_complete": complete,
+            "rank_counts": dict(collections.Counter(r.public_state for r in st.ranks.values())),
+            "nodes": nodes_entry(sh.nodes, complete),
             "counters": {
                 "worker_rpcs": 0,
                 "ignored_steps": 0,
@@ -68,6 +86,7 @@ class Readers:
                 "pid": os.getpid(),
                 "torch_loaded": "torch" in sys.modules,
                 "worker_handle_stubs": sh.stubs,
+                "loop": sh.loop_watch.entry(),
             },
             "restarts": sh.restarts,
             "last_restart": sh.last_restart_at,
@@ -75,6 +94,26 @@ class Readers:
             "previous_runs": [_previous(r) for r in sh.previous],
             "auto_capture": sh.auto_capture_entry(),
         }
+
+    async def ranks(
+        self, offset: int, limit: int, state: str | None, trainer_id: str | None
+    ) -> RanksPage:
+        if not is_int(offset) or offset < 0:
+            raise ValueError(f"offset must be an int >= 0, got {offset!r:.80}")
+        if not is_int(limit) or not 1 <= limit <= 10_000:
+            raise ValueError(f"limit must be an int in 1..10000, got {limit!r:.80}")
+        if state is not None and state not in RANK_STATES:
+            raise ValueError(f"state must be one of {', '.join(RANK_STATES)}, got {state!r:.80}")
+        if trainer_id is not None and (problem := trainer_id_problem(trainer_id)):
+            raise ValueError(problem)
+        found = [
+            rec
+            for key, rec in sorted(self.shell.run.state.ranks.items())
+            if (state is None or rec.public_state == state)
+            and (trainer_id is None or key[0] == trainer_id)
+        ]
+        page = [rec.to_dict() for rec in found[offset : offset + limit]]
+        return {"total": len(found), "offset": offset, "limit": limit, "ranks": page}
 
     async def kernel_summary(
         self,
@@ -97,7 +136,20 @@ class Readers:
         target = self.shell.find_run(run)
         if target is None:
             raise ValueError(f"no run {run!r}: this coordinator keeps {self._kept()}")
-        out = target.state.kernel_summary(window, top_k, trainer_id, bool(per_rank))
+        st = target.state
+        tid = trainer_id or st.stepping_trainer
+        rec = pick_window(st, window)
+        agg = rec.aggregates.get(tid) if rec is not None and tid else None
+        if rec is None or agg is None or len(agg.rank_totals) <= CHEAP_RANKS:
+            out = kernel_summary(st, window, top_k, trainer_id, bool(per_rank))
+        else:  # O(ranks) of Python: on a snapshot, off the event loop
+            snap = agg.snapshot()
+            loop = asyncio.get_running_loop()
+            table = await loop.run_in_executor(
+                self.shell.reads, snap.to_dict, top_k, st.straggler_threshold, bool(per_rank)
+            )
+            agg.keep_stragglers(snap)
+            out = with_window(table, rec, tid)
         out["run"] = target.name
         return out
 
@@ -151,10 +203,23 @@ class Readers:
         return [self.shell.run.name, *(r.name for r in self.shell.previous)]
 
     async def ping(self) -> PingReply:
-        return {"run": self.shell.run.name, "restarts": self.shell.restarts}
+        run = self.shell.run
+        live = run.lifecycle in ("configured", "running")
+        return {"run": run.name, "restarts": self.shell.restarts, "live": live}
 
     async def get_config(self) -> dict[str, Any]:
         return self.shell.run.config.public_dict()
+
+
+def nodes_entry(nodes: NodeFanOut, complete: bool) -> NodesEntry:
+    """``status()["nodes"]``: counts by path; every node, or (not complete) the direct ones."""
+    routes = sorted(nodes.routes.values(), key=lambda r: r.node)
+    shown = routes if complete else [r for r in routes if r.path == "direct"][:LISTED_NODES]
+    return {
+        "by_path": dict(collections.Counter(r.path for r in routes)),
+        "listed": [r.to_dict() for r in shown],
+        "complete": complete,
+    }
 
 
 def _done(entry: WindowEntry, until: WaitUntil) -> bool:

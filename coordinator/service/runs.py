@@ -130,6 +130,7 @@ class RunCalls:
         self, trainer_id: str, workers: Any, role: str, advances_step: bool | None
     ) -> RegisterReply:
         sh = self.shell
+        sh.loop_watch.start()
         async with sh.lock:
             await sh.recover()
             reply = await self.register_locked(trainer_id, workers, role, advances_step)
@@ -156,6 +157,7 @@ class RunCalls:
             run_dir = child(run.run_dir, trainer_id)  # a second trainer: its own directory
         trainer = TrainerRecord(trainer_id, role, world, handles, run_dir)
         keys = st.register(trainer, advances_step, lambda r: cfg.enable and cfg.selects(r))
+        self.shell.nodes.forget([(trainer_id, r) for r in world])  # new handles for the agents
         cfg_dict, report_to = cfg.to_dict(), self.shell.report_to(trainer_id)
         await fan_out(
             run,
@@ -202,7 +204,7 @@ class RunCalls:
             sh.throttled = bool(throttled)
             if run.detector is not None:
                 run.detector.restart(first_step)
-            await run_commands(run, run.plan.start(first_step))
+            await run_commands(run, run.plan.start(first_step), sh.nodes)
             reply = sh.step_reply(True)
             self._expect_next_report(reply, first_step, waited=True)
             sh.save()
@@ -233,7 +235,7 @@ class RunCalls:
             if run.lifecycle == "configured":
                 run.lifecycle, run.started_at = "running", time.time()
             run.state.global_step = k
-            await run_commands(run, result)
+            await run_commands(run, result, sh.nodes)
             self._watch_for_slowdown(k, in_window or bool(result))
             reply = sh.step_reply(True)
             self._expect_next_report(reply, k + 1, waited=waiting)
@@ -254,7 +256,7 @@ class RunCalls:
             if run.lifecycle != "running":
                 return sh.step_reply(True)  # nothing started, or stopped already
             st = run.state
-            await run_commands(run, run.plan.stop())
+            await run_commands(run, run.plan.stop(), sh.nodes)
             why = f"the run stopped at step {st.global_step}"
             for w in run.plan.drop_captures():
                 st.never_opened(w, f"{why} before the window opened")

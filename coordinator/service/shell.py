@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from typing import Any
 
 import ray
 
+from coordinator.core.aggregate import CHEAP_RANKS, WindowAggregate
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.run import Run, new_run
 from coordinator.protocol.replies import (
@@ -28,10 +31,12 @@ from coordinator.protocol.replies import (
     Phase,
     StepReply,
 )
+from coordinator.raylink.handle_stubs import install_handle_stubs
 from coordinator.service import checkpoint
+from coordinator.service.loop_watch import LoopWatch
 from coordinator.service.metrics import CoordinatorMetrics
+from coordinator.service.node_fanout import NodeFanOut
 from coordinator.service.rank_calls import run_commands
-from coordinator.service.worker_handles import install_worker_handle_stubs
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +63,16 @@ class CaptureRequest:
     )
 
 
+def _keep_stragglers(agg: WindowAggregate, snap: WindowAggregate, fut: Any) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        agg.keep_stragglers(snap)
+
+
 class CoordinatorShell:
     """State shared by the coordinator's parts (see the module docstring)."""
 
     def __init__(self, config: dict[str, Any], name: str, namespace: str) -> None:
-        self.stubs = install_worker_handle_stubs()  # before any worker handle arrives
+        self.stubs = install_handle_stubs()  # before any worker handle arrives
         self.name, self.namespace = name, namespace
         self.run = new_run(ProfilerConfig.from_dict(config, check_paths=False), set())
         self.previous: collections.deque[Run] = collections.deque(maxlen=PREVIOUS_RUNS)
@@ -81,6 +91,11 @@ class CoordinatorShell:
         self._flusher: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
         self._restore()
+        # An agent keeps rank handles and last replies per owner: a restart is a new owner.
+        self.nodes = NodeFanOut(f"{namespace}/{name}#{self.restarts}")
+        self.loop_watch = LoopWatch()
+        # Reads that walk every rank of a large window run here, on a snapshot.
+        self.reads = concurrent.futures.ThreadPoolExecutor(1, "profiler-reads")
 
     # ------------------------------------------------------------ windows changing
 
@@ -155,7 +170,7 @@ class CoordinatorShell:
             rec.cut = (
                 f"the coordinator restarted inside the window (after step {run.plan.last_step})"
             )
-        await run_commands(run, run.plan.stop())
+        await run_commands(run, run.plan.stop(), self.nodes)
         self.save()
 
     # ------------------------------------------------------------ checkpoints
@@ -202,6 +217,21 @@ class CoordinatorShell:
                 )
 
     # ------------------------------------------------------------ helpers
+
+    def refresh_stragglers(self, run: Run, window: int) -> None:
+        """A large window's summaries are all in: find its stragglers off the event loop, so
+        that ``status()`` can list them (it never computes them for over ``CHEAP_RANKS``)."""
+        rec = run.state.windows.get(window)
+        if rec is None or rec.summaries_pending:
+            return
+        for agg in rec.aggregates.values():
+            if len(agg.rank_totals) <= CHEAP_RANKS:
+                continue
+            snap = agg.snapshot()
+            fut = asyncio.get_running_loop().run_in_executor(
+                self.reads, snap.stragglers, run.state.straggler_threshold
+            )
+            fut.add_done_callback(functools.partial(_keep_stragglers, agg, snap))
 
     def find_run(self, name: str | None) -> Run | None:
         if name is None or name == self.run.name:

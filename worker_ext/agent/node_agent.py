@@ -19,11 +19,26 @@ import contextlib
 import functools
 import os
 import re
+from collections.abc import Hashable
 from typing import Any
 
-from coordinator.protocol.names import AGENT_NAMESPACE, is_agent_name
+from coordinator.protocol.agent_rpc import AgentRPC, NodeCommand, NodeCommandReply
+from coordinator.protocol.names import AGENT_NAMESPACE, agent_name, is_agent_name
 from coordinator.protocol.reasons import reason
 from coordinator.protocol.replies import Reason
+from coordinator.protocol.summary_codec import RankSummary, decode_summary
+from coordinator.raylink.handle_stubs import install_handle_stubs
+from worker_ext.agent.idle_exit import IDLE_EXIT_S, IdleExit
+from worker_ext.agent.partials import (
+    LINGER_S,
+    Gather,
+    GroupKey,
+    PartialRoutes,
+    command_key,
+    group_key,
+    node_blob,
+)
+from worker_ext.agent.rank_fanout import RankFanOut, command_problem
 from worker_ext.agent.trace_jobs import (
     JobResult,
     TraceJob,
@@ -36,10 +51,10 @@ from worker_ext.agent.trace_jobs import (
 PUBLISH_TIMEOUT_S = 30.0
 
 
-class NodeAgent:
+class NodeAgent(AgentRPC):
     """The node agent's body (see the module docstring); every method is called through Ray."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_exit_s: float = IDLE_EXIT_S) -> None:
         self._coordinators: dict[tuple[str, str], Any] = {}
         # Summaries hold the GIL while they parse: one at a time is as fast as several.
         self._summaries = concurrent.futures.ThreadPoolExecutor(1, "profiler-summary")
@@ -48,11 +63,74 @@ class NodeAgent:
         )
         import ray
 
+        self.stubs = install_handle_stubs(own=("coordinator.", "worker_ext.agent."))
         self._node = str(ray.get_runtime_context().get_node_id())
+        self.name = agent_name(self._node)
+        self._fanout = RankFanOut(self.name, self._node, on_start=self._expect)
+        self._routes = PartialRoutes(self.name, self._call_agent, self._push_partial)
+        self._partials: Gather[RankSummary] = Gather(
+            node_blob(self._node), self._routes.to_relay(self._node), LINGER_S
+        )
+        self._idle = IdleExit(idle_exit_s, self._owners_live)
+        self._owners: set[tuple[str, str]] = set()
 
     async def ping(self) -> int:
         """The agent's pid."""
+        self._idle.touch()
         return os.getpid()
+
+    async def command(self, cmd: NodeCommand) -> NodeCommandReply:
+        """A window command for the ranks of some nodes: this node's ranks are called here, the
+        others' through their agents (``worker_ext.agent.rank_fanout``)."""
+        self._idle.touch(cmd.get("idle_exit_s") if isinstance(cmd, dict) else None)
+        if isinstance(cmd, dict) and isinstance(cmd.get("owner"), str):
+            namespace, _, name = cmd["owner"].partition("#")[0].partition("/")
+            self._owners.add((namespace, name))
+        if command_problem(cmd) is None and cmd["method"] == "start_profile":
+            self._routes.lead(cmd)
+        return await self._fanout.command(cmd)
+
+    async def collect_partial(
+        self, report_to: dict[str, str], window: int, node: str, blob: bytes
+    ) -> bool:
+        """A node partial of the group this agent relays (from that node's agent); True once
+        the group's merged partial is in the coordinator."""
+        self._idle.touch()
+        return await self._routes.collect(report_to, window, node, blob)
+
+    def _expect(self, cmd: NodeCommand, node: str, keys: list[tuple[str, int]]) -> None:
+        """Ranks of this node started a window: wait for their summaries, and send the node's
+        partial to the command's relay."""
+        window = cmd["args"][0].get("index") if cmd["args"] else None
+        if not isinstance(window, int):
+            return
+        for tid in {t for t, _ in keys}:
+            ranks: set[Hashable] = {r for t, r in keys if t == tid}
+            self._partials.expect(command_key(cmd, tid, window), ranks)
+        self._routes.learn(cmd, node, keys)
+
+    async def _push_partial(self, key: GroupKey, report_to: dict[str, str], blob: bytes) -> bool:
+        return bool(await self._call(report_to, "ingest_partial", blob))
+
+    async def _call_agent(self, name: str, method: str, *args: Any) -> Any:
+        handle = await self._fanout.agent(name)
+        return await getattr(handle, method).remote(*args)
+
+    async def _owners_live(self) -> bool:
+        """Whether a coordinator this agent served still has a live run."""
+        import ray
+
+        for namespace, name in self._owners | set(self._coordinators):
+            try:
+                loop = asyncio.get_running_loop()
+                get = functools.partial(ray.get_actor, name, namespace=namespace)
+                handle = await loop.run_in_executor(None, get)
+                ping = await asyncio.wait_for(handle.ping.remote(), PUBLISH_TIMEOUT_S)
+                if ping.get("live"):
+                    return True
+            except Exception:
+                continue  # gone, or not answering: it does not keep this agent alive
+        return False
 
     async def read_trace_chunk(self, path: str, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes of a trace file on this node from ``offset`` (b"" at its end).
@@ -60,6 +138,7 @@ class NodeAgent:
         Serves trace files of the trace layout only (``window_*/rank*.pt.trace.json[.gz]``,
         ``rank*.stacks.txt``), for ``coordinator.ops.collect``; anything else is a ValueError.
         """
+        self._idle.touch()
         if not is_trace_file(path):
             raise ValueError(f"{path!r} is not a trace file of a profiling window")
         if not isinstance(offset, int) or not isinstance(size, int) or offset < 0 or size < 1:
@@ -68,7 +147,12 @@ class NodeAgent:
         return await loop.run_in_executor(None, _read_chunk, path, offset, min(size, MAX_CHUNK))
 
     async def process(self, job: TraceJob) -> JobResult:
-        """Summarise and push, then finish and upload the trace file; never raises."""
+        """Summarise and push (in its node partial), then finish and upload the trace file;
+        never raises."""
+        with self._idle.busy():
+            return await self._process(job)
+
+    async def _process(self, job: TraceJob) -> JobResult:
         loop = asyncio.get_running_loop()
         res, blob, folded = await loop.run_in_executor(self._summaries, summarise_job, job)
         if blob is not None:
@@ -113,7 +197,9 @@ class NodeAgent:
         if not job.report_to:
             return False
         try:
-            return bool(await self._call(job.report_to, "ingest_summary", job.rank, blob))
+            summary = decode_summary(blob)
+            key = group_key(job.report_to, summary.window)
+            return await self._partials.add(key, job.report_to, summary.rank, summary)
         except Exception as exc:
             res.errors.append(reason("publish", exc))
             return False

@@ -31,6 +31,8 @@ class AgentLink(Protocol):
     """The agent a rank hands its ``TraceJob``s to, in a process other than the rank's."""
 
     kind: str
+    name: str | None
+    """The agent's actor name, once known (node agents only)."""
 
     def prepare(self) -> int | None:
         """Start the agent now (not in a window's closing step); its pid, or None."""
@@ -63,6 +65,7 @@ class NodeAgentLink:
     kind = "node_agent"
 
     def __init__(self) -> None:
+        self.name: str | None = None
         self._agent: Any = None
         self._lock = threading.Lock()
 
@@ -73,6 +76,7 @@ class NodeAgentLink:
                 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
                 node = ray.get_runtime_context().get_node_id()
+                self.name = agent_name(node)
                 self._agent = (
                     _agent_actor()
                     .options(
@@ -108,6 +112,7 @@ class LocalAgentLink:
     """A spawned child of this process (used when this process is not part of a Ray cluster)."""
 
     kind = "local_process"
+    name: str | None = None
 
     def __init__(self) -> None:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None

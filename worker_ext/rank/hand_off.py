@@ -78,7 +78,12 @@ class HandOff:
             return summaries, failures, sorted(self._pending)
 
     def info(self) -> AgentEntry:
-        return {"kind": self.agent.kind if self.agent is not None else None, "pid": self.pid}
+        agent = self.agent
+        return {
+            "kind": agent.kind if agent is not None else None,
+            "pid": self.pid,
+            "name": agent.name if agent is not None else None,
+        }
 
     def done(self, job: TraceJob, fut: concurrent.futures.Future[JobResult]) -> None:
         """On the future's thread (not the training thread): record what the agent did."""

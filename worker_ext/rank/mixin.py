@@ -102,7 +102,7 @@ def _not_configured() -> RankReply:
         "summaries": [],
         "summary_failures": [],
         "summaries_pending": [],
-        "agent": {"kind": None, "pid": None},
+        "agent": {"kind": None, "pid": None, "name": None},
         "last_agent_error": None,
     }
 

@@ -248,6 +248,8 @@ class RankProfiler:
             release(self)
 
     def _start(self, window: Window, step: int) -> None:
+        if self._window is not None and self._window.index == window.index:
+            return  # told twice (a relay that failed after delivering it): already recording
         self._stop_if_open()  # a window still open stops before the next one starts
         if step > window.last:
             raise ValueError(f"start_window at step {step} after window {window.index} ended")

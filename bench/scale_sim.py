@@ -1,0 +1,447 @@
+"""The real coordinator actor driven with thousands of simulated ranks on simulated nodes.
+
+A few Ray actors answer the rank RPCs for many ranks each (``SimRanks``, for the direct path and
+registration); a few others play the node agents of many simulated nodes each (``SimAgents``):
+they run the real agent fan-out code (``worker_ext.agent.rank_fanout``: relay, forwarding by
+agent name, reply folding) with ranks answered in process, and push realistic summaries (2,000
+kernels, the current wire format with breakdown and step times) over the real agents' path:
+one node partial per node per window (``ingest_partial``), or with ``--fanout direct`` one
+summary per rank (``ingest_summary``), the path before node partials.
+
+It prints, for each size: the trainer's step report latency in windows (open, step, close); the
+coordinator's own CPU per in-window step (psutil on its pid); its CPU per window of summaries;
+the time from the close until the cross-rank table lists every rank; a step report's latency
+while summaries arrive; ``status()`` latency and size; the coordinator's memory per window; and
+its event loop's longest stall (``status()["process"]["loop"]``).
+
+Run: RAY_AUTH_MODE=disabled .venv/bin/python bench/scale_sim.py --ranks 1024 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import psutil
+import ray
+
+from coordinator import get_or_create_coordinator
+from coordinator.core.partial import fold_summaries
+from coordinator.protocol.agent_rpc import NodeCommand
+from coordinator.protocol.names import AGENT_NAMESPACE
+from coordinator.protocol.partial_codec import encode_partial
+from coordinator.protocol.summary_codec import (
+    Breakdown,
+    KernelRow,
+    RankSummary,
+    encode_summary,
+)
+from worker_ext.agent.partials import PartialRoutes, group_key
+from worker_ext.agent.rank_fanout import Key, RankFanOut, RankReplies
+
+# A py-spy binary: record the coordinator for 10 s after each close (where its time goes).
+SPY = os.environ.get("SCALE_SIM_SPY")
+PER_NODE = 8
+HOSTS = 4  # Ray actors that play the node agents (and as many that answer the rank RPCs)
+KERNELS = 2000
+NAMES = [
+    f"void at::native::elementwise_kernel<{i}, 4, gemm_{i % 97}>(int, float*)"
+    for i in range(KERNELS)
+]
+
+
+def node_of(rank: int) -> str:
+    return f"sim-node-{rank // PER_NODE:05d}"
+
+
+def host_of(node: str) -> int:
+    return int(node.rsplit("-", 1)[1]) % HOSTS
+
+
+def reply(
+    rank: int | None, closed: dict[str, Any] | None = None, pending: list[int] | None = None
+) -> dict[str, Any]:
+    """A rank's reply; ``rank`` None for the direct path (one actor answers for many ranks, so
+    it cannot say which node: the coordinator keeps what the registration told it)."""
+    node = node_of(rank) if rank is not None else None
+    return {
+        "rank": rank,
+        "node_id": node,
+        "state": "ok",
+        "reason": None,
+        "device": "cuda",
+        "note": None,
+        "phase": "idle",
+        "window": None,
+        "windows_captured": 0,
+        "windows_skipped": 0,
+        "last_skip_reason": None,
+        "last_trace_path": None,
+        "closed": closed,
+        "summaries": [],
+        "summary_failures": [],
+        "summaries_pending": pending or [],
+        "agent": {"kind": "node_agent", "pid": 1, "name": f"sim-agents-{host_of(node)}"}
+        if node
+        else None,
+        "last_agent_error": None,
+    }
+
+
+def closing(window: dict[str, Any], step: int) -> dict[str, Any] | None:
+    if step < window["last"]:
+        return None
+    return {
+        "window": window["index"],
+        "steps": [window["first"], window["last"]],
+        "trace_path": f"/sim/window_{window['index']}/rank.pt.trace.json.gz",
+        "partial": False,
+    }
+
+
+@ray.remote(num_cpus=0)
+class SimRanks:
+    """Answers the rank RPCs for many ranks (the direct path and the registration)."""
+
+    def __init__(self) -> None:
+        self.window: dict[str, Any] | None = None
+
+    def configure_profiler(self, rank, config, run_dir, warm_up=True, report_to=None):
+        return reply(rank)
+
+    def start_profile(self, window, step):
+        self.window = window
+        return reply(None)
+
+    def profile_step(self, step):
+        w = self.window
+        closed = closing(w, step) if w else None
+        if closed:
+            self.window = None
+        return reply(None, closed, [closed["window"]] if closed else None)
+
+    def stop_profile(self):
+        return reply(None)
+
+    def dump_profiler_summary(self, wait_s=0.0):
+        return reply(None)
+
+
+def template(rank: int, seed: int = 0) -> RankSummary:
+    rnd = random.Random(rank * 7919 + seed)
+    kernels = [KernelRow(n, rnd.uniform(1.0, 5000.0), rnd.randint(1, 400), 0) for n in NAMES]
+    steps = [(s, rnd.uniform(9e5, 1.1e6)) for s in range(3)]
+    return RankSummary(
+        rank=rank,
+        window=0,
+        steps=(0, 2),
+        partial=False,
+        device="cuda",
+        kernels=kernels,
+        step_us=steps,
+        breakdown=Breakdown(6e5, 3e5, 5e4, 5e4, 3e6),
+    )
+
+
+@ray.remote(num_cpus=0)
+class SimAgents(RankFanOut):
+    """Plays the node agents of the simulated nodes with ``host_of(node) == index``."""
+
+    def __init__(
+        self,
+        index: int,
+        nodes: list[str],
+        coordinator: str,
+        namespace: str,
+        per_rank: bool,
+        windows: int,
+    ) -> None:
+        super().__init__(
+            f"sim-agents-{index}",
+            nodes[0] if nodes else "",
+            hosts=lambda n: host_of(n) == index,
+            on_start=lambda cmd, node, keys: self.routes.learn(cmd, node, keys),
+        )
+        # The real agents' partial routes: each node's partial to its group's relay, which
+        # merges the group's and pushes one partial to the coordinator.
+        self.routes = PartialRoutes(self.name, self._call_agent, self._to_coordinator)
+        self.report_to = {"namespace": namespace, "name": coordinator, "trainer_id": "sim"}
+        self.nodes = nodes
+        self.per_rank = per_rank
+        self.coordinator = ray.get_actor(coordinator, namespace=namespace)
+        # Every window's summaries built before the run: building them (parsing traces) is the
+        # real agents' cost, on their own nodes, not the coordinator's, and here it would take
+        # the coordinator's cores.
+        self.blobs: dict[tuple[str, int], list[bytes]] = {}
+        for node in nodes:
+            first = int(node.rsplit("-", 1)[1]) * PER_NODE
+            summaries = [template(r) for r in range(first, first + PER_NODE)]
+            for w in range(windows):
+                for s in summaries:
+                    s.window = w
+                if per_rank:
+                    self.blobs[(node, w)] = [encode_summary(s) for s in summaries]
+                else:
+                    self.blobs[(node, w)] = [encode_partial(fold_summaries(node, summaries))]
+        self.window: dict[str, Any] | None = None
+        self.trainer = "sim"
+
+    def ready(self) -> int:
+        return sum(len(b) for b in self.blobs.values())
+
+    async def call_ranks(self, cmd: NodeCommand, keys: list[Key]) -> RankReplies:
+        method, args = cmd["method"], cmd["args"]
+        closed = None
+        if method == "start_profile":
+            self.window = args[0]
+        elif method == "profile_step" and self.window is not None:
+            closed = closing(self.window, args[0])
+        out = {k: reply(k[1], closed, [closed["window"]] if closed else None) for k in keys}
+        return out, []
+
+    async def command(self, cmd: NodeCommand) -> Any:
+        if cmd["method"] == "start_profile":
+            self.routes.lead(cmd)
+        return await super().command(cmd)
+
+    async def collect_partial(self, report_to, window, node, blob) -> bool:
+        return await self.routes.collect(report_to, window, node, blob)
+
+    async def _call_agent(self, name: str, method: str, *args: Any) -> Any:
+        return await getattr(await self.agent(name), method).remote(*args)
+
+    async def _to_coordinator(self, key: Any, report_to: dict[str, str], blob: bytes) -> bool:
+        return bool(await self.coordinator.ingest_partial.remote("sim", blob, report_to["run"]))
+
+    async def push_window(self, window: int, run: str) -> int:
+        """Every node's summaries of ``window``, as the real agents push them once built."""
+        await asyncio.gather(*(self._push(node, window, run) for node in self.nodes))
+        return len(self.nodes)
+
+    async def _push(self, node: str, window: int, run: str) -> None:
+        first = int(node.rsplit("-", 1)[1]) * PER_NODE
+        for n, blob in enumerate(self.blobs[(node, window)]):
+            if self.per_rank:
+                await self.coordinator.ingest_summary.remote(self.trainer, first + n, blob, run)
+            else:
+                report_to = {**self.report_to, "run": run}
+                await self.routes.push(group_key(report_to, window), report_to, node, blob)
+
+
+def cpu(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def rss_mb(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def timed(ref_fn) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = ray.get(ref_fn())
+    return out, time.perf_counter() - t0
+
+
+def run_size(n: int, fanout: str, windows: int) -> dict[str, Any]:
+    name = f"scale-{fanout}-{n}"
+    ns = "profiler-bench"
+    tmp = tempfile.mkdtemp(prefix="scale-sim-")
+    cfg = {
+        "enable": True,
+        "save_path": tmp,
+        "ranks": "all",
+        "skip_first": 2,
+        "wait": 3,
+        "warmup": 1,
+        "active": 3,
+        "repeat": windows,
+        "fanout": fanout,
+        "worker_timeout_s": 120.0,
+        "max_windows": 8,
+        "detail_windows": 2,
+    }
+    coord = get_or_create_coordinator(cfg, name=name, namespace=ns, trainer_id="sim")
+    pid = ray.get(coord.status.remote())["process"]["pid"]
+    nodes = sorted({node_of(r) for r in range(n)})
+    rank_actors = [SimRanks.remote() for _ in range(HOSTS)]
+    agents = [
+        SimAgents.options(name=f"sim-agents-{i}", namespace=AGENT_NAMESPACE).remote(
+            i, [x for x in nodes if host_of(x) == i], name, ns, fanout == "direct", windows
+        )
+        for i in range(HOSTS)
+    ]
+    ray.get([a.ready.remote() for a in agents])
+    workers = [rank_actors[r % HOSTS] for r in range(n)]
+    t0 = time.perf_counter()
+    ray.get(coord.register.remote("sim", workers))
+    register_s = time.perf_counter() - t0
+    ray.get(coord.start.remote("sim", 0))
+    res: dict[str, Any] = {
+        "ranks": n,
+        "nodes": len(nodes),
+        "fanout": fanout,
+        "register_s": register_s,
+        "open": [],
+        "step": [],
+        "close": [],
+        "cpu_open": [],
+        "cpu_step": [],
+        "cpu_close": [],
+        "cpu_summaries": [],
+        "table_after_close": [],
+        "step_while": [],
+        "status_s": [],
+        "status_kb": [],
+        "mem_mb": [],
+        "stall_ms": [],
+        "stall_busy_ms": [],
+    }
+    run = ray.get(coord.status.remote())["run"]["name"]
+    k, phase = 0, "idle"
+    for _ in range(windows):
+        mem0 = rss_mb(pid)
+        while True:  # step up to and through the next window
+            c0 = cpu(pid)
+            rep, dt = timed(lambda k=k: coord.step.remote("sim", k))
+            c1 = cpu(pid)
+            k += 1
+            before, phase = phase, rep["phase"]
+            kind = {(False, True): "open", (True, True): "step", (True, False): "close"}.get(
+                (before != "idle", phase != "idle")
+            )
+            if kind:
+                res[kind].append(dt)
+                res[f"cpu_{kind}"].append(c1 - c0)
+            if kind == "close":
+                break
+        closed_at, c0 = time.perf_counter(), cpu(pid)
+        index = ray.get(coord.status.remote())["windows"][-1]["index"]
+        pushes = [a.push_window.remote(index, run) for a in agents]
+        if SPY:
+            import subprocess
+
+            subprocess.Popen(
+                [
+                    SPY,
+                    "record",
+                    "-p",
+                    str(pid),
+                    "-d",
+                    "10",
+                    "-r",
+                    "100",
+                    "--idle",
+                    "--threads",
+                    "-f",
+                    "raw",
+                    "-o",
+                    f"/tmp/spy-{n}-{len(res['close'])}.txt",
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        stall_from = time.time()
+        lat, stat_s, stat_kb = [], [], []
+        while True:  # the trainer steps on while the summaries arrive
+            _, dt = timed(lambda k=k: coord.step.remote("sim", k))
+            k += 1
+            lat.append(dt)
+            st, ds = timed(lambda: coord.status.remote())
+            stat_s.append(ds)
+            stat_kb.append(len(json.dumps(st)) / 1024)
+            ks = ray.get(coord.kernel_summary.remote(window=index, top_k=20))
+            if len(ks["ranks"]) == n:
+                break
+            if time.perf_counter() - closed_at > 900:
+                raise RuntimeError(f"only {len(ks['ranks'])} of {n} ranks after 900 s")
+            time.sleep(0.05)
+        res["table_after_close"].append(time.perf_counter() - closed_at)
+        ray.get(pushes)
+        res["cpu_summaries"].append(cpu(pid) - c0)
+        res["step_while"].append(max(lat))
+        res["status_s"].append(statistics.median(stat_s))
+        res["status_kb"].append(max(stat_kb))
+        res["mem_mb"].append(rss_mb(pid) - mem0)
+        loop = ray.get(coord.status.remote())["process"]["loop"]
+        stalls = [(ms, busy) for t, ms, busy in loop["recent_stalls"] if t >= stall_from]
+        res["stall_ms"].append(max([ms for ms, _ in stalls] or [0.0]))
+        res["stall_busy_ms"].append(max([busy for _, busy in stalls] or [0.0]))
+        res.setdefault("stalls", []).append(sorted(stalls)[-8:])
+        res.setdefault("latencies", []).append(sorted(lat)[-5:])
+        res["gc_max_ms"] = loop["gc_max_ms"]
+    st, ds = timed(lambda: coord.status.remote())
+    res["status_final_s"], res["status_final_kb"] = ds, len(json.dumps(st)) / 1024
+    res["nodes_by_path"] = st["nodes"]["by_path"]
+    res["top20_s"] = timed(lambda: coord.kernel_summary.remote(top_k=20))[1]
+    ray.get(coord.stop.remote("sim"))
+    for a in [coord, *agents, *rank_actors]:
+        ray.kill(a)
+    return res
+
+
+def show(res: dict[str, Any]) -> None:
+    def ms(xs: list[float]) -> str:
+        if not xs:
+            return "-"
+        return f"{1e3 * statistics.median(xs):.0f} ms (max {1e3 * max(xs):.0f})"
+
+    def mean_ms(xs: list[float]) -> str:  # (CPU times tick in 10 ms: the mean over steps)
+        return f"{1e3 * statistics.fmean(xs):.0f} ms over {len(xs)}" if xs else "-"
+
+    def s(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.2f} s (max {max(xs):.2f})" if xs else "-"
+
+    r = res
+    lines = [
+        f"\n== {r['ranks']} ranks on {r['nodes']} nodes, fanout {r['fanout']} "
+        f"(register {r['register_s']:.1f} s) ==",
+        f"step report in windows: open {ms(r['open'])}, step {ms(r['step'])}, "
+        f"close {ms(r['close'])}",
+        f"coordinator CPU per in-window step (mean): open {mean_ms(r['cpu_open'])}, "
+        f"step {mean_ms(r['cpu_step'])}, close {mean_ms(r['cpu_close'])}",
+        f"coordinator CPU per window of summaries: {s(r['cpu_summaries'])}",
+        f"table lists every rank, after the close: {s(r['table_after_close'])}",
+        f"a step report while summaries arrive (slowest per window): {ms(r['step_while'])}",
+        f"status() while summaries arrive: {ms(r['status_s'])}, up to "
+        f"{max(r['status_kb']):.0f} KB; after: {1e3 * r['status_final_s']:.0f} ms, "
+        f"{r['status_final_kb']:.0f} KB",
+        f"coordinator memory per window: {statistics.median(r['mem_mb']):.0f} MB "
+        f"(max {max(r['mem_mb']):.0f})",
+        f"longest event loop stall while summaries arrive: {max(r['stall_ms']):.0f} ms, "
+        f"{max(r['stall_busy_ms']):.0f} ms of it the loop's own CPU; garbage collection "
+        f"pauses up to {r['gc_max_ms']} ms by generation",
+        f"top-20 query: {1e3 * r['top20_s']:.0f} ms; nodes by path: {r['nodes_by_path']}",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1024, 10000])
+    ap.add_argument("--fanout", nargs="+", default=["node"], choices=["node", "direct"])
+    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    out = []
+    for n in args.ranks:
+        for fanout in args.fanout:
+            res = run_size(n, fanout, args.windows)
+            show(res)
+            out.append(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

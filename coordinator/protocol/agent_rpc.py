@@ -1,0 +1,83 @@
+"""What the coordinator asks of node agents, declared once: window commands fanned out per node.
+
+The coordinator sends one ``NodeCommand`` per group of nodes to one agent of the group (the
+relay); the relay calls the ranks of its own node and forwards each other node's part to that
+node's agent, and answers with one ``NodeCommandReply`` that folds every rank's reply. A rank
+whose reply is what its agent last forwarded for it is only listed (``answered``), so a quiet
+step costs the coordinator a list of ints per node, not a dict per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+from coordinator.protocol.replies import RankReply, RankState, Reason
+
+NODE_COMMANDS = ("start_profile", "profile_step", "stop_profile", "dump_profiler_summary")
+"""The rank RPCs that may travel through node agents (``configure_profiler`` goes direct)."""
+
+
+class NodeOrder(TypedDict):
+    """One node's part of a command: its agent, its ranks, and their handles when the agent may
+    not hold them yet (aligned with ``ranks``)."""
+
+    agent: str
+    ranks: list[tuple[str, int]]
+    handles: list[Any] | None
+
+
+class NodeCommand(TypedDict):
+    """A rank RPC for the ranks of some nodes. ``owner`` names the coordinator (its namespace,
+    name and incarnation: ``namespace/name#restarts``): an agent keeps handles and last replies per
+    owner. ``idle_exit_s``: the owner's ``agent_idle_exit_s``."""
+
+    owner: str
+    run: str
+    relay: str  # the agent the coordinator sent it to: the group's node partials go there
+    method: str
+    args: list[Any]
+    timeout_s: float
+    nodes: dict[str, NodeOrder]
+    idle_exit_s: float | None
+
+
+class RankFailure(TypedDict):
+    """A rank that did not answer: lost (its process died), disabled (the call raised) or
+    unresponsive (no answer within the timeout)."""
+
+    trainer_id: str
+    rank: int
+    state: RankState
+    reason: Reason
+
+
+class NodeAnswer(TypedDict):
+    """One node's answer. ``error`` set: the node's agent could not be reached (nothing else is
+    set, and no rank of the node was called through it)."""
+
+    node: str
+    agent: str
+    answered: list[tuple[str, int]]
+    replies: list[tuple[str, int, RankReply]]
+    failed: list[RankFailure]
+    unknown: list[tuple[str, int]]  # ranks whose handle the agent does not hold: not called
+    error: Reason | None
+
+
+class NodeCommandReply(TypedDict):
+    """``command``: every node's answer."""
+
+    relay: str
+    nodes: list[NodeAnswer]
+
+
+class AgentRPC:
+    """The signatures of the node agent's RPCs that the coordinator calls."""
+
+    async def ping(self) -> int:
+        """The agent's pid."""
+        raise NotImplementedError
+
+    async def command(self, cmd: NodeCommand) -> NodeCommandReply:
+        """Run ``cmd`` on the ranks of the nodes it names (see the module docstring)."""
+        raise NotImplementedError

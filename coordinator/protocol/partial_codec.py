@@ -1,0 +1,156 @@
+"""A node partial: the summaries of some ranks for one window, folded into one message.
+
+A node agent folds its ranks' summaries (``core.partial.fold_summaries``); the relay of a group
+of nodes merges its group's node partials (``core.partial.merge_partials``) and pushes one
+partial per group per window instead of one summary per rank. The coordinator merges partials
+into its window aggregate exactly as it merges single summaries: sums, counts and sums of
+squares are integers (nanoseconds for times), so the order and grouping of folds never change
+a total.
+
+The wire is msgpack, decoded by msgspec into typed structs whose constraints are the checks, as
+for rank summaries: strict, capped before parsing, ``SummaryDecodeError`` on anything else.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from coordinator.protocol.summary_codec import (
+    MAX_KERNELS,
+    MAX_MEMORY_ROWS,
+    MAX_STEPS,
+    MAX_STREAMS,
+    Count,
+    Micros,
+    Name,
+    StreamRow,
+    strict_decode,
+)
+
+PARTIAL_VERSION = 1
+MAX_PARTIAL_BYTES = 32 * 1024 * 1024
+MAX_PARTIAL_RANKS = 16_384
+MAX_PARTIAL_TOP = 64
+"""Kernels (a node's largest by total) whose value is carried for every rank of the node."""
+MAX_DETAIL_BLOCKS = 4_096
+NS = 1000
+"""Times are summed in integer nanoseconds: exact in any order (traces carry ns precision)."""
+
+SQ_BASE = 2**62
+"""A sum of squares of nanoseconds passes 2**64 (msgpack's largest int) for a kernel over 4.3 s:
+it travels as ``(high, low)`` with ``value = high * SQ_BASE + low``."""
+Low = Annotated[int, msgspec.Meta(ge=0, lt=SQ_BASE)]
+
+
+class TableRow(msgspec.Struct, array_like=True, frozen=True):
+    """One name's statistics over the node's ranks: integer sums, extremes with their rank."""
+
+    name: Name
+    total: Count  # ns for kernels, bytes for memory
+    sumsq: tuple[Count, Low]  # (high, low): see SQ_BASE
+    count: Count  # calls (or allocations)
+    present: Count  # ranks that had the name
+    min: Micros  # smallest value among the ranks present
+    max: Micros
+    max_rank: Count
+
+    @property
+    def square_sum(self) -> int:
+        return self.sumsq[0] * SQ_BASE + self.sumsq[1]
+
+
+def split_square_sum(value: int) -> tuple[int, int]:
+    """``value`` as the ``(high, low)`` pair of ``TableRow.sumsq``."""
+    return divmod(value, SQ_BASE)
+
+
+class RankPart(msgspec.Struct, array_like=True, frozen=True):
+    """What the cross-rank views need of one rank: totals, breakdown, step times, streams."""
+
+    rank: Count
+    steps: tuple[Count, Count]
+    partial: bool
+    device: Literal["cpu", "cuda"]
+    total_us: Micros
+    dropped: tuple[Count, Micros]
+    step_us: Annotated[list[tuple[Count, Micros]], msgspec.Meta(max_length=MAX_STEPS)]
+    breakdown: tuple[Micros, Micros, Micros, Micros, Micros]
+    streams: Annotated[list[StreamRow], msgspec.Meta(max_length=MAX_STREAMS)]
+    peak_bytes: Count | None
+
+
+class DetailBlock(msgspec.Struct, array_like=True, frozen=True):
+    """One node's ranks' values of its largest kernels, for the rank x kernel views:
+    ``values[i * len(names) + j]`` is rank ``ranks[i]``'s self time of ``names[j]``."""
+
+    names: Annotated[list[Name], msgspec.Meta(max_length=MAX_PARTIAL_TOP)]
+    ranks: Annotated[list[Count], msgspec.Meta(max_length=MAX_PARTIAL_RANKS)]
+    values: list[Micros]
+
+
+class NodePartial(msgspec.Struct, forbid_unknown_fields=True):
+    """The wire form of a node partial (see the module docstring)."""
+
+    v: int
+    source: Annotated[str, msgspec.Meta(max_length=128)]  # the node, or the relay, that folded it
+    window: Count
+    ranks: Annotated[list[RankPart], msgspec.Meta(min_length=1, max_length=MAX_PARTIAL_RANKS)]
+    kernels: Annotated[list[TableRow], msgspec.Meta(max_length=MAX_KERNELS * 8)]
+    memory: Annotated[list[TableRow], msgspec.Meta(max_length=MAX_MEMORY_ROWS * 8)]
+    detail: Annotated[list[DetailBlock], msgspec.Meta(max_length=MAX_DETAIL_BLOCKS)]
+
+    def __post_init__(self) -> None:
+        seen = set()
+        for part in self.ranks:
+            if part.rank in seen:
+                raise ValueError(f"rank {part.rank} appears twice")
+            seen.add(part.rank)
+            if part.steps[0] > part.steps[1]:
+                raise ValueError(f"rank {part.rank}: steps {part.steps}: first is after last")
+        for row in (*self.kernels, *self.memory):
+            if row.present > len(self.ranks) or row.max_rank not in seen:
+                raise ValueError(f"row {row.name!r:.80}: its ranks are not the partial's")
+        for n, block in enumerate(self.detail):
+            if len(block.values) != len(block.names) * len(block.ranks):
+                raise ValueError(f"detail block {n}: values do not match its names x ranks")
+            if not seen.issuperset(block.ranks):
+                raise ValueError(f"detail block {n}: its ranks are not the partial's")
+
+
+_DECODER = msgspec.msgpack.Decoder(NodePartial)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode_partial(partial: NodePartial) -> bytes:
+    """Serialise to msgpack; raises ValueError if the result would not decode."""
+    try:
+        data = _ENCODER.encode(partial)
+    except (TypeError, OverflowError, ValueError) as exc:
+        raise ValueError(f"node partial cannot be encoded: {exc}") from exc
+    decode_partial(data)  # never send what the receiver would refuse
+    return data
+
+
+def decode_partial(data: Any) -> NodePartial:
+    """Parse and check a payload from ``encode_partial``; ``SummaryDecodeError`` says what is
+    wrong and where."""
+    partial: NodePartial = strict_decode(
+        data, "node partial", MAX_PARTIAL_BYTES, PARTIAL_VERSION, _DECODER
+    )
+    return partial
+
+
+__all__ = [
+    "MAX_PARTIAL_TOP",
+    "NS",
+    "SQ_BASE",
+    "DetailBlock",
+    "NodePartial",
+    "RankPart",
+    "TableRow",
+    "decode_partial",
+    "encode_partial",
+    "split_square_sum",
+]

@@ -1,0 +1,104 @@
+"""Window commands through node agents, with many simulated nodes on this machine (see
+``tests/node_sim.py``): relays, forwarding, folded replies, and faults that stay per rank."""
+
+import uuid
+
+import pytest
+
+from coordinator import get_or_create_coordinator
+from coordinator.protocol.names import AGENT_NAMESPACE
+from coordinator.service.node_fanout import group_size
+from tests.configs import profiler_config
+from tests.node_sim import PlainRank, SimNodeAgents
+
+NODES, PER_NODE, AGENTS = 10, 1, 3  # 10 nodes: two relay groups, of 8 and 2
+
+
+@pytest.fixture
+def sim(ray_session, ray_actors, tmp_path):
+    ray = ray_session
+    tag = uuid.uuid4().hex[:6]
+    names = [f"sim-{tag}-{i}" for i in range(AGENTS)]
+    nodes = [f"node-{tag}-{n:02d}" for n in range(NODES)]
+    agent_of = {node: names[n % AGENTS] for n, node in enumerate(nodes)}
+    Agents = ray.remote(num_cpus=0)(SimNodeAgents)
+    agents = [
+        Agents.options(name=name, namespace=AGENT_NAMESPACE).remote(
+            name, [x for x in nodes if agent_of[x] == name]
+        )
+        for name in names
+    ]
+    Rank = ray.remote(num_cpus=0)(PlainRank)
+    ranks = [Rank.remote(node, agent_of[node]) for node in nodes for _ in range(PER_NODE)]
+    cfg = profiler_config(tmp_path, wait=0, warmup=1, active=2, repeat=2, worker_timeout_s=3.0)
+    coord = get_or_create_coordinator(cfg, name=f"fanout-{tag}", namespace="profiler-tests")
+    ray_actors.extend([coord, *agents, *ranks])
+    ray.get(coord.register.remote("t", ranks))
+    ray.get(coord.start.remote("t", 0))
+    return ray, coord, agents, ranks
+
+
+def commands(ray, ranks):
+    return [
+        [c for c in calls if c[0] != "configure_profiler"]
+        for calls in ray.get([r.told.remote() for r in ranks])
+    ]
+
+
+def test_every_rank_is_told_through_the_relays_of_its_group(sim):
+    ray, coord, agents, ranks = sim
+    assert group_size(NODES) == 8
+    ranks_n = NODES * PER_NODE
+    for k in range(6):  # two windows: warm-up 0, record 1-2 | warm-up 3, record 4-5
+        ray.get(coord.step.remote("t", k))
+    want = [("start_profile", 0), ("profile_step", 0), ("profile_step", 1), ("profile_step", 2)]
+    want += [("start_profile", 1), ("profile_step", 3), ("profile_step", 4), ("profile_step", 5)]
+    assert commands(ray, ranks) == [want] * len(ranks)
+    st = ray.get(coord.status.remote())
+    assert st["nodes"]["by_path"] == {"agent": NODES}
+    assert {n["agent"] for n in st["nodes"]["listed"]} == {
+        f"{a}" for a in {n["agent"] for n in st["nodes"]["listed"]}
+    }
+    c = st["counters"]
+    assert c["node_commands"] == 2 * 8  # two groups, eight commands
+    assert c.get("node_fallback_ranks", 0) == 0
+    assert c["worker_rpcs_profile_step"] == 6 * len(ranks)
+    assert {r["state"] for r in st["ranks"]} == {"ok"}
+    assert [w["ranks"] for w in st["windows"]] == [list(range(ranks_n))] * 2
+
+
+def test_a_rank_that_fails_or_hangs_is_marked_by_itself(sim):
+    ray, coord, agents, ranks = sim
+    ray.get(ranks[3].inject.remote(1, "raise"))
+    ray.get(ranks[9].inject.remote(2, "hang"))  # in the second group
+    for k in range(6):
+        ray.get(coord.step.remote("t", k))
+    st = ray.get(coord.status.remote())
+    states = {r["rank"]: r["state"] for r in st["ranks"]}
+    assert states.pop(3) == "disabled" and states.pop(9) == "unresponsive"
+    assert set(states.values()) == {"ok"}
+    reasons = {r["rank"]: r["reason"] for r in st["ranks"] if r["reason"]}
+    assert "injected at step 1" in reasons[3]["message"]
+    assert reasons[9]["type"] == "Timeout"
+    assert st["nodes"]["by_path"] == {"agent": NODES}  # the agents themselves were fine
+    told = commands(ray, ranks)
+    assert ("start_profile", 1) not in told[3] and ("start_profile", 1) in told[4]
+    assert st["windows"][1]["ranks"] == [r for r in range(NODES) if r not in (3, 9)]
+
+
+def test_a_dead_agent_sends_its_nodes_direct_and_the_others_stay_on_agents(sim):
+    ray, coord, agents, ranks = sim
+    ray.get(coord.step.remote("t", 0))  # window 0 opened through the agents
+    ray.kill(agents[1])  # hosts nodes 1, 4, 7; it relays no group (nodes 0's and 8's do)
+    for k in range(1, 6):
+        ray.get(coord.step.remote("t", k))
+    st = ray.get(coord.status.remote())
+    assert {r["state"] for r in st["ranks"]} == {"ok"}  # every rank still told
+    paths = {n["node"][-2:]: n for n in st["nodes"]["listed"]}
+    direct = sorted(k for k, n in paths.items() if n["path"] == "direct")
+    assert direct == ["01", "04", "07"]
+    assert all(paths[k]["reason"]["where"] == "relay" for k in direct)
+    assert st["counters"]["node_fallback_ranks"] >= 3 * PER_NODE
+    want = [("start_profile", 0), ("profile_step", 0), ("profile_step", 1), ("profile_step", 2)]
+    want += [("start_profile", 1), ("profile_step", 3), ("profile_step", 4), ("profile_step", 5)]
+    assert commands(ray, ranks) == [want] * len(ranks)
