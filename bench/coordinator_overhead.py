@@ -29,7 +29,7 @@ from coordinator.client.step_client import StepClient
 from coordinator.core.records import RankRecord
 from coordinator.core.run import new_run
 from coordinator.core.schedule import Window
-from coordinator.core.state import CoordinatorState
+from coordinator.core.state import CoordinatorState, kernel_summary
 from coordinator.protocol.summary_codec import KernelRow, RankSummary, encode_summary
 from coordinator.service import checkpoint
 from worker_ext import ProfilerWorkerMixin
@@ -206,7 +206,7 @@ def bench_aggregation(ranks: int, kernels: int, top: int) -> dict[str, float]:
     queries = []
     for _ in range(20):
         t0 = time.perf_counter()
-        table = st.kernel_summary(None, top, None)
+        table = kernel_summary(st, None, top, None)
         queries.append(time.perf_counter() - t0)
     # What a checkpoint of this window costs (the coordinator pickles its runs into Ray's KV).
     import ray.cloudpickle as cloudpickle
@@ -228,6 +228,7 @@ def bench_aggregation(ranks: int, kernels: int, top: int) -> dict[str, float]:
     full_s = time.perf_counter() - t0
     ckpt = checkpoint.Checkpointer("bench", "bench")
     ckpt.saved_windows = {(run.name, i) for i in st.windows}  # already written once each
+    ckpt.saved_ranks = {run.name: (st.ranks_version, st.counters["registrations"])}  # and these
     incremental = []
     for _ in range(5):
         t0 = time.perf_counter()
