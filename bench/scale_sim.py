@@ -48,6 +48,9 @@ from worker_ext.agent.rank_fanout import Key, RankFanOut, RankReplies
 
 # A py-spy binary: record the coordinator for 10 s after each close (where its time goes).
 SPY = os.environ.get("SCALE_SIM_SPY")
+# SCALE_SIM_NICE_AGENTS=1: the simulated agents at the lowest CPU priority, so that they do not
+# take the coordinator's (and the driver's) cores, as real agents on their own nodes would not.
+NICE_AGENTS = os.environ.get("SCALE_SIM_NICE_AGENTS") == "1"
 PER_NODE = 8
 HOSTS = 4  # Ray actors that play the node agents (and as many that answer the rank RPCs)
 KERNELS = 2000
@@ -174,6 +177,8 @@ class SimAgents(RankFanOut):
         self.routes = PartialRoutes(self.name, self._call_agent, self._to_coordinator)
         self.report_to = {"namespace": namespace, "name": coordinator, "trainer_id": "sim"}
         self.nodes = nodes
+        if NICE_AGENTS:  # real agents run on their own nodes, not on the coordinator's cores
+            os.nice(19)
         self.per_rank = per_rank
         self.coordinator = ray.get_actor(coordinator, namespace=namespace)
         # Every window's summaries built before the run: building them (parsing traces) is the
