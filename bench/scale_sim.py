@@ -308,6 +308,7 @@ def run_size(n: int, fanout: str, windows: int) -> dict[str, Any]:
         "mem_mb": [],
         "stall_ms": [],
         "stall_busy_ms": [],
+        "open_while": [],
     }
     run = ray.get(coord.status.remote())["run"]["name"]
     k, phase = 0, "idle"
@@ -355,11 +356,16 @@ def run_size(n: int, fanout: str, windows: int) -> dict[str, Any]:
                 stderr=subprocess.DEVNULL,
             )
         stall_from = time.time()
-        lat, stat_s, stat_kb = [], [], []
+        lat, stat_s, stat_kb, pings = [], [], [], []
         while True:  # the trainer steps on while the summaries arrive
-            _, dt = timed(lambda k=k: coord.step.remote("sim", k))
+            rep, dt = timed(lambda k=k: coord.step.remote("sim", k))
             k += 1
-            lat.append(dt)
+            if rep["phase"] != "idle":  # this report opened the next window: it waited for
+                res["open_while"].append(dt)  # the agents, who were relaying summaries
+                phase = rep["phase"]
+            else:
+                lat.append(dt)
+            pings.append(timed(lambda: coord.ping.remote())[1])  # takes no lock: Ray alone
             st, ds = timed(lambda: coord.status.remote())
             stat_s.append(ds)
             stat_kb.append(len(json.dumps(st)) / 1024)
@@ -372,7 +378,7 @@ def run_size(n: int, fanout: str, windows: int) -> dict[str, Any]:
         res["table_after_close"].append(time.perf_counter() - closed_at)
         ray.get(pushes)
         res["cpu_summaries"].append(cpu(pid) - c0)
-        res["step_while"].append(max(lat))
+        res["step_while"].append(max(lat or [0.0]))
         res["status_s"].append(statistics.median(stat_s))
         res["status_kb"].append(max(stat_kb))
         res["mem_mb"].append(rss_mb(pid) - mem0)
@@ -382,6 +388,8 @@ def run_size(n: int, fanout: str, windows: int) -> dict[str, Any]:
         res["stall_busy_ms"].append(max([busy for _, busy in stalls] or [0.0]))
         res.setdefault("stalls", []).append(sorted(stalls)[-8:])
         res.setdefault("latencies", []).append(sorted(lat)[-5:])
+        res.setdefault("pings", []).append(sorted(pings)[-5:])
+        res.setdefault("ping_max", []).append(max(pings))
         res["gc_max_ms"] = loop["gc_max_ms"]
     st, ds = timed(lambda: coord.status.remote())
     res["status_final_s"], res["status_final_kb"] = ds, len(json.dumps(st)) / 1024
@@ -415,7 +423,9 @@ def show(res: dict[str, Any]) -> None:
         f"step {mean_ms(r['cpu_step'])}, close {mean_ms(r['cpu_close'])}",
         f"coordinator CPU per window of summaries: {s(r['cpu_summaries'])}",
         f"table lists every rank, after the close: {s(r['table_after_close'])}",
-        f"a step report while summaries arrive (slowest per window): {ms(r['step_while'])}",
+        f"a step report while summaries arrive (slowest per window): {ms(r['step_while'])}; "
+        f"a ping (no lock): {ms(r['ping_max'])}; the report that opened the next window "
+        f"meanwhile (it waits for the agents): {ms(r['open_while'])}",
         f"status() while summaries arrive: {ms(r['status_s'])}, up to "
         f"{max(r['status_kb']):.0f} KB; after: {1e3 * r['status_final_s']:.0f} ms, "
         f"{r['status_final_kb']:.0f} KB",
