@@ -27,6 +27,7 @@ from coordinator.protocol.summary_codec import (
     Name,
     StreamRow,
     strict_decode,
+    strict_encode,
 )
 
 PARTIAL_VERSION = 1
@@ -120,17 +121,11 @@ class NodePartial(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _DECODER = msgspec.msgpack.Decoder(NodePartial)
-_ENCODER = msgspec.msgpack.Encoder()
 
 
 def encode_partial(partial: NodePartial) -> bytes:
     """Serialise to msgpack; raises ValueError if the result would not decode."""
-    try:
-        data = _ENCODER.encode(partial)
-    except (TypeError, OverflowError, ValueError) as exc:
-        raise ValueError(f"node partial cannot be encoded: {exc}") from exc
-    decode_partial(data)  # never send what the receiver would refuse
-    return data
+    return strict_encode(partial, "node partial", decode_partial)
 
 
 def decode_partial(data: Any) -> NodePartial:

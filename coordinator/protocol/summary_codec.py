@@ -167,11 +167,17 @@ def encode_summary(summary: RankSummary) -> bytes:
         streams=list(summary.streams),
         memory=None if summary.peak_bytes is None else (summary.peak_bytes, list(summary.memory)),
     )
+    return strict_encode(wire, "summary", decode_summary)
+
+
+def strict_encode(struct: Any, what: str, decode: Any) -> bytes:
+    """msgpack of ``struct``, checked by ``decode`` (never send what the receiver would refuse);
+    ValueError if it cannot be encoded or would not decode."""
     try:
-        data = _ENCODER.encode(wire)
+        data = _ENCODER.encode(struct)
     except (TypeError, OverflowError, ValueError) as exc:
-        raise ValueError(f"summary cannot be encoded: {exc}") from exc
-    decode_summary(data)  # never send what the receiver would refuse
+        raise ValueError(f"{what} cannot be encoded: {exc}") from exc
+    decode(data)
     return data
 
 

@@ -24,10 +24,6 @@ class FoldQueue:
             collections.deque()
         )
         self._task: asyncio.Task[None] | None = None
-        self.folded = 0
-
-    def __len__(self) -> int:
-        return len(self._queue)
 
     async def run(self, fold: Callable[[], T]) -> T:
         """``fold()``'s result, once every fold queued before it has run."""
@@ -49,5 +45,4 @@ class FoldQueue:
             else:
                 if not done.done():
                     done.set_result(result)
-            self.folded += 1
             await asyncio.sleep(0)  # a step report that arrived meanwhile goes next

@@ -64,7 +64,6 @@ class Gather(Generic[T]):
         self.fold, self.push, self.linger_s = fold, push, linger_s
         self.expected: dict[GroupKey, set[Hashable]] = {}
         self._pending: dict[GroupKey, _Pending[T]] = {}
-        self.pushed = 0
 
     def expect(self, key: GroupKey, members: set[Hashable]) -> None:
         """The members whose items ``key`` waits for (once they are all in, it goes)."""
@@ -104,7 +103,6 @@ class Gather(Generic[T]):
             loop = asyncio.get_running_loop()
             blob = await loop.run_in_executor(None, self.fold, items)
             ok = await self.push(pending.key, pending.report_to, blob)
-            self.pushed += ok
         except Exception as exc:
             for done in pending.waiting:
                 if not done.done():
