@@ -356,3 +356,14 @@ def test_three_nodes_fan_out_through_agents_fold_partials_and_lose_a_removed_nod
     # The run stopped: the agents, idle for agent_idle_exit_s = 2, left by themselves.
     assert out["agents_before_exit"] >= 2 and out["agents_after"] == []
     assert out["torch_loaded"] is False
+    # Stacks from every node, read at once: six idle ranks, one group; the removed node's
+    # ranks are said, with why, not waited for.
+    assert out["stacks"]["nodes"] == 3 and out["stacks"]["methods"] == ["py-spy"], out["stacks"]
+    assert out["stacks"]["groups"] == [[list(range(6)), "idle"]], out["stacks"]["lines"]
+    gone = out["stacks_after_removal"]
+    assert sorted(gone) == ["4", "5"], gone
+    assert all(
+        why.startswith(("exited", "node "))
+        and ("exited" in why or "unreachable" in why or "agent" in why)
+        for why in gone.values()
+    ), gone

@@ -39,7 +39,7 @@ HOSTILE = st.one_of(
 # The public methods, each with its arity; every argument is drawn from HOSTILE.
 METHODS = {
     "open_run": 2,
-    "register": 4,
+    "register": 5,
     "start": 3,
     "step": 3,
     "stop": 1,
@@ -55,6 +55,7 @@ METHODS = {
     "set_auto_capture": 1,
     "wait_window": 4,
     "ping": 0,
+    "stacks": 6,
 }
 CALLS = st.sampled_from(sorted(METHODS)).flatmap(
     lambda m: st.tuples(st.just(m), st.lists(HOSTILE, min_size=METHODS[m], max_size=METHODS[m]))

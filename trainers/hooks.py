@@ -296,13 +296,43 @@ def _attach(
 
     try:
         coord, run = attach_coordinator(cfg, where[0], where[1], trainer_id=trainer_id)
-        ray.get(coord.register.remote(trainer_id, workers, role, advances_step))
+        driver = _driver(workers)
+        ray.get(coord.register.remote(trainer_id, workers, role, advances_step, driver))
     except ray.exceptions.RayTaskError as exc:
         cause = exc.as_instanceof_cause()
         if isinstance(cause, ValueError):
             raise ValueError(str(cause).strip().splitlines()[-1]) from None
         raise
     return coord, run
+
+
+def _driver(workers: Any) -> dict[str, Any] | None:
+    """This driver's pid, node and stack dump, so ``stacks()`` reads it too; and a node agent
+    on its node and on every node of ``workers`` (in the background: attach does not wait)."""
+    try:
+        import os
+        import threading
+
+        import ray
+
+        from worker_ext.rank.stack_dump import enable_stack_dump
+
+        handles = list(workers.values()) if isinstance(workers, dict) else list(workers)
+        threading.Thread(target=_start_agents, args=(handles,), daemon=True).start()
+        node = str(ray.get_runtime_context().get_node_id())
+        return {"pid": os.getpid(), "node_id": node, "dump": dict(enable_stack_dump())}
+    except Exception as exc:  # stacks of the driver are a convenience; attach goes on
+        log.warning("profiler: the driver's stack will not be readable: %s", exc)
+        return None
+
+
+def _start_agents(workers: list[Any]) -> None:
+    from worker_ext.rank.agent_link import ensure_node_agents
+
+    try:
+        ensure_node_agents(workers)
+    except Exception as exc:
+        log.warning("profiler: node agents not started for stacks: %s", exc)
 
 
 class _Session:

@@ -107,6 +107,12 @@ class ProfilerConfig:
     agent_idle_exit_s: float = 600.0
     """A node agent with nothing to do for this long, while no coordinator it served has a live
     run, exits (0: never)."""
+    stall_watch: bool = True
+    """Take every rank's stack when the stepping trainer's steps stop coming (a stall)."""
+    stall_factor: float = 5.0
+    """A stall: no step for ``stall_factor`` x the median time of recent steps, ..."""
+    stall_min_s: float = 60.0
+    """... and for at least this many seconds."""
     auto_capture: AutoCapture = field(default_factory=AutoCapture)
     """Profile slow steps by themselves: ``enable``, ``slowdown_ratio``, ``after_steps``,
     ``active``, ``warmup``, ``cooldown_steps``, ``max_per_run``, ``ignore_first``,
@@ -186,6 +192,7 @@ class ProfilerConfig:
             "with_flops",
             "with_modules",
             "keep_local",
+            "stall_watch",
         ):
             _check_bool(self, name)
         for name in ("skip_first", "wait", "warmup", "repeat"):
@@ -198,6 +205,8 @@ class ProfilerConfig:
         _check_number(self, "straggler_threshold", minimum_exclusive=1.0)
         _check_int(self, "max_capture_steps", minimum=1)
         _check_number(self, "agent_idle_exit_s", minimum=0.0)
+        _check_number(self, "stall_factor", minimum=1.0)
+        _check_number(self, "stall_min_s", minimum_exclusive=0.0)
         if self.fanout not in FANOUTS:
             raise ValueError(
                 f"profiler config: 'fanout' must be one of {', '.join(FANOUTS)}, "

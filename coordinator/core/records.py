@@ -17,6 +17,7 @@ from coordinator.protocol.replies import (
     WindowEntry,
     WindowTrace,
 )
+from coordinator.protocol.stack_replies import StackDump
 
 Key = tuple[str, int]
 """A rank of a trainer: ``(trainer_id, rank)``."""
@@ -40,6 +41,8 @@ class RankRecord:
     agent: AgentEntry | None = None
     last_agent_error: AgentError | None = None
     node_id: str | None = None
+    pid: int | None = None
+    stack_dump: StackDump | None = None  # how its agent reads its stack without py-spy
 
     @property
     def active(self) -> bool:
@@ -74,6 +77,7 @@ class TrainerRecord:
     ranks: list[int]
     handles: dict[int, Any]
     run_dir: str | None
+    driver: dict[str, Any] | None = None  # the driver's pid, node_id and stack dump
 
     def to_dict(self, stepping: bool) -> TrainerEntry:
         return {

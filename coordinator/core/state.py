@@ -149,6 +149,10 @@ class CoordinatorState:
         rec.device = reply.get("device", rec.device)
         if isinstance(reply.get("node_id"), str):
             rec.node_id = reply["node_id"]
+        if isinstance(reply.get("pid"), int):
+            rec.pid = reply["pid"]
+        if isinstance(reply.get("stack_dump"), dict):
+            rec.stack_dump = reply["stack_dump"]
         rec.note = reply.get("note", rec.note)
         if isinstance(reply.get("windows_captured"), int):
             rec.windows_captured = reply["windows_captured"]

@@ -120,3 +120,33 @@ def _show(value: Any) -> str:
     if len(text) > 80:
         text = text[:77] + "..."
     return f"{type(value).__name__} {text}"
+
+
+DRIVER_KEYS = ("pid", "node_id", "dump")
+DUMP_KEYS = ("signal", "path", "main_thread", "note", "flight_recorder", "flight_recorder_note")
+
+
+def checked_driver(driver: Any) -> dict[str, Any] | None:
+    """A trainer's driver as ``register`` receives it (``pid``, ``node_id``, ``dump``): the
+    checked copy, or ValueError naming what is wrong."""
+    if driver is None:
+        return None
+    if not isinstance(driver, dict) or set(driver) - set(DRIVER_KEYS):
+        raise ValueError(
+            f"driver must be a dict with keys {', '.join(DRIVER_KEYS)}: {_show(driver)}"
+        )
+    pid, node = driver.get("pid"), driver.get("node_id")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        raise ValueError(f"driver pid must be an int > 0, got {_show(pid)}")
+    if not isinstance(node, str) or not 0 < len(node) <= 256:
+        raise ValueError(f"driver node_id must be a non-empty str, got {_show(node)}")
+    dump = driver.get("dump")
+    if dump is not None:
+        if not isinstance(dump, dict) or set(dump) - set(DUMP_KEYS):
+            raise ValueError(f"driver dump must be a dict with keys {', '.join(DUMP_KEYS)}")
+        for key, value in dump.items():
+            if isinstance(value, bool) or not isinstance(value, (int, str, type(None))):
+                raise ValueError(f"driver dump {key!r} must be an int, a str or None")
+            if isinstance(value, str) and len(value) > 4096:
+                raise ValueError(f"driver dump {key!r} is longer than 4096 characters")
+    return {"pid": pid, "node_id": node, "dump": dict(dump) if dump else None}

@@ -7,6 +7,7 @@
     ray-profiler cancel 4
     ray-profiler auto on
     ray-profiler stragglers
+    ray-profiler stacks
     ray-profiler watch --interval 2
 
 Tables for people; ``--json`` for scripts. The global options (``--address``, ``--namespace``,
@@ -26,6 +27,7 @@ from typing import Any
 from coordinator.ops.tables import (
     render_auto,
     render_ranks,
+    render_stacks,
     render_status,
     render_stragglers,
     render_top,
@@ -46,6 +48,18 @@ _EXAMPLES = {
     "cancel": "ray-profiler cancel 8",
     "auto": "ray-profiler auto on\n  ray-profiler auto off\n  ray-profiler auto --json",
     "stragglers": "ray-profiler stragglers --window 3",
+    "stacks": (
+        "ray-profiler stacks\n"
+        "  stacks of 5/5 processes at 05:14:47, read in 0.34 s (auto)\n"
+        "  likely culprit: rank 2 in slow_loader (while 3 ranks of sft wait in a collective)\n"
+        "\n"
+        "  rank 2 (1): slow_loader <- load_batch <- train  <- likely culprit\n"
+        "  ranks 0-1, 3 (3): all_reduce <- _update <- sft_step <- train\n"
+        "  sft driver (1): train <- <lambda> <- run <- _bootstrap_inner <- _bootstrap\n"
+        "\n"
+        "  ray-profiler stacks --rank 2          # every thread of rank 2, frame by frame\n"
+        "  ray-profiler stacks --native --json   # C/C++ frames too, as JSON"
+    ),
     "watch": "ray-profiler watch --interval 2\n  ray-profiler watch --count 10 > status.log",
     "collect": (
         "ray-profiler collect --window 3 --to ./window3   # then: tensorboard, Perfetto, HTA\n"
@@ -104,6 +118,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         _global_options(p, top=False)
         return p
 
+    _reading_commands(command)
+    _steering_commands(command)
+    return ap.parse_args(argv)
+
+
+Command = Any  # (name, help) -> argparse.ArgumentParser
+
+
+def _reading_commands(command: Command) -> None:
+    """The commands that only read the coordinator."""
     status = command("status", "run, window phase, step, windows, ranks, counters")
     status.add_argument(
         "--all", action="store_true", help="every rank (a run of over 256 ranks lists the not-ok)"
@@ -117,6 +141,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     top.add_argument("--window", type=int, default=None, help="default: the latest closed")
     top.add_argument("--k", type=int, default=20)
     top.add_argument("--run", default=None, help="an earlier run (status shows previous_runs)")
+
+
+def _steering_commands(command: Command) -> None:
+    """The commands that change what the coordinator does, and the long-running ones."""
     cap = command("capture", "profile the next steps of the running job")
     cap.add_argument("--active", type=int, required=True, help="steps to record")
     cap.add_argument("--warmup", type=int, default=1)
@@ -127,6 +155,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cap.add_argument("--k", type=int, default=20)
     cancel = command("cancel", "drop a capture that has not started")
     cancel.add_argument("window", type=int)
+    stacks = command("stacks", "every rank's stack now, grouped; the likely culprit of a hang")
+    stacks.add_argument("--rank", type=int, nargs="+", default=None, help="raw stacks of these")
+    stacks.add_argument("--trainer", default=None, help="one trainer's ranks")
+    stacks.add_argument("--native", action="store_true", help="C/C++ frames too (py-spy)")
+    stacks.add_argument("--method", choices=["auto", "py-spy", "faulthandler"], default="auto")
+    stacks.add_argument("--timeout", type=float, default=10.0, help="seconds per process")
     strag = command("stragglers", "ranks slower than the median in a window")
     strag.add_argument("--window", type=int, default=None)
     coll = command("collect", "copy a window's traces from every node into one directory")
@@ -139,7 +173,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     watch = command("watch", "a refreshing status view")
     watch.add_argument("--interval", type=float, default=2.0)
     watch.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
-    return ap.parse_args(argv)
 
 
 def connect(address: str, namespace: str, name: str) -> Any:
@@ -189,6 +222,19 @@ def run(args: argparse.Namespace) -> int:
             if args.json
             else render_stragglers(ks)
         )
+    elif args.command == "stacks":
+        st = call(
+            h,
+            "stacks",
+            args.native,
+            args.rank,
+            args.trainer,
+            args.method,  # positional: ``call`` has its own ``method``
+            False,
+            args.timeout,
+            get_timeout=2 * args.timeout + 60,
+        )
+        out(json.dumps(st) if args.json else render_stacks(st))
     elif args.command == "cancel":
         res = call(h, "cancel_capture", args.window)
         if args.json:

@@ -147,3 +147,26 @@ def step_times_frame(summaries: list[dict[str, Any]]) -> Any:
     frame = pd.DataFrame.from_dict(data, orient="index")
     frame.index.name = "window"
     return frame.sort_index().sort_index(axis=1)
+
+
+def stacks_frame(stacks: dict[str, Any]) -> Any:
+    """One row per process of a ``stacks()`` reply: trainer, role, rank (None: the driver),
+    node, pid, how its stack was read, what it does (``kind``), its short stack, its group
+    and whether that group is the likely culprit, or why it has no stack."""
+    pd = _pd()
+    group_of = {}
+    for g in stacks["groups"]:
+        for r in g["ranks"] if g["who"] == "rank" else [None]:
+            group_of[(g["trainer_id"], g["who"], r)] = g
+    rows = []
+    for e in stacks["entries"]:
+        g = group_of.get((e["trainer_id"], e["who"], e["rank"]))
+        rows.append(
+            {
+                **{k: e[k] for k in ("trainer_id", "role", "who", "rank", "node_id", "pid")},
+                **{k: e[k] for k in ("method", "kind", "stack", "error")},
+                "group": g["label"] if g else None,
+                "culprit": bool(g and g["culprit"]),
+            }
+        )
+    return pd.DataFrame(rows)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from coordinator.core.validate import span
 from coordinator.protocol.replies import (
     AutoCaptureEntry,
@@ -9,6 +11,8 @@ from coordinator.protocol.replies import (
     KernelSummaryReply,
     RankEntry,
     RanksPage,
+    StacksReply,
+    StallEntry,
     StatusReply,
     WindowSteps,
 )
@@ -27,6 +31,7 @@ def render_status(st: StatusReply) -> str:
         f"refused steps {c.get('refused_step', 0)}, windows closed {c.get('windows_closed', 0)}",
         render_auto(st["auto_capture"]),
         _nodes_line(st),
+        *_stall_lines(st["stalls"]),
         "",
     ]
     if not st["ranks_complete"]:
@@ -204,3 +209,48 @@ def render_stragglers(ks: KernelSummaryReply) -> str:
 
 def _num(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _clock(t: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) if t is not None else "?"
+
+
+def _stall_lines(stalls: list[StallEntry]) -> list[str]:
+    """The last stall, in a line or two (``status()["stalls"]`` keeps the recent ones)."""
+    if not stalls:
+        return []
+    s = stalls[-1]
+    end = (
+        f"resumed at step {s['resumed_step']} ({_clock(s['resumed_at'])})"
+        if s["resumed_at"] is not None
+        else "NOT RESUMED"
+    )
+    head = (
+        f"stalls: {len(stalls)}; last: no step after {s['last_step']} from "
+        f"{s['trainer_id']} since {_clock(s['last_step_at'])} (threshold "
+        f"{s['threshold_s']:.0f} s), {end}; {s['path'] or s['error'] or ''}"
+    )
+    return [head] + [f"  {line}" for line in s["lines"][:6]]
+
+
+def render_stacks(st: StacksReply) -> str:
+    """The grouped stacks: one line per group (smallest first), the culprit, the unreadable;
+    with every thread of each process when the reply carries them (``--rank R``)."""
+    readable = len(st["entries"]) - len(st["unreadable"])
+    lines = [
+        f"stacks of {readable}/{len(st['entries'])} processes at {_clock(st['taken_at'])}, "
+        f"read in {st['elapsed_s']:.2f} s ({st['method']}{', native' if st['native'] else ''})"
+    ]
+    if st["culprit"]:
+        lines.append(st["culprit"])
+    lines += ["", *st["lines"]]
+    for e in st["entries"]:
+        if e["threads"] is None:
+            continue
+        who = "driver" if e["rank"] is None else f"rank {e['rank']}"
+        lines += ["", f"{e['trainer_id']} {who} (pid {e['pid']}, {e['method']}):"]
+        for t in e["threads"]:
+            name = f' "{t["name"]}"' if t["name"] else ""
+            lines.append(f"  thread {t['thread']}{name}{' (main)' if t['main'] else ''}:")
+            lines += [f"    {f['function']} ({f['file']}:{f['line']})" for f in t["frames"]]
+    return "\n".join(lines)

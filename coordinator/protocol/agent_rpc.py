@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, TypedDict
 
 from coordinator.protocol.replies import RankReply, RankState, Reason
+from coordinator.protocol.stack_replies import ProcessStack, StackRequest
 
 NODE_COMMANDS = ("start_profile", "profile_step", "stop_profile", "dump_profiler_summary")
 """The rank RPCs that may travel through node agents (``configure_profiler`` goes direct)."""
@@ -80,4 +81,8 @@ class AgentRPC:
 
     async def command(self, cmd: NodeCommand) -> NodeCommandReply:
         """Run ``cmd`` on the ranks of the nodes it names (see the module docstring)."""
+        raise NotImplementedError
+
+    async def read_stacks(self, req: StackRequest) -> list[ProcessStack]:
+        """The stack of every process ``req`` lists on this node, read at ``req["at"]``."""
         raise NotImplementedError

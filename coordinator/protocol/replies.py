@@ -1,6 +1,7 @@
 """Every reply that crosses Ray, declared once. Pure: no Ray, no torch.
 
-The coordinator's RPCs answer with these (``status()`` and ``kernel_summary()`` included), and
+The stack and stall replies live in ``coordinator.protocol.stack_replies`` and are re-exported
+here. The coordinator's RPCs answer with these (``status()`` and ``kernel_summary()`` included), and
 so do the rank RPCs of ``ProfilerWorkerMixin`` (``RankReply``). Every key is always present;
 a value that does not apply is ``None``. A refused call says so one way: its boolean (``applied``,
 ``accepted``, ``cancelled``) is False and ``reason`` says why, in words a person can act on.
@@ -12,6 +13,12 @@ statistics are named for what they hold.
 from __future__ import annotations
 
 from typing import Any, Literal, TypedDict
+
+from coordinator.protocol.stack_replies import StackDump as StackDump
+from coordinator.protocol.stack_replies import StackEntry as StackEntry
+from coordinator.protocol.stack_replies import StackGroup as StackGroup
+from coordinator.protocol.stack_replies import StacksReply as StacksReply
+from coordinator.protocol.stack_replies import StallEntry as StallEntry
 
 Phase = Literal["idle", "warmup", "recording"]
 """Where the open window is: ``idle`` (no window open), ``warmup``, ``recording``."""
@@ -92,6 +99,8 @@ class RankReply(TypedDict):
     summaries_pending: list[int]  # the windows whose summary the rank's agent still builds
     agent: AgentEntry
     last_agent_error: AgentError | None
+    pid: int | None
+    stack_dump: StackDump | None  # how the node agent reads this rank's stack without py-spy
 
 
 class StepReply(TypedDict):
@@ -334,6 +343,7 @@ class StatusReply(TypedDict):
     last_restart: float | None  # when it last did (epoch seconds)
     checkpoint: CheckpointEntry
     auto_capture: AutoCaptureEntry
+    stalls: list[StallEntry]  # the watchdog's recent stalls, oldest first (bounded)
 
 
 NodePath = Literal["agent", "direct"]

@@ -23,6 +23,7 @@ from coordinator.protocol.replies import (
     PingReply,
     RanksPage,
     RegisterReply,
+    StacksReply,
     StatusReply,
     StepReply,
     WaitWindowReply,
@@ -32,6 +33,8 @@ from coordinator.service.captures import CAPTURE_REPORT_TIMEOUT_S, Captures
 from coordinator.service.readers import Readers, WaitUntil
 from coordinator.service.runs import RunCalls
 from coordinator.service.shell import CoordinatorShell
+from coordinator.service.stacks import STACK_TIMEOUT_S, StackCalls
+from coordinator.service.stall_watchdog import StallWatchdog
 
 
 class _Coordinator:
@@ -43,6 +46,8 @@ class _Coordinator:
         self._runs = RunCalls(self._shell, self._captures)
         self._reports = AgentReports(self._shell)
         self._readers = Readers(self._shell)
+        self._stacks = StackCalls(self._shell)
+        self._watchdog = StallWatchdog(self._shell, self._stacks)
 
     # ------------------------------------------------------------ the trainer's calls
 
@@ -61,14 +66,18 @@ class _Coordinator:
         workers: list[Any] | dict[int, Any],
         role: str = "policy",
         advances_step: bool | None = None,
+        driver: dict[str, Any] | None = None,
     ) -> RegisterReply:
         """Register a trainer's workers (a list in rank order, or {rank: handle}).
 
         The first trainer advances the global step unless another registers with
         ``advances_step=True``. Re-registering a ``trainer_id`` replaces its handles and keeps
-        the global step and the window history. Raises ValueError for a bad registration.
+        the global step and the window history. ``driver`` (``pid``, ``node_id``, ``dump``;
+        the hooks send it) lets ``stacks()`` read the trainer's driver too. Raises ValueError
+        for a bad registration.
         """
-        return await self._runs.register(trainer_id, workers, role, advances_step)
+        self._watchdog.start()
+        return await self._runs.register(trainer_id, workers, role, advances_step, driver)
 
     async def start(
         self, trainer_id: str, first_step: int = 0, throttled: bool = False
@@ -87,6 +96,7 @@ class _Coordinator:
         ``waiting``: the trainer waits for this answer before it runs step k+1 (``StepClient``
         sends reports of idle steps without waiting, and says so).
         """
+        self._watchdog.start()  # (a no-op once running; after a restart, its first start)
         return await self._runs.step(trainer_id, k, waiting)
 
     async def stop(self, trainer_id: str) -> StepReply:
@@ -275,6 +285,42 @@ class _Coordinator:
         ended without it or does not keep it.
         """
         return await self._readers.wait_window(window, run, until, timeout_s)
+
+    async def stacks(
+        self,
+        native: bool = False,
+        ranks: list[int] | None = None,
+        trainer_id: str | None = None,
+        method: str = "auto",
+        threads: bool = False,
+        timeout_s: float = STACK_TIMEOUT_S,
+    ) -> StacksReply:
+        """Every registered rank's stack (every role) and each trainer's driver's, read at the
+        same moment on every node by its agent, grouped by identical stack.
+
+        Args:
+            native: py-spy's ``--native`` (C/C++ frames too; slower).
+            ranks: only these ranks (of every trainer, or of ``trainer_id``), with every
+                thread (``threads``); None: every rank and the drivers.
+            method: ``auto`` (py-spy, else the rank's faulthandler dump), ``py-spy`` or
+                ``faulthandler``.
+            threads: every thread of each process in its entry, not only its main one.
+            timeout_s: the most one process's read may take (0 < timeout_s <= 120).
+
+        Returns:
+            A ``StacksReply``: ``groups`` (smallest first; ``culprit`` marks a group not in a
+            collective while its trainer's other ranks wait in one), ``culprit`` (one line),
+            ``unreadable`` (with why: exited, node unreachable, permission, not installed),
+            every ``entries`` and the grouped view as text (``lines``).
+
+        Example::
+
+            st = ray.get(h.stacks.remote())
+            print("\n".join(st["lines"]))
+            # rank 2 (1): slow_loader <- load_batch <- sft_step  <- likely culprit
+            # ranks 0-1, 3 (3): all_reduce <- _update <- sft_step
+        """
+        return await self._stacks.stacks(native, ranks, trainer_id, method, threads, timeout_s)
 
     async def ping(self) -> PingReply:
         """Cheap liveness check: the current run's name and how often this actor restarted."""

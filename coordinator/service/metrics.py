@@ -23,6 +23,7 @@ class CoordinatorMetrics:
         "profiler_windows_captured": "Profiling windows closed",
         "profiler_worker_rpcs": "Calls the coordinator made to worker ranks",
         "profiler_auto_captures": "Auto captures planned because the run slowed down",
+        "profiler_stalls": "Stalls the watchdog detected (no step for the stall threshold)",
     }
 
     def __init__(self, name: str) -> None:
@@ -56,6 +57,7 @@ class CoordinatorMetrics:
             "profiler_windows_captured": float(st.counters["windows_closed"]),
             "profiler_worker_rpcs": float(st.counters["worker_rpcs"]),
             "profiler_auto_captures": float(st.counters["auto_captures"]),
+            "profiler_stalls": float(st.counters["stalls"]),
         }
         try:
             for n, g in self._gauges.items():

@@ -93,6 +93,7 @@ class Readers:
             "checkpoint": dict(sh.checkpoint.stats),  # type: ignore[typeddict-item]
             "previous_runs": [_previous(r) for r in sh.previous],
             "auto_capture": sh.auto_capture_entry(),
+            "stalls": [dict(s) for s in sh.stalls],  # type: ignore[misc]
         }
 
     async def ranks(

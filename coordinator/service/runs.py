@@ -18,6 +18,7 @@ from coordinator.core.records import TrainerRecord
 from coordinator.core.run import attach_decision, new_run
 from coordinator.core.trace_layout import child
 from coordinator.core.validate import (
+    checked_driver,
     flag_problem,
     rank_handles,
     role_problem,
@@ -124,24 +125,39 @@ class RunCalls:
         if carry:
             for t in old.state.trainers.values():
                 stepping = t.trainer_id == old.state.stepping_trainer
-                await self.register_locked(t.trainer_id, t.handles, t.role, stepping)
+                await self.register_locked(
+                    t.trainer_id, t.handles, t.role, stepping, driver=t.driver
+                )
 
     async def register(
-        self, trainer_id: str, workers: Any, role: str, advances_step: bool | None
+        self,
+        trainer_id: str,
+        workers: Any,
+        role: str,
+        advances_step: bool | None,
+        driver: dict[str, Any] | None = None,
     ) -> RegisterReply:
         sh = self.shell
         sh.loop_watch.start()
         async with sh.lock:
             await sh.recover()
-            reply = await self.register_locked(trainer_id, workers, role, advances_step)
+            reply = await self.register_locked(
+                trainer_id, workers, role, advances_step, driver=driver
+            )
             sh.save()
             return reply
 
     async def register_locked(
-        self, trainer_id: str, workers: Any, role: str, advances_step: bool | None
+        self,
+        trainer_id: str,
+        workers: Any,
+        role: str,
+        advances_step: bool | None,
+        driver: dict[str, Any] | None = None,
     ) -> RegisterReply:
         """``register`` under the lock: check, record the trainer, configure its ranks."""
         handles = _checked_registration(trainer_id, workers, role, advances_step)
+        driver = checked_driver(driver)
         run, world = self.shell.run, sorted(handles)
         cfg, st = run.config, run.state
         if cfg.ranks != "all" and (outside := [r for r in cfg.ranks if r not in handles]):
@@ -155,7 +171,7 @@ class RunCalls:
             run_dir = existing.run_dir
         elif st.trainers and run.run_dir is not None:
             run_dir = child(run.run_dir, trainer_id)  # a second trainer: its own directory
-        trainer = TrainerRecord(trainer_id, role, world, handles, run_dir)
+        trainer = TrainerRecord(trainer_id, role, world, handles, run_dir, driver)
         keys = st.register(trainer, advances_step, lambda r: cfg.enable and cfg.selects(r))
         self.shell.nodes.forget([(trainer_id, r) for r in world])  # new handles for the agents
         cfg_dict, report_to = cfg.to_dict(), self.shell.report_to(trainer_id)
@@ -212,6 +228,7 @@ class RunCalls:
 
     async def step(self, trainer_id: str, k: int, waiting: bool) -> StepReply:
         sh = self.shell
+        arrived = time.monotonic()
         async with sh.lock:
             await sh.recover()
             no = self._trainer_call_problem(trainer_id, "step", ("step", k), ("waiting", waiting))
@@ -235,6 +252,7 @@ class RunCalls:
             if run.lifecycle == "configured":
                 run.lifecycle, run.started_at = "running", time.time()
             run.state.global_step = k
+            sh.stall_watch.observe(k, arrived)  # a stamp for the stall watchdog's timer
             await run_commands(run, result, sh.nodes)
             self._watch_for_slowdown(k, in_window or bool(result))
             reply = sh.step_reply(True)

@@ -24,11 +24,13 @@ import ray
 from coordinator.core.aggregate import CHEAP_RANKS, WindowAggregate
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.run import Run, new_run
+from coordinator.core.stall_watch import StallWatch
 from coordinator.protocol.replies import (
     AutoCaptureEntry,
     AutoTrigger,
     CaptureReply,
     Phase,
+    StallEntry,
     StepReply,
 )
 from coordinator.raylink.handle_stubs import install_handle_stubs
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 # Configuring a rank warms Kineto up, which took up to 41 s on a loaded 2-core machine.
 CONFIGURE_TIMEOUT_S = 120.0
 PREVIOUS_RUNS = 8
+STALL_HISTORY = 16  # stalls kept in status()
 # Changes that only move the global step, or add a summary, are saved at most this often.
 CHECKPOINT_INTERVAL_S = 1.0
 Key = tuple[str, int]
@@ -96,6 +99,16 @@ class CoordinatorShell:
         self.loop_watch = LoopWatch()
         # Reads that walk every rank of a large window run here, on a snapshot.
         self.reads = concurrent.futures.ThreadPoolExecutor(1, "profiler-reads")
+        self.stalls: collections.deque[StallEntry] = collections.deque(maxlen=STALL_HISTORY)
+        self._watch: tuple[str, StallWatch] | None = None
+
+    @property
+    def stall_watch(self) -> StallWatch:
+        """The stall watchdog's clock for the current run (a new run gets a new one)."""
+        if self._watch is None or self._watch[0] != self.run.name:
+            cfg = self.run.config
+            self._watch = (self.run.name, StallWatch(cfg.stall_factor, cfg.stall_min_s))
+        return self._watch[1]
 
     # ------------------------------------------------------------ windows changing
 

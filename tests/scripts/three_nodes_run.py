@@ -1,5 +1,6 @@
 """Three raylets on one machine: window commands through the node agents, node partials, a
-node removed mid-window, and agents that exit once idle with no live run.
+node removed mid-window, stacks read on every node (and the removed node's said), and agents
+that exit once idle with no live run.
 
 Ranks 0-1 on node 1 (the head), 2-3 on node 2, 4-5 on node 3. Windows: warm-up 0, record 1-2 |
 warm-up 3, record 4-5 | warm-up 6, record 7-8, with node 3 removed after step 7.
@@ -67,9 +68,11 @@ def main() -> None:
                     tables[w["index"]] = ks["ranks"]
                 paths = st["nodes"]
                 counters = dict(st["counters"])
+                stacks = ray.get(coord.stacks.remote())
             if k == 7:
                 cluster.remove_node(node3)
                 live = workers[:4]
+                gone = ray.get(coord.stacks.remote())
         ray.get(coord.stop.remote("t"))
         st = wait_for_windows(ray, coord, timeout=120)
         last = st["windows"][-1]
@@ -95,6 +98,15 @@ def main() -> None:
             "agents_before_exit": len(before_exit),
             "agents_after": agents(),
             "torch_loaded": st["process"]["torch_loaded"],
+            "stacks": {
+                "nodes": len({e["node_id"] for e in stacks["entries"]}),
+                "methods": sorted({str(e["method"]) for e in stacks["entries"]}),
+                "groups": [(g["ranks"], g["kind"]) for g in stacks["groups"]],
+                "lines": stacks["lines"],
+            },
+            "stacks_after_removal": {
+                e["rank"]: e["error"] for e in gone["entries"] if e["error"] is not None
+            },
         }
         ray.kill(coord)
         print("RESULT " + json.dumps(out))

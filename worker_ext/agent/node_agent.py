@@ -26,6 +26,7 @@ from coordinator.protocol.agent_rpc import AgentRPC, NodeCommand, NodeCommandRep
 from coordinator.protocol.names import AGENT_NAMESPACE, agent_name, is_agent_name
 from coordinator.protocol.reasons import reason
 from coordinator.protocol.replies import Reason
+from coordinator.protocol.stack_replies import ProcessStack, StackRequest
 from coordinator.protocol.summary_codec import RankSummary, decode_summary
 from coordinator.raylink.handle_stubs import install_handle_stubs
 from worker_ext.agent.idle_exit import IDLE_EXIT_S, IdleExit
@@ -39,6 +40,7 @@ from worker_ext.agent.partials import (
     node_blob,
 )
 from worker_ext.agent.rank_fanout import RankFanOut, command_problem
+from worker_ext.agent.stack_reader import check_request, read_stacks
 from worker_ext.agent.trace_jobs import (
     JobResult,
     TraceJob,
@@ -89,6 +91,13 @@ class NodeAgent(AgentRPC):
         if command_problem(cmd) is None and cmd["method"] == "start_profile":
             self._routes.lead(cmd)
         return await self._fanout.command(cmd)
+
+    async def read_stacks(self, req: StackRequest) -> list[ProcessStack]:
+        """The stacks of this node's processes that ``req`` lists (``stack_reader``)."""
+        self._idle.touch()
+        check_request(req)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, read_stacks, req)
 
     async def collect_partial(
         self, report_to: dict[str, str], window: int, node: str, blob: bytes

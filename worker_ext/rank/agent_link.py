@@ -59,6 +59,41 @@ def _agent_actor() -> Any:
     return _ACTOR
 
 
+def _node_agent(node: str) -> Any:
+    """The node agent of ``node``: the running one, or a new one pinned there."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return (
+        _agent_actor()
+        .options(
+            name=agent_name(node),
+            namespace=AGENT_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        )
+        .remote()
+    )
+
+
+def ensure_node_agents(workers: list[Any], timeout_s: float = START_TIMEOUT_S) -> list[str]:
+    """A node agent on every node where one of ``workers`` runs, and on this process's node,
+    so that ``stacks()`` reaches ranks no window has configured (and the driver). Blocking: the
+    hooks call it from a background thread at attach. Returns the nodes whose agent answered.
+    """
+    import ray
+
+    from coordinator.raylink.actor_table import actor_id, place_actors
+
+    ids = {a for a in (actor_id(w) for w in workers) if a}
+    nodes = {p.node_id for p in place_actors(ids).values() if p.alive and p.node_id}
+    nodes.add(str(ray.get_runtime_context().get_node_id()))
+    agents = {node: _node_agent(node) for node in sorted(nodes)}
+    pings = {node: a.ping.remote() for node, a in agents.items()}
+    ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
+    return [node for node, ref in pings.items() if ref in ready]
+
+
 class NodeAgentLink:
     """The node agent of the node this process runs on."""
 
@@ -73,21 +108,10 @@ class NodeAgentLink:
         with self._lock:
             if self._agent is None:
                 import ray
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
                 node = ray.get_runtime_context().get_node_id()
                 self.name = agent_name(node)
-                self._agent = (
-                    _agent_actor()
-                    .options(
-                        name=agent_name(node),
-                        namespace=AGENT_NAMESPACE,
-                        lifetime="detached",
-                        get_if_exists=True,
-                        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                    )
-                    .remote()
-                )
+                self._agent = _node_agent(node)
             return self._agent
 
     def prepare(self) -> int | None:

@@ -104,6 +104,8 @@ def _not_configured() -> RankReply:
         "summaries_pending": [],
         "agent": {"kind": None, "pid": None, "name": None},
         "last_agent_error": None,
+        "pid": None,
+        "stack_dump": None,
     }
 
 

@@ -16,6 +16,7 @@ node's agent process (``worker_ext.agent.node_agent``), which reads the trace fr
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import traceback
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from coordinator.protocol.reasons import is_exit
 from coordinator.protocol.replies import ClosedWindow, Phase, RankReply, Reason
 from worker_ext.rank.agent_link import AgentLink
 from worker_ext.rank.hand_off import HandOff
+from worker_ext.rank.stack_dump import enable_stack_dump
 from worker_ext.rank.torch_session import (
     TraceTarget,
     activities,
@@ -102,6 +104,7 @@ class RankProfiler:
         self._closed: ClosedWindow | None = None
         self._abandoned: list[Any] = []  # torch objects we must never touch again
         self.device, self.note = pick_device(config)
+        self.stack_dump = enable_stack_dump()  # so the node agent can read a stuck rank
         if not self.selected:
             return
         if refuse_reason:
@@ -165,6 +168,8 @@ class RankProfiler:
             "summaries_pending": pending,
             "agent": self.hand_off.info(),
             "last_agent_error": self.hand_off.last_error,
+            "pid": os.getpid(),
+            "stack_dump": self.stack_dump,
         }
 
     # ------------------------------------------------------------------ guards

@@ -1,0 +1,134 @@
+"""Let the node agent read this process's stack when py-spy cannot attach, and its NCCL Flight
+Recorder when a run stalls. Runs in a training rank (or a trainer's driver); imports no torch
+until asked about CUDA.
+
+``enable_stack_dump()`` registers ``faulthandler`` on ``SIGUSR2`` (when nothing else uses that
+signal) to append every thread's stack to ``<dir>/<pid>.txt``. The dump is written by
+faulthandler's C handler, so it works while the training thread is blocked in C code, a
+collective included, and takes no GIL. On a CUDA rank with the Flight Recorder on
+(``TORCH_NCCL_TRACE_BUFFER_SIZE`` > 0) it also opens a named pipe ``<dir>/<pid>.fr``: a thread
+blocked in ``open`` on it (holding no GIL, costing nothing until asked) writes torch's own dump
+(``_dump_fr_trace``) to the path the agent sends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+from coordinator.protocol.stack_replies import StackDump
+from worker_ext.agent.stack_reader import stacks_dir
+
+STACK_SIGNAL = signal.SIGUSR2
+_state: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def enable_stack_dump(cuda: bool | None = None) -> StackDump:
+    """Register the dump once per process (later calls answer the same); never raises.
+
+    ``cuda``: whether this process drives CUDA (None: ask torch if it is loaded).
+    """
+    with _lock:
+        if "dump" not in _state:
+            _state["dump"] = _enable(cuda)
+        dump: StackDump = dict(_state["dump"])  # type: ignore[assignment]
+        return dump
+
+
+def _enable(cuda: bool | None) -> StackDump:
+    pid = os.getpid()
+    dump: StackDump = {
+        "signal": None,
+        "path": None,
+        "main_thread": threading.main_thread().ident,
+        "note": None,
+        "flight_recorder": None,
+        "flight_recorder_note": None,
+    }
+    try:
+        folder = stacks_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        current = signal.getsignal(STACK_SIGNAL)
+        if current not in (signal.SIG_DFL, None):
+            dump["note"] = f"signal {STACK_SIGNAL.name} is taken by {current!r}"
+        else:
+            path = folder / f"{pid}.txt"
+            f: IO[str] = open(path, "a")  # noqa: SIM115 - faulthandler writes to it for life
+            f.write(f"# ray-profiler faulthandler pid={pid}\n")
+            f.flush()
+            faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
+            _state["file"] = f
+            dump["signal"], dump["path"] = int(STACK_SIGNAL), str(path)
+    except Exception as exc:  # a dump that cannot be set up is reported, never raised
+        dump["note"] = f"faulthandler not registered: {type(exc).__name__}: {exc}"
+    fr, why = _flight_recorder(pid, cuda)
+    dump["flight_recorder"], dump["flight_recorder_note"] = fr, why
+    return dump
+
+
+def flight_recorder_unavailable(cuda: bool | None) -> str | None:
+    """Why this process has no NCCL Flight Recorder to dump; None when it has one."""
+    size = os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
+    if not size.strip().isdigit() or int(size) <= 0:
+        return "not available: TORCH_NCCL_TRACE_BUFFER_SIZE is not > 0"
+    if cuda is None:
+        torch = sys.modules.get("torch")
+        cuda = bool(torch is not None and torch.cuda.is_available())
+    if not cuda:
+        return "not available: no CUDA device (CPU or gloo rank)"
+    return None
+
+
+def _flight_recorder(pid: int, cuda: bool | None) -> tuple[str | None, str | None]:
+    why = flight_recorder_unavailable(cuda)
+    if why is not None:
+        return None, why
+    try:
+        fifo = stacks_dir() / f"{pid}.fr"
+        with contextlib.suppress(FileNotFoundError):
+            fifo.unlink()
+        os.mkfifo(fifo, 0o600)
+        threading.Thread(
+            target=_serve_flight_recorder,
+            args=(fifo,),
+            name="profiler-flight-recorder",
+            daemon=True,
+        ).start()
+        return str(fifo), None
+    except Exception as exc:
+        return None, f"not available: {type(exc).__name__}: {exc}"
+
+
+def _serve_flight_recorder(fifo: Path) -> None:
+    """Each line read from ``fifo`` is a path: write torch's Flight Recorder dump there (or
+    ``<path>.error`` with why)."""
+    while True:
+        try:
+            with open(fifo) as requests:  # blocks, without the GIL, until the agent writes
+                for line in requests:
+                    if line.strip():
+                        write_flight_recorder(line.strip())
+        except Exception:
+            return  # the pipe is gone: nothing more can ask
+
+
+def write_flight_recorder(path: str) -> None:
+    """torch's own Flight Recorder dump (a pickle) to ``path``, atomically; or ``.error``."""
+    try:
+        from torch._C import _distributed_c10d
+
+        data = _distributed_c10d._dump_fr_trace()  # type: ignore[attr-defined]
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except Exception as exc:
+        with contextlib.suppress(OSError), open(f"{path}.error", "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
