@@ -1,10 +1,12 @@
 """Trainer-side cost of the coordinator, and cross-rank aggregation at scale.
 
 Part 1 (real Ray, this machine): time per training step outside windows with
-  (a) no profiling, (b) this coordinator through StepClient, and (c) the pattern it replaces,
-  a blocking ray.get of profile_step on every rank on every step; plus the trainer-side latency
-  of a window's first and last step; and how long an operator's request_capture waits for its
-  answer while a StepClient trainer steps (the request waits for the trainer's next report).
+  (a) no profiling, (b) this coordinator through StepClient, (c) the pattern it replaces,
+  a blocking ray.get of profile_step on every rank on every step, and (d) as (b), with the
+  step timed as a region and its phase record riding on the reports (what hooks.region does);
+  plus the trainer-side latency of a window's first and last step; and how long an
+  operator's request_capture waits for its answer while a StepClient trainer steps (the
+  request waits for the trainer's next report).
 Part 2 (in process): ingest and query of 1,024 ranks x 2,000 kernels.
 
 Run: .venv/bin/python bench/coordinator_overhead.py [--ranks 2 4 8] [--steps 200]
@@ -25,6 +27,7 @@ import tracemalloc
 import ray
 
 from coordinator import ProfilerConfig, get_or_create_coordinator
+from coordinator.client.phase_clock import PhaseClock, Region
 from coordinator.client.step_client import StepClient
 from coordinator.core.records import RankRecord
 from coordinator.core.run import new_run
@@ -48,11 +51,13 @@ class BenchWorker(ProfilerWorkerMixin):
         return float((self.a @ self.a).sum())
 
 
-def loop(workers, steps: int, after_step) -> float:
-    """Mean seconds per step of a trainer that runs every rank, then reports the step."""
+def loop(workers, steps: int, after_step, clock: PhaseClock | None = None) -> float:
+    """Mean seconds per step of a trainer that runs every rank, then reports the step; with
+    ``clock``, the ranks' work is timed as the region ``train``, as ``hooks.region`` does."""
     t0 = time.perf_counter()
     for k in range(steps):
-        ray.get([w.train_step.remote() for w in workers])
+        with Region(clock, "train"):
+            ray.get([w.train_step.remote() for w in workers])
         after_step(k)
     return (time.perf_counter() - t0) / steps
 
@@ -82,6 +87,15 @@ def bench_ranks(n: int, steps: int, rounds: int) -> dict[str, float]:
         client.step(k0[0])
         k0[0] += 1
 
+    clock = PhaseClock()
+    clock.begin_step()
+
+    def phases_step(k):
+        client.add_phases(clock.close_step(k0[0]))
+        client.step(k0[0])
+        k0[0] += 1
+        clock.begin_step()
+
     def fan_out_step(k):
         ray.get([w.profile_step.remote(k) for w in workers])
 
@@ -89,12 +103,15 @@ def bench_ranks(n: int, steps: int, rounds: int) -> dict[str, float]:
         pass
 
     loop(workers, 20, nothing)  # warm the actors up
-    res = {"a": [], "b": [], "c": []}
-    for _ in range(rounds):  # interleaved, so drift on this shared machine hits all three
+    res = {"a": [], "b": [], "c": [], "d": []}
+    for _ in range(rounds):  # interleaved, so drift on this shared machine hits all four
         res["a"].append(loop(workers, steps, nothing))
         res["b"].append(loop(workers, steps, coordinator_step))
         res["c"].append(loop(workers, steps, fan_out_step))
-    client.stop()
+        res["d"].append(loop(workers, steps, phases_step, clock))
+    client.stop()  # (it sends the last report, with the records still waiting for one)
+    out_phases = ray.get(coord.phase_times.remote(last=0))["steps_seen"]
+    assert out_phases == rounds * steps, out_phases  # every step's record arrived
     out = {key: statistics.median(v) for key, v in res.items()}
 
     # Window edges: a fresh coordinator whose window opens at step 1 and closes at step 3.
@@ -270,7 +287,8 @@ def main() -> None:
     print("trainer-side ms per step outside windows (median of interleaved rounds)")
     print(
         f"{'ranks':>5} {'(a) none':>9} {'(b) coord':>10} {'(c) fan-out':>12} "
-        f"{'b-a':>7} {'c-a':>7} {'(b-a)/(c-a)':>12} {'first':>7} {'last':>7}"
+        f"{'b-a':>7} {'c-a':>7} {'(b-a)/(c-a)':>12} {'first':>7} {'last':>7} "
+        f"{'(d) phases':>11} {'d-b':>7}"
     )
     for n in args.ranks:
         r = bench_ranks(n, args.steps, args.rounds)
@@ -279,7 +297,8 @@ def main() -> None:
         print(
             f"{n:>5} {r['a'] * 1e3:>9.3f} {r['b'] * 1e3:>10.3f} {r['c'] * 1e3:>12.3f} "
             f"{ba * 1e3:>7.3f} {ca * 1e3:>7.3f} {ratio:>12.3f} "
-            f"{r['first'] * 1e3:>7.1f} {r['last'] * 1e3:>7.1f}"
+            f"{r['first'] * 1e3:>7.1f} {r['last'] * 1e3:>7.1f} "
+            f"{r['d'] * 1e3:>11.3f} {(r['d'] - r['b']) * 1e3:>7.3f}"
         )
     for step_s in (0.01, 0.3):
         lat = capture_latency(max(args.ranks), 10, step_s)

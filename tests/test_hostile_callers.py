@@ -41,7 +41,7 @@ METHODS = {
     "open_run": 2,
     "register": 5,
     "start": 3,
-    "step": 3,
+    "step": 4,
     "stop": 1,
     "request_capture": 5,
     "cancel_capture": 1,
@@ -56,6 +56,7 @@ METHODS = {
     "wait_window": 4,
     "ping": 0,
     "stacks": 6,
+    "phase_times": 3,
 }
 CALLS = st.sampled_from(sorted(METHODS)).flatmap(
     lambda m: st.tuples(st.just(m), st.lists(HOSTILE, min_size=METHODS[m], max_size=METHODS[m]))

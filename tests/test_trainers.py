@@ -8,6 +8,7 @@ import uuid
 import pytest
 
 from coordinator.core.schedule import Schedule
+from coordinator.ops.cli import main as cli_main
 from tests.configs import profiler_config
 from trainers.hooks import ProfilingHooks
 from trainers.reference.loops import (
@@ -47,7 +48,7 @@ def run(kind, hooks, policy, rollouts, rc):
 
 
 @pytest.mark.parametrize("kind", ["sft", "rl", "async", "fully-async"])
-def test_trainer_is_profiled_end_to_end_and_unchanged(ray_session, actors, tmp_path, kind):
+def test_trainer_is_profiled_end_to_end_and_unchanged(ray_session, actors, tmp_path, kind, capsys):
     ray = ray_session
     policy, rollouts = actors
     rc = RunConfig(steps=STEPS)
@@ -68,6 +69,9 @@ def test_trainer_is_profiled_end_to_end_and_unchanged(ray_session, actors, tmp_p
             ray.get(hooks.coordinator.kernel_summary.remote(window=w["index"]))
             for w in status["windows"]
         ]
+        phases = ray.get(hooks.coordinator.phase_times.remote(last=100))
+        assert cli_main(["phases", "--name", name, "--namespace", "profiler-tests"]) == 0
+        table = capsys.readouterr().out
     finally:
         ray.kill(hooks.coordinator)
 
@@ -86,6 +90,14 @@ def test_trainer_is_profiled_end_to_end_and_unchanged(ray_session, actors, tmp_p
             assert r.extra["final_version"] == STEPS and len(r.values) == STEPS
             versions = [v for _, _, v in r.extra["used"]]
             assert all(step - v <= rc.max_staleness for step, v in enumerate(versions))
+    # Every step's phase times came with the reports: the regions the trainer marks, adding up
+    # to its wall time (the trainer's own work between two reports) within 5%.
+    assert [s["step"] for s in phases["steps"]] == list(range(STEPS))
+    marked = {"train"} if kind == "sft" else {"generate", "train", "weight_sync"}
+    assert {r["region"] for r in phases["regions"]} == marked
+    for s in phases["steps"]:
+        assert s["other_ms"] <= 0.05 * s["wall_ms"], s
+    assert f"the last {STEPS} steps (0-{STEPS - 1})" in table and "\ntrain " in table
     # ... and it learns.
     if kind == "sft":
         assert on.values[-1] < on.values[0] - 1.0

@@ -151,15 +151,7 @@ def run(args: argparse.Namespace) -> int:
         f"wall {time.perf_counter() - t_start:.1f} s"
     )
     if hooks.coordinator is not None:
-        from coordinator.client.step_client import wait_for_traces
-
-        late = wait_for_traces(hooks.coordinator, timeout_s=60)
-        if late:
-            print(f"windows {late}: traces still being finished by the node agent")
-        print_report(
-            ray.get(hooks.coordinator.status.remote()),
-            ray.get(hooks.coordinator.kernel_summary.remote(top_k=args.top_k)),
-        )
+        report(hooks.coordinator, args.top_k)
         if args.address is None:
             ray.kill(hooks.coordinator)
         else:
@@ -170,6 +162,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"profiling was switched off: {hooks.disabled_reason}")
     ray.shutdown()
     return 0
+
+
+def report(coordinator: Any, top_k: int) -> None:
+    """Once the traces are finished: the status, the top kernels and the phase times."""
+    import ray
+
+    from coordinator.client.step_client import wait_for_traces
+    from coordinator.ops.tables import render_phases
+
+    late = wait_for_traces(coordinator, timeout_s=60)
+    if late:
+        print(f"windows {late}: traces still being finished by the node agent")
+    print_report(
+        ray.get(coordinator.status.remote()),
+        ray.get(coordinator.kernel_summary.remote(top_k=top_k)),
+    )
+    print("\n== phase times (hooks.region), every step ==")
+    print(render_phases(ray.get(coordinator.phase_times.remote(last=1000))))
 
 
 def print_report(status: dict[str, Any], kernels: dict[str, Any]) -> None:

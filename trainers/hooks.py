@@ -19,6 +19,7 @@ import logging
 import time
 from typing import Any
 
+from coordinator.client.phase_clock import PhaseClock, Region
 from coordinator.core.config import ProfilerConfig
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class ProfilingHooks:
         """The config the run uses: the coordinator's, when an active run kept its own."""
         self.config_mismatch: list[str] = list(info.get("mismatch", []))
         """Fields of the config given to ``attach`` that the running run does not use."""
+        self._clock = PhaseClock() if client is not None else None
         self._down_since: float | None = None  # the coordinator stopped answering (monotonic)
         self._next_probe = 0.0
         self._probe: Any = None
@@ -153,8 +155,29 @@ class ProfilingHooks:
         """
         return _Session(self, first_step)
 
+    def region(self, name: str) -> Region:
+        """Time a named part of the step: ``with hooks.region("generate"): ...`` (or
+        ``async with``). Each step's regions and wall time ride on the step reports the hooks
+        already send (``phase_times()``, ``ray-profiler phases``); no call of their own.
+
+        Args:
+            name: the region's name (1..64 characters; at most 32 names per run).
+
+        Returns:
+            A context manager for ``with`` and ``async with``; a no-op when profiling is off.
+
+        Example:
+
+        >>> hooks = ProfilingHooks.attach(None, workers=[])
+        >>> with hooks.region("generate"):
+        ...     pass
+        """
+        return Region(self._clock, name)
+
     def start(self, first_step: int = 0) -> None:
         self._call("start", lambda c: c.start(first_step))
+        if self._clock is not None:
+            self._clock.begin_step()
 
     def step(self, step: int) -> None:
         """Global step ``step`` has finished: call it once per step, after the step, like
@@ -173,13 +196,18 @@ class ProfilingHooks:
             hooks.step(step)
         """
         self._last_step = step
+        self._close_step(step)
         self._call("step", lambda c: c.step(step))
+        if self._clock is not None:
+            self._clock.begin_step()
 
     def stop(self) -> None:
         self._call("stop", lambda c: c.stop())
 
     async def astart(self, first_step: int = 0) -> None:
         await self._acall("start", lambda c: c.astart(first_step))
+        if self._clock is not None:
+            self._clock.begin_step()
 
     async def astep(self, step: int) -> None:
         """The asyncio form of ``step``; never blocks the event loop.
@@ -195,7 +223,16 @@ class ProfilingHooks:
                     await hooks.astep(step)
         """
         self._last_step = step
+        self._close_step(step)
         await self._acall("step", lambda c: c.astep(step))
+        if self._clock is not None:
+            self._clock.begin_step()
+
+    def _close_step(self, step: int) -> None:
+        """Step ``step``'s phase record to the client: it rides on the next report sent (kept,
+        bounded, while the coordinator is away)."""
+        if self._clock is not None and self._client is not None:
+            self._client.add_phases(self._clock.close_step(step))
 
     async def astop(self) -> None:
         await self._acall("stop", lambda c: c.astop())

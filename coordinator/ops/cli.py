@@ -8,6 +8,7 @@
     ray-profiler auto on
     ray-profiler stragglers
     ray-profiler stacks
+    ray-profiler phases --last 200
     ray-profiler watch --interval 2
 
 Tables for people; ``--json`` for scripts. The global options (``--address``, ``--namespace``,
@@ -26,6 +27,7 @@ from typing import Any
 
 from coordinator.ops.tables import (
     render_auto,
+    render_phases,
     render_ranks,
     render_stacks,
     render_status,
@@ -48,6 +50,9 @@ _EXAMPLES = {
     "cancel": "ray-profiler cancel 8",
     "auto": "ray-profiler auto on\n  ray-profiler auto off\n  ray-profiler auto --json",
     "stragglers": "ray-profiler stragglers --window 3",
+    "phases": (
+        "ray-profiler phases --last 200\n  ray-profiler phases --run run_20261201-120000 --json"
+    ),
     "stacks": (
         "ray-profiler stacks\n"
         "  stacks of 5/5 processes at 05:14:47, read in 0.34 s (auto)\n"
@@ -155,6 +160,9 @@ def _steering_commands(command: Command) -> None:
     cap.add_argument("--k", type=int, default=20)
     cancel = command("cancel", "drop a capture that has not started")
     cancel.add_argument("window", type=int)
+    phases = command("phases", "per-step phase times: each region's share, the slowest steps")
+    phases.add_argument("--last", type=int, default=100, help="steps to list (default 100)")
+    phases.add_argument("--run", default=None, help="an earlier run (status shows previous_runs)")
     stacks = command("stacks", "every rank's stack now, grouped; the likely culprit of a hang")
     stacks.add_argument("--rank", type=int, nargs="+", default=None, help="raw stacks of these")
     stacks.add_argument("--trainer", default=None, help="one trainer's ranks")
@@ -222,6 +230,9 @@ def run(args: argparse.Namespace) -> int:
             if args.json
             else render_stragglers(ks)
         )
+    elif args.command == "phases":
+        pt = call(h, "phase_times", last=args.last, run=args.run)
+        out(json.dumps(pt) if args.json else render_phases(pt))
     elif args.command == "stacks":
         st = call(
             h,

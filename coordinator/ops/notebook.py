@@ -170,3 +170,17 @@ def stacks_frame(stacks: dict[str, Any]) -> Any:
             }
         )
     return pd.DataFrame(rows)
+
+
+def phases_frame(phases: dict[str, Any]) -> Any:
+    """One row per step of a ``phase_times()`` reply (index: the step), one column per region
+    and ``other`` (the time in no region), in ms; the columns add up to the step's wall time."""
+    pd = _pd()
+    names = [r["region"] for r in phases["regions"]]
+    rows = {
+        s["step"]: {**{n: s["regions"].get(n, 0.0) for n in names}, "other": s["other_ms"]}
+        for s in phases["steps"]
+    }
+    frame = pd.DataFrame.from_dict(rows, orient="index", columns=[*names, "other"])
+    frame.index.name = "step"
+    return frame

@@ -68,3 +68,19 @@ def plot_step_times(summaries: list[dict[str, Any]], ax: Any = None) -> Any:
     ax.set_title("step time per rank per window")
     ax.legend(fontsize="small")
     return ax
+
+
+def plot_phases(phases: dict[str, Any], ax: Any = None) -> Any:
+    """Each step's wall time stacked by region (``phase_times()``), ``other`` on top."""
+    frame = notebook.phases_frame(phases)  # steps x regions, ms
+    ax = _axes(ax, (9, 4))
+    bottom = [0.0] * len(frame.index)
+    for region in frame.columns:
+        values = frame[region].tolist()
+        ax.bar(frame.index, values, bottom=bottom, width=1.0, label=region)
+        bottom = [a + b for a, b in zip(bottom, values, strict=True)]
+    ax.set_xlabel("global step")
+    ax.set_ylabel("ms")
+    ax.set_title(f"run {phases['run']}: phase times per step")
+    ax.legend(loc="upper right", fontsize="small")
+    return ax

@@ -9,6 +9,7 @@ from coordinator.protocol.replies import (
     AutoCaptureEntry,
     AutoTrigger,
     KernelSummaryReply,
+    PhaseTimesReply,
     RankEntry,
     RanksPage,
     StacksReply,
@@ -253,4 +254,30 @@ def render_stacks(st: StacksReply) -> str:
             name = f' "{t["name"]}"' if t["name"] else ""
             lines.append(f"  thread {t['thread']}{name}{' (main)' if t['main'] else ''}:")
             lines += [f"    {f['function']} ({f['file']}:{f['line']})" for f in t["frames"]]
+    return "\n".join(lines)
+
+
+def render_phases(pt: PhaseTimesReply) -> str:
+    """Each region's mean, share and max over the listed steps, then the slowest steps."""
+    steps = pt["steps"]
+    if not steps:
+        return f"run {pt['run']}: no phase times yet (hooks.region marks a step's regions)"
+    wall = sum(s["wall_ms"] for s in steps) / len(steps)
+    lines = [
+        f"run {pt['run']}, trainer {pt['trainer_id']}: the last {len(steps)} steps "
+        f"({steps[0]['step']}-{steps[-1]['step']}), {wall:.1f} ms a step; "
+        f"{pt['steps_seen']} steps seen",
+        "",
+        f"{'region':<24} {'mean ms':>9} {'share':>7} {'max ms':>9}",
+    ]
+    for r in pt["regions"]:
+        lines.append(
+            f"{r['region'][:24]:<24} {r['mean_ms']:>9.1f} {r['share']:>7.1%} {r['max_ms']:>9.1f}"
+        )
+    other = sum(s["other_ms"] for s in steps) / len(steps)
+    lines.append(f"{'(in no region)':<24} {other:>9.1f} {other / wall if wall else 0:>7.1%}")
+    lines += ["", "slowest steps:"]
+    for s in pt["slowest"]:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(s["regions"].items()))
+        lines.append(f"  step {s['step']}: {s['wall_ms']:.1f} ms ({parts})")
     return "\n".join(lines)

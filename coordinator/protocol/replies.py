@@ -481,3 +481,51 @@ class KernelSummaryReply(TypedDict):
     memory: MemoryTable | None
     per_rank: dict[str, dict[int, float]] | None
     trainer_id: str | None
+
+
+class PhaseStep(TypedDict):
+    """One step's phase times: its wall time (the trainer's own work between two step reports)
+    and each named region's, in ms; ``other_ms`` is the time in no region."""
+
+    step: int
+    wall_ms: float
+    regions: dict[str, float]
+    other_ms: float
+
+
+class PhaseRegion(TypedDict):
+    """One region over the steps of a ``PhaseTimesReply``."""
+
+    region: str
+    steps: int  # steps that entered it
+    total_ms: float
+    mean_ms: float  # over every step listed
+    max_ms: float
+    share: float  # of the steps' wall time
+
+
+class PhaseBucket(TypedDict):
+    """Steps older than the exact ones, per ``BUCKET_STEPS`` steps: means and the slowest."""
+
+    first: int
+    last: int
+    steps: int
+    mean_wall_ms: float
+    mean_ms: dict[str, float]
+    slowest_step: int
+    slowest_ms: float
+
+
+class PhaseTimesReply(TypedDict):
+    """``phase_times()``: the stepping trainer's phase times of recent steps, and coarser ones
+    before them."""
+
+    run: str
+    trainer_id: str | None
+    steps: list[PhaseStep]
+    regions: list[PhaseRegion]
+    slowest: list[PhaseStep]
+    buckets: list[PhaseBucket]
+    steps_seen: int
+    exact_steps: int
+    ignored: int

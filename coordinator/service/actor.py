@@ -20,6 +20,7 @@ from coordinator.protocol.replies import (
     CaptureReply,
     KernelSummaryReply,
     OpenRunReply,
+    PhaseTimesReply,
     PingReply,
     RanksPage,
     RegisterReply,
@@ -90,14 +91,18 @@ class _Coordinator:
         """
         return await self._runs.start(trainer_id, first_step, throttled)
 
-    async def step(self, trainer_id: str, k: int, waiting: bool = True) -> StepReply:
+    async def step(
+        self, trainer_id: str, k: int, waiting: bool = True, phases: list[Any] | None = None
+    ) -> StepReply:
         """Global step ``k`` has finished. Returns once the ranks that act are ready for k+1.
 
         ``waiting``: the trainer waits for this answer before it runs step k+1 (``StepClient``
-        sends reports of idle steps without waiting, and says so).
+        sends reports of idle steps without waiting, and says so). ``phases``: the phase
+        records (``[step, wall_s, {region: seconds}]``) of the steps since the last report;
+        malformed ones are refused (``refused_phases``) and the step still counts.
         """
         self._watchdog.start()  # (a no-op once running; after a restart, its first start)
-        return await self._runs.step(trainer_id, k, waiting)
+        return await self._runs.step(trainer_id, k, waiting, phases)
 
     async def stop(self, trainer_id: str) -> StepReply:
         """After the loop: stop an open window (partial), end the captures that never opened,
@@ -296,22 +301,12 @@ class _Coordinator:
         timeout_s: float = STACK_TIMEOUT_S,
     ) -> StacksReply:
         """Every registered rank's stack (every role) and each trainer's driver's, read at the
-        same moment on every node by its agent, grouped by identical stack.
+        same moment on every node by its agent, grouped by identical stack (docs/reference.md).
 
-        Args:
-            native: py-spy's ``--native`` (C/C++ frames too; slower).
-            ranks: only these ranks (of every trainer, or of ``trainer_id``), with every
-                thread (``threads``); None: every rank and the drivers.
-            method: ``auto`` (py-spy, else the rank's faulthandler dump), ``py-spy`` or
-                ``faulthandler``.
-            threads: every thread of each process in its entry, not only its main one.
-            timeout_s: the most one process's read may take (0 < timeout_s <= 120).
-
-        Returns:
-            A ``StacksReply``: ``groups`` (smallest first; ``culprit`` marks a group not in a
-            collective while its trainer's other ranks wait in one), ``culprit`` (one line),
-            ``unreadable`` (with why: exited, node unreachable, permission, not installed),
-            every ``entries`` and the grouped view as text (``lines``).
+        ``native``: C/C++ frames too; ``ranks``: only these, with every thread; ``method``:
+        ``auto`` (py-spy, else faulthandler), ``py-spy`` or ``faulthandler``; ``timeout_s``:
+        per process (0..120). Returns a ``StacksReply``: ``groups`` (smallest first),
+        ``culprit`` (one line), ``unreadable`` (with why), ``entries``, ``lines``.
 
         Example::
 
@@ -321,6 +316,20 @@ class _Coordinator:
             # ranks 0-1, 3 (3): all_reduce <- _update <- sft_step
         """
         return await self._stacks.stacks(native, ranks, trainer_id, method, threads, timeout_s)
+
+    async def phase_times(
+        self, last: int = 100, run: str | None = None, buckets: int = 100
+    ) -> PhaseTimesReply:
+        """The stepping trainer's per-step phase times (``hooks.region``): the ``last`` steps
+        (0..10000) with their regions, each region's mean and share, the slowest steps, and
+        ``buckets`` of 100 older steps each; ``run``: an earlier run. A ``PhaseTimesReply``.
+
+        Example::
+
+            pt = ray.get(h.phase_times.remote(last=50))
+            [(r["region"], r["mean_ms"], r["share"]) for r in pt["regions"]]
+        """
+        return await self._readers.phase_times(last, run, buckets)
 
     async def ping(self) -> PingReply:
         """Cheap liveness check: the current run's name and how often this actor restarted."""

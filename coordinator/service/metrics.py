@@ -42,9 +42,26 @@ class CoordinatorMetrics:
             }
             for m in (*self._gauges.values(), *self._counters.values()):
                 m.set_default_tags(tags)
+            self._phase: Any = metrics.Gauge(
+                "profiler_phase_ms",
+                "The stepping trainer's last step: its wall time (region=step) and each region's",
+                tag_keys=("coordinator", "region"),
+            )
+            self._phase.set_default_tags(tags)
             self.error: str | None = None
         except Exception as exc:  # metrics are a convenience; never fail the coordinator
-            self._gauges, self._counters = {}, {}
+            self._gauges, self._counters, self._phase = {}, {}, None
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def phases(self, ms: dict[str, float] | None) -> None:
+        """The last step's wall time (``region="step"``) and region times, in ms."""
+        if not ms or self._phase is None:
+            return
+        try:
+            for region, value in ms.items():
+                self._phase.set(value, tags={"region": region})
+            self.values["profiler_phase_ms"] = ms["step"]
+        except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
 
     def export(self, st: CoordinatorState) -> None:

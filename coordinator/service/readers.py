@@ -15,12 +15,14 @@ import time
 from typing import Any, Literal
 
 from coordinator.core.aggregate import CHEAP_RANKS
+from coordinator.core.phases import EXACT_STEPS, MAX_BUCKETS
 from coordinator.core.run import Run
 from coordinator.core.state import kernel_summary, pick_window, with_window
 from coordinator.core.validate import is_int, is_number, trainer_id_problem
 from coordinator.protocol.replies import (
     KernelSummaryReply,
     NodesEntry,
+    PhaseTimesReply,
     PingReply,
     PreviousRunEntry,
     RanksPage,
@@ -132,11 +134,7 @@ class Readers:
             raise ValueError(problem)
         if not isinstance(per_rank, bool):
             raise ValueError(f"per_rank must be True or False, got {per_rank!r:.80}")
-        if run is not None and not isinstance(run, str):
-            raise ValueError(f"run must be a run's name or None, got {run!r:.80}")
-        target = self.shell.find_run(run)
-        if target is None:
-            raise ValueError(f"no run {run!r}: this coordinator keeps {self._kept()}")
+        target = self._run(run)
         st = target.state
         tid = trainer_id or st.stepping_trainer
         rec = pick_window(st, window)
@@ -202,6 +200,24 @@ class Readers:
 
     def _kept(self) -> list[str]:
         return [self.shell.run.name, *(r.name for r in self.shell.previous)]
+
+    def _run(self, run: Any) -> Run:
+        """The run named ``run`` (None: the current one); ValueError naming the kept ones."""
+        if run is not None and not isinstance(run, str):
+            raise ValueError(f"run must be a run's name or None, got {run!r:.80}")
+        target = self.shell.find_run(run)
+        if target is None:
+            raise ValueError(f"no run {run!r:.80}: this coordinator keeps {self._kept()}")
+        return target
+
+    async def phase_times(self, last: Any, run: Any, buckets: Any) -> PhaseTimesReply:
+        for name, value, top in (("last", last, EXACT_STEPS), ("buckets", buckets, MAX_BUCKETS)):
+            if not is_int(value) or not 0 <= value <= top:
+                raise ValueError(f"{name} must be an int in 0..{top}, got {value!r:.80}")
+        found = self._run(run)
+        return self.shell.phases.log(found.name).reply(
+            last, buckets, found.name, found.state.stepping_trainer
+        )
 
     async def ping(self) -> PingReply:
         run = self.shell.run

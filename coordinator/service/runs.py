@@ -226,7 +226,7 @@ class RunCalls:
             sh.save()
             return reply
 
-    async def step(self, trainer_id: str, k: int, waiting: bool) -> StepReply:
+    async def step(self, trainer_id: str, k: int, waiting: bool, phases: Any = None) -> StepReply:
         sh = self.shell
         arrived = time.monotonic()
         async with sh.lock:
@@ -234,6 +234,8 @@ class RunCalls:
             no = self._trainer_call_problem(trainer_id, "step", ("step", k), ("waiting", waiting))
             if no:
                 return sh.step_reply(False, no)
+            if phases is not None:
+                sh.phases.keep(sh.run.name, (r.name for r in sh.previous), phases)
             run = sh.run
             if run.lifecycle == "stopped":
                 why = f"the run {run.name} stopped; start() begins a new run first"

@@ -38,6 +38,7 @@ from coordinator.service import checkpoint
 from coordinator.service.loop_watch import LoopWatch
 from coordinator.service.metrics import CoordinatorMetrics
 from coordinator.service.node_fanout import NodeFanOut
+from coordinator.service.phase_store import PhaseStore
 from coordinator.service.rank_calls import run_commands
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class CoordinatorShell:
         self.reads = concurrent.futures.ThreadPoolExecutor(1, "profiler-reads")
         self.stalls: collections.deque[StallEntry] = collections.deque(maxlen=STALL_HISTORY)
         self._watch: tuple[str, StallWatch] | None = None
+        self.phases = PhaseStore(self.refuse, self.metrics.phases)
 
     @property
     def stall_watch(self) -> StallWatch:

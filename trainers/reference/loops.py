@@ -68,8 +68,9 @@ def run_sft(hooks: ProfilingHooks, policy: list[Any], rc: RunConfig, log: Log = 
     with hooks.session(first_step=rc.first_step):
         for step in range(rc.first_step, rc.first_step + rc.steps):
             t0, phase = time.perf_counter(), hooks.phase  # what this step does
-            rows = sft_batch(corpus, step, rc.batch, seq, rc.seed)
-            losses = ray.get([w.sft_step.remote(rows) for w in policy])
+            with hooks.region("train"):
+                rows = sft_batch(corpus, step, rc.batch, seq, rc.seed)
+                losses = ray.get([w.sft_step.remote(rows) for w in policy])
             hooks.step(step)
             _record(result, log, phase, step, sum(losses) / len(losses), t0)
     return result
@@ -98,11 +99,14 @@ def run_sync_rl(
     with hooks.session(first_step=rc.first_step):
         for step in range(rc.first_step, rc.first_step + rc.steps):
             t0, phase = time.perf_counter(), hooks.phase  # what this step does
-            batch = ray.get(
-                rollout.generate.remote(step, rc.prompts, rc.group, rc.new_tokens, rc.seed)
-            )
-            ray.get(_rl_update(policy, batch))
-            ray.get(_sync_weights(policy, [rollout], step + 1))
+            with hooks.region("generate"):
+                batch = ray.get(
+                    rollout.generate.remote(step, rc.prompts, rc.group, rc.new_tokens, rc.seed)
+                )
+            with hooks.region("train"):
+                ray.get(_rl_update(policy, batch))
+            with hooks.region("weight_sync"):
+                ray.get(_sync_weights(policy, [rollout], step + 1))
             hooks.step(step)
             _record(result, log, phase, step, batch["rewards"].mean(), t0)
     return result
@@ -126,13 +130,16 @@ async def run_one_step_async_rl(
     async with hooks.session(first_step=first):
         for step in range(first, first + rc.steps):
             t0, phase = time.perf_counter(), hooks.phase  # what this step does
-            batch = await nxt
+            async with hooks.region("generate"):  # what generation did not overlap
+                batch = await nxt
             if step + 1 < first + rc.steps:  # overlaps the update below
                 nxt = rollout.generate.remote(
                     step + 1, rc.prompts, rc.group, rc.new_tokens, rc.seed
                 )
-            await asyncio.gather(*_rl_update(policy, batch))
-            await asyncio.gather(*_sync_weights(policy, [rollout], step + 1))
+            async with hooks.region("train"):
+                await asyncio.gather(*_rl_update(policy, batch))
+            async with hooks.region("weight_sync"):
+                await asyncio.gather(*_sync_weights(policy, [rollout], step + 1))
             await hooks.astep(step)
             _record(result, log, phase, step, batch["rewards"].mean(), t0)
     return result
@@ -223,11 +230,14 @@ async def run_fully_async_rl(
         async with hooks.session(first_step=rc.first_step):
             for step in range(rc.first_step, rc.first_step + rc.steps):
                 t0, phase = time.perf_counter(), hooks.phase  # what this step does
-                batch = await gen.fresh_batch(version)
+                async with hooks.region("generate"):  # waiting for the buffer
+                    batch = await gen.fresh_batch(version)
                 used.append((batch["worker_id"], batch["request_id"], batch["version"]))
-                await asyncio.gather(*_rl_update(policy, batch))
+                async with hooks.region("train"):
+                    await asyncio.gather(*_rl_update(policy, batch))
                 version += 1
-                await gen.sync(policy, version)
+                async with hooks.region("weight_sync"):
+                    await gen.sync(policy, version)
                 await hooks.astep(step)
                 _record(result, log, phase, step, batch["rewards"].mean(), t0)
     finally:

@@ -1,0 +1,101 @@
+"""Per-step phase times: kept for every step, bounded, checked as they arrive, shown. Pure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.client.phase_clock import PhaseClock, Region
+from coordinator.core.phases import (
+    BUCKET_STEPS,
+    EXACT_STEPS,
+    MAX_REGIONS,
+    PhaseLog,
+    check_records,
+)
+from coordinator.ops import notebook as nb
+from coordinator.ops.tables import render_phases
+
+
+def test_every_step_is_kept_exactly_then_in_buckets_and_nothing_is_lost():
+    log = PhaseLog()
+    n = EXACT_STEPS + 25 * BUCKET_STEPS + 50
+    for k in range(0, n, 50):  # reports carry many records
+        log.add([[s, 0.1 + s * 1e-6, {"train": 0.06, "generate": 0.03}] for s in range(k, k + 50)])
+    r = log.reply(last=EXACT_STEPS, buckets=10_000)
+    assert log.steps_seen == n and r["exact_steps"] == EXACT_STEPS
+    assert r["steps"][-1]["step"] == log.steps_seen - 1
+    folded = sum(b["steps"] for b in r["buckets"])
+    assert folded + EXACT_STEPS == log.steps_seen  # every step, exact or in a bucket
+    b = r["buckets"][0]
+    assert (b["first"], b["last"], b["steps"]) == (0, BUCKET_STEPS - 1, BUCKET_STEPS)
+    assert b["mean_ms"] == {"train": 60.0, "generate": 30.0}
+    assert b["slowest_step"] == BUCKET_STEPS - 1
+    assert r["slowest"][0]["step"] == log.steps_seen - 1  # the longest wall time
+    shares = {g["region"]: g["share"] for g in r["regions"]}
+    wall = sum(x["wall_ms"] for x in r["steps"])
+    assert shares["train"] == pytest.approx(60.0 * EXACT_STEPS / wall, abs=1e-4)
+
+
+def test_old_or_repeated_steps_and_regions_beyond_the_cap_are_counted_not_kept():
+    log = PhaseLog()
+    assert log.add([[5, 1.0, {"a": 0.5}], [5, 1.0, {"a": 0.5}], [4, 1.0, {}]]) == 1
+    many = {f"r{i}": 0.001 for i in range(MAX_REGIONS + 3)}
+    assert log.add([[6, 1.0, many]]) == 1
+    assert len(log.names) == MAX_REGIONS and log.ignored == 2 + 4  # "a" took one name
+    assert log.reply(last=0)["steps"] == []
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        "x",
+        [[1, 2]],
+        [[-1, 0.1, {}]],
+        [[True, 0.1, {}]],
+        [[1, float("nan"), {}]],
+        [[1, -0.1, {}]],
+        [[1, 0.1, {"": 0.1}]],
+        [[1, 0.1, {"a" * 65: 0.1}]],
+        [[1, 0.1, {"a": "slow"}]],
+        [[1, 0.1, {f"r{i}": 0.0 for i in range(MAX_REGIONS + 1)}]],
+        [[1, 0.1, {}]] * 20_001,
+    ],
+)
+def test_malformed_phase_records_are_refused_with_a_reason(records):
+    assert check_records(records)
+
+
+def test_regions_add_up_within_a_step_in_with_and_async_with():
+    clock = PhaseClock()
+    clock.begin_step()
+
+    async def generate():
+        async with Region(clock, "generate"):
+            await asyncio.sleep(0.01)
+
+    asyncio.run(generate())
+    with Region(clock, "train"):
+        pass
+    with Region(clock, "generate"):
+        pass
+    step, wall, regions = clock.close_step(3)
+    assert step == 3 and set(regions) == {"generate", "train"}
+    assert 0.01 <= regions["generate"] <= wall and sum(regions.values()) <= wall
+    assert clock.close_step(4)[2] == {}  # the next step starts empty
+    assert Region(None, "off").__enter__() is not None  # hooks off: still a context manager
+
+
+def test_the_table_and_the_frame_show_each_region_and_the_time_in_none():
+    log = PhaseLog()
+    log.add([[k, 0.1, {"generate": 0.05, "train": 0.04}] for k in range(10)])
+    log.add([[10, 0.5, {"generate": 0.45, "train": 0.04}]])
+    pt = log.reply(last=100, run="run_x", trainer_id="rl")
+    text = render_phases(pt)
+    assert "the last 11 steps (0-10)" in text and "step 10: 500.0 ms" in text
+    assert text.splitlines()[3].split() == ["generate", "86.4", "63.3%", "450.0"]
+    frame = nb.phases_frame(pt)
+    assert list(frame.columns) == ["generate", "train", "other"]
+    assert frame.sum(axis=1).round(6).tolist() == [100.0] * 10 + [500.0]
+    assert render_phases(PhaseLog().reply(run="r")).endswith("marks a step's regions)")
