@@ -57,6 +57,8 @@ METHODS = {
     "ping": 0,
     "stacks": 6,
     "phase_times": 3,
+    "kernel_diff": 6,
+    "pin_baseline": 1,
 }
 CALLS = st.sampled_from(sorted(METHODS)).flatmap(
     lambda m: st.tuples(st.just(m), st.lists(HOSTILE, min_size=METHODS[m], max_size=METHODS[m]))

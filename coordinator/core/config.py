@@ -113,6 +113,9 @@ class ProfilerConfig:
     """A stall: no step for ``stall_factor`` x the median time of recent steps, ..."""
     stall_min_s: float = 60.0
     """... and for at least this many seconds."""
+    regression_threshold: float = 1.25
+    """Mark a window's kernel (or step time) whose per-step time rose this much over the run's
+    baseline window (``status()``, ``kernel_diff``)."""
     auto_capture: AutoCapture = field(default_factory=AutoCapture)
     """Profile slow steps by themselves: ``enable``, ``slowdown_ratio``, ``after_steps``,
     ``active``, ``warmup``, ``cooldown_steps``, ``max_per_run``, ``ignore_first``,
@@ -207,6 +210,7 @@ class ProfilerConfig:
         _check_number(self, "agent_idle_exit_s", minimum=0.0)
         _check_number(self, "stall_factor", minimum=1.0)
         _check_number(self, "stall_min_s", minimum_exclusive=0.0)
+        _check_number(self, "regression_threshold", minimum_exclusive=1.0)
         if self.fanout not in FANOUTS:
             raise ValueError(
                 f"profiler config: 'fanout' must be one of {', '.join(FANOUTS)}, "
@@ -220,8 +224,8 @@ class ProfilerConfig:
         self.auto_capture = AutoCapture.from_value(self.auto_capture).validate()
         self._validate_ranks()
         self._validate_activities()
-        self._validate_export()
-        self._validate_run_name()
+        _validate_export(self)
+        _validate_run_name(self)
         _validate_storage(self)
         self._validate_save_path(check_paths)
         return self
@@ -278,28 +282,6 @@ class ProfilerConfig:
                     f"known: {list(ACTIVITIES)}"
                 )
         self.activities = list(dict.fromkeys(acts))
-
-    def _validate_export(self) -> None:
-        if self.export_type not in EXPORT_TYPES:
-            raise ValueError(
-                f"profiler config: 'export_type' is {self.export_type!r}; "
-                f"expected one of {list(EXPORT_TYPES)}"
-            )
-        if self.export_type == "stacks" and not self.with_stack:
-            raise ValueError(
-                "profiler config: 'export_type' is 'stacks' but 'with_stack' is False; "
-                "stacks need with_stack=True"
-            )
-
-    def _validate_run_name(self) -> None:
-        name = self.run_name
-        if name is None:
-            return
-        if not isinstance(name, str) or not _RUN_NAME_RE.match(name):
-            raise ValueError(
-                f"profiler config: 'run_name' {name!r} must be one path component of letters, "
-                "digits, '.', '_' or '-' (at most 128, not starting with '.')"
-            )
 
     def _validate_save_path(self, check_paths: bool) -> None:
         path: Any = self.save_path
@@ -387,6 +369,30 @@ def _plain(value: Any) -> Any:
     ):
         return [_plain(v) for v in value]
     return value
+
+
+def _validate_export(cfg: ProfilerConfig) -> None:
+    if cfg.export_type not in EXPORT_TYPES:
+        raise ValueError(
+            f"profiler config: 'export_type' is {cfg.export_type!r}; "
+            f"expected one of {list(EXPORT_TYPES)}"
+        )
+    if cfg.export_type == "stacks" and not cfg.with_stack:
+        raise ValueError(
+            "profiler config: 'export_type' is 'stacks' but 'with_stack' is False; "
+            "stacks need with_stack=True"
+        )
+
+
+def _validate_run_name(cfg: ProfilerConfig) -> None:
+    name = cfg.run_name
+    if name is None:
+        return
+    if not isinstance(name, str) or not _RUN_NAME_RE.match(name):
+        raise ValueError(
+            f"profiler config: 'run_name' {name!r} must be one path component of letters, "
+            "digits, '.', '_' or '-' (at most 128, not starting with '.')"
+        )
 
 
 def _check_bool(cfg: ProfilerConfig, name: str) -> None:

@@ -13,6 +13,7 @@ from coordinator.protocol.replies import (
     AutoTrigger,
     RankEntry,
     RankState,
+    RegressionEntry,
     TrainerEntry,
     WindowEntry,
     WindowTrace,
@@ -113,6 +114,7 @@ class WindowRecord:
     stopped_at: int | None = None  # the last step when stop() cut the window short
     cut: str | None = None  # why the window was cut short, when not by the trainer's stop()
     trigger: AutoTrigger | None = None  # why an auto capture was taken
+    regression: RegressionEntry | None = None  # against the run's baseline (diffs.mark)
 
     def aggregate(self, trainer_id: str) -> WindowAggregate:
         agg = self.aggregates.get(trainer_id)
@@ -181,4 +183,5 @@ class WindowRecord:
                 )
             ),
             "trigger": self.trigger,
+            "regression": getattr(self, "regression", None),  # (a checkpoint from before)
         }

@@ -43,6 +43,7 @@ class Run:
     auto_triggers: dict[int, AutoTrigger] = field(default_factory=dict)
     detector: SlowdownDetector | None = None
     auto_override: bool | None = None  # an operator's switch (``set_auto_capture``), else None
+    baseline: int | None = None  # the window pinned for regression marks (``pin_baseline``)
 
     @property
     def auto_enabled(self) -> bool:

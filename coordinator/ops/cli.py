@@ -9,6 +9,7 @@
     ray-profiler stragglers
     ray-profiler stacks
     ray-profiler phases --last 200
+    ray-profiler diff 0 7
     ray-profiler watch --interval 2
 
 Tables for people; ``--json`` for scripts. The global options (``--address``, ``--namespace``,
@@ -27,6 +28,7 @@ from typing import Any
 
 from coordinator.ops.tables import (
     render_auto,
+    render_diff,
     render_phases,
     render_ranks,
     render_stacks,
@@ -50,17 +52,22 @@ _EXAMPLES = {
     "cancel": "ray-profiler cancel 8",
     "auto": "ray-profiler auto on\n  ray-profiler auto off\n  ray-profiler auto --json",
     "stragglers": "ray-profiler stragglers --window 3",
+    "diff": (
+        "ray-profiler diff 0 7            # window 7 against window 0 of the run\n"
+        "  ray-profiler diff 3 3 --run-a run_20261201-120000 --k 40 --json"
+    ),
     "phases": (
         "ray-profiler phases --last 200\n  ray-profiler phases --run run_20261201-120000 --json"
     ),
     "stacks": (
         "ray-profiler stacks\n"
-        "  stacks of 5/5 processes at 05:14:47, read in 0.34 s (auto)\n"
+        "  stacks of 5/5 processes at 05:24:46, read in 0.26 s (auto)\n"
         "  likely culprit: rank 2 in slow_loader (while 3 ranks of sft wait in a collective)\n"
         "\n"
         "  rank 2 (1): slow_loader <- load_batch <- train  <- likely culprit\n"
         "  ranks 0-1, 3 (3): all_reduce <- _update <- sft_step <- train\n"
-        "  sft driver (1): train <- <lambda> <- run <- _bootstrap_inner <- _bootstrap\n"
+        "  sft driver (1): call <- run <- main <- test_a_hung_rank_is_named_on_demand_... \n"
+        "  (tests/test_stalls.py: 4 gloo ranks, rank 2 stuck; the driver there is pytest)\n"
         "\n"
         "  ray-profiler stacks --rank 2          # every thread of rank 2, frame by frame\n"
         "  ray-profiler stacks --native --json   # C/C++ frames too, as JSON"
@@ -160,6 +167,12 @@ def _steering_commands(command: Command) -> None:
     cap.add_argument("--k", type=int, default=20)
     cancel = command("cancel", "drop a capture that has not started")
     cancel.add_argument("window", type=int)
+    diff = command("diff", "what changed from window A to window B: kernels, breakdown, step")
+    diff.add_argument("a", type=int)
+    diff.add_argument("b", type=int)
+    diff.add_argument("--run-a", default=None, help="A's run (default: the current one)")
+    diff.add_argument("--run-b", default=None, help="B's run (default: the current one)")
+    diff.add_argument("--k", type=int, default=30, help="kernels listed (largest change first)")
     phases = command("phases", "per-step phase times: each region's share, the slowest steps")
     phases.add_argument("--last", type=int, default=100, help="steps to list (default 100)")
     phases.add_argument("--run", default=None, help="an earlier run (status shows previous_runs)")
@@ -230,6 +243,9 @@ def run(args: argparse.Namespace) -> int:
             if args.json
             else render_stragglers(ks)
         )
+    elif args.command == "diff":
+        d = call(h, "kernel_diff", args.a, args.b, args.run_a, args.run_b, None, args.k)
+        out(json.dumps(d) if args.json else render_diff(d))
     elif args.command == "phases":
         pt = call(h, "phase_times", last=args.last, run=args.run)
         out(json.dumps(pt) if args.json else render_phases(pt))

@@ -184,3 +184,11 @@ def phases_frame(phases: dict[str, Any]) -> Any:
     frame = pd.DataFrame.from_dict(rows, orient="index", columns=[*names, "other"])
     frame.index.name = "step"
     return frame
+
+
+def diff_frame(diff: dict[str, Any]) -> Any:
+    """One row per kernel of a ``kernel_diff()`` reply, largest change first: its per-step
+    self time per rank (us) in window a and b, the change, the ratio and its status."""
+    pd = _pd()
+    cols = ["name", "status", "a_us", "b_us", "change_us", "ratio"]
+    return pd.DataFrame([{c: k[c] for c in cols} for k in diff["kernels"]], columns=cols)

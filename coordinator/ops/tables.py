@@ -8,10 +8,12 @@ from coordinator.core.validate import span
 from coordinator.protocol.replies import (
     AutoCaptureEntry,
     AutoTrigger,
+    KernelDiffReply,
     KernelSummaryReply,
     PhaseTimesReply,
     RankEntry,
     RanksPage,
+    RegressionEntry,
     StacksReply,
     StallEntry,
     StatusReply,
@@ -56,6 +58,8 @@ def render_status(st: StatusReply) -> str:
             )
             if (t := w["trigger"]) is not None:
                 lines.append(f"{'':>6} {'':<9} why: {trigger_text(t)}")
+            if (r := w.get("regression")) and (text := regression_text(r)):
+                lines.append(f"{'':>6} {'':<9} {text}")
     if st["previous_runs"]:
         lines += ["", "earlier runs (ray-profiler top --run NAME):"]
         for p in st["previous_runs"]:
@@ -281,3 +285,50 @@ def render_phases(pt: PhaseTimesReply) -> str:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(s["regions"].items()))
         lines.append(f"  step {s['step']}: {s['wall_ms']:.1f} ms ({parts})")
     return "\n".join(lines)
+
+
+def render_diff(d: KernelDiffReply) -> str:
+    """Window b against window a: step time, breakdown shift, then the kernels that changed
+    most (per step and per rank), new and vanished ones marked."""
+    a, b = d["a"], d["b"]
+    sa, sb = d["step_ms"]
+    ratio = f" (x{d['step_ratio']:.2f})" if d["step_ratio"] else ""
+    lines = [
+        f"window {b['window']} (run {b['run']}, steps {_span(b['steps'])}, {b['ranks']} ranks) "
+        f"against window {a['window']} (run {a['run']}, steps {_span(a['steps'])}, "
+        f"{a['ranks']} ranks), self {d['device']} time per step and rank",
+        f"step time: {_num(sa)} -> {_num(sb)} ms{ratio}; every kernel: "
+        f"{d['total_us'][0] / 1e3:.2f} -> {d['total_us'][1] / 1e3:.2f} ms",
+    ]
+    if d["breakdown"]:
+        lines.append(
+            "breakdown: "
+            + ", ".join(
+                f"{s['category']} {s['a_share']:.0%} -> {s['b_share']:.0%}" for s in d["breakdown"]
+            )
+        )
+    lines += ["", f"{'a us':>10} {'b us':>10} {'change':>10} {'ratio':>7}  name"]
+    for k in d["kernels"]:
+        r = f"x{k['ratio']:.2f}" if k["ratio"] is not None else k["status"]
+        nums = f"{k['a_us']:>10.1f} {k['b_us']:>10.1f} {k['change_us']:>+10.1f}"
+        lines.append(f"{nums} {r:>7}  {k['name'][:70]}")
+    if d["new"] or d["vanished"]:
+        lines.append(f"\n{len(d['new'])} new kernels, {len(d['vanished'])} vanished")
+    return "\n".join(lines)
+
+
+def _span(steps: list[int]) -> str:
+    return "-".join(map(str, steps)) if steps else "?"
+
+
+def regression_text(r: RegressionEntry) -> str:
+    """A window's regression marks in one line ("" when nothing rose past the threshold)."""
+    parts = []
+    if r["step_regressed"] and r["step_ratio"] is not None:
+        parts.append(f"step x{r['step_ratio']:.2f}")
+    parts += [f"{k['name'][:40]} x{k['ratio']:.2f}" for k in r["kernels"][:3]]
+    if not parts:
+        return ""
+    more = len(r["kernels"]) - 3
+    tail = f" (+{more} kernels)" if more > 0 else ""
+    return f"SLOWER than window {r['baseline']}: " + ", ".join(parts) + tail

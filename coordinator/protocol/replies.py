@@ -218,6 +218,7 @@ class WindowEntry(TypedDict):
     traces: dict[int, WindowTrace]
     stragglers: list[int]
     trigger: AutoTrigger | None  # for an ``auto`` window: why it was taken
+    regression: RegressionEntry | None  # against the run's baseline, once its summaries are in
 
 
 class TrainerEntry(TypedDict):
@@ -529,3 +530,67 @@ class PhaseTimesReply(TypedDict):
     steps_seen: int
     exact_steps: int
     ignored: int
+
+
+class KernelChange(TypedDict):
+    """One kernel in a ``KernelDiffReply``: its per-step self time (per rank, us) in each
+    window, the change and the ratio (None for a new or vanished kernel)."""
+
+    name: str
+    status: Literal["changed", "new", "vanished"]
+    a_us: float
+    b_us: float
+    change_us: float
+    ratio: float | None
+
+
+class BreakdownShift(TypedDict):
+    """One category of the breakdown (compute, comm, memcpy, other) per step, in each window."""
+
+    category: str
+    a_us: float
+    b_us: float
+    a_share: float
+    b_share: float
+
+
+class KernelDiffReply(TypedDict):
+    """``kernel_diff(a, b)``: window ``b`` against window ``a``, ordered by absolute change."""
+
+    a: dict[str, Any]  # run, window, steps, ranks
+    b: dict[str, Any]
+    kernels: list[KernelChange]
+    new: list[str]
+    vanished: list[str]
+    total_us: list[float]  # every kernel's per-step time, summed: [a, b]
+    breakdown: list[BreakdownShift]
+    step_ms: list[float | None]  # the median rank's step time: [a, b]
+    step_ratio: float | None
+    device: str | None
+
+
+class RegressionKernel(TypedDict):
+    name: str
+    baseline_us: float
+    us: float
+    ratio: float
+
+
+class RegressionEntry(TypedDict):
+    """A window's regression marks against its run's baseline window (``status()``)."""
+
+    baseline: int | None
+    baseline_run: str
+    threshold: float
+    kernels: list[RegressionKernel]  # per-step time up by ``threshold`` or more
+    step_ms: list[float | None]  # [baseline, this window]
+    step_ratio: float | None
+    step_regressed: bool
+
+
+class BaselineReply(TypedDict):
+    """``pin_baseline(window)``: the run's baseline for regression marks now."""
+
+    run: str
+    baseline: int | None
+    pinned: bool  # False: the run's first complete scheduled window (None before one)

@@ -20,25 +20,25 @@ from coordinator.protocol.replies import (
     CaptureReply,
     KernelSummaryReply,
     OpenRunReply,
-    PhaseTimesReply,
     PingReply,
     RanksPage,
     RegisterReply,
-    StacksReply,
     StatusReply,
     StepReply,
     WaitWindowReply,
 )
 from coordinator.service.agent_reports import AgentReports
 from coordinator.service.captures import CAPTURE_REPORT_TIMEOUT_S, Captures
+from coordinator.service.diffs import Diffs
+from coordinator.service.operator_rpcs import OperatorRPCs
 from coordinator.service.readers import Readers, WaitUntil
 from coordinator.service.runs import RunCalls
 from coordinator.service.shell import CoordinatorShell
-from coordinator.service.stacks import STACK_TIMEOUT_S, StackCalls
+from coordinator.service.stacks import StackCalls
 from coordinator.service.stall_watchdog import StallWatchdog
 
 
-class _Coordinator:
+class _Coordinator(OperatorRPCs):
     """The actor's implementation; use ``get_or_create_coordinator`` to make one."""
 
     def __init__(self, config: dict[str, Any], name: str, namespace: str) -> None:
@@ -48,6 +48,7 @@ class _Coordinator:
         self._reports = AgentReports(self._shell)
         self._readers = Readers(self._shell)
         self._stacks = StackCalls(self._shell)
+        self._diffs = Diffs(self._shell, self._readers)
         self._watchdog = StallWatchdog(self._shell, self._stacks)
 
     # ------------------------------------------------------------ the trainer's calls
@@ -222,6 +223,7 @@ class _Coordinator:
             st = ray.get(ray.get_actor("profiler").status.remote())
             st["run"]["lifecycle"], st["global_step"], [w["index"] for w in st["windows"]]
         """
+        await self._diffs.mark(self._shell.run)  # regression marks of windows newly settled
         return await self._readers.status(ranks)
 
     async def ranks(
@@ -290,46 +292,6 @@ class _Coordinator:
         ended without it or does not keep it.
         """
         return await self._readers.wait_window(window, run, until, timeout_s)
-
-    async def stacks(
-        self,
-        native: bool = False,
-        ranks: list[int] | None = None,
-        trainer_id: str | None = None,
-        method: str = "auto",
-        threads: bool = False,
-        timeout_s: float = STACK_TIMEOUT_S,
-    ) -> StacksReply:
-        """Every registered rank's stack (every role) and each trainer's driver's, read at the
-        same moment on every node by its agent, grouped by identical stack (docs/reference.md).
-
-        ``native``: C/C++ frames too; ``ranks``: only these, with every thread; ``method``:
-        ``auto`` (py-spy, else faulthandler), ``py-spy`` or ``faulthandler``; ``timeout_s``:
-        per process (0..120). Returns a ``StacksReply``: ``groups`` (smallest first),
-        ``culprit`` (one line), ``unreadable`` (with why), ``entries``, ``lines``.
-
-        Example::
-
-            st = ray.get(h.stacks.remote())
-            print("\n".join(st["lines"]))
-            # rank 2 (1): slow_loader <- load_batch <- sft_step  <- likely culprit
-            # ranks 0-1, 3 (3): all_reduce <- _update <- sft_step
-        """
-        return await self._stacks.stacks(native, ranks, trainer_id, method, threads, timeout_s)
-
-    async def phase_times(
-        self, last: int = 100, run: str | None = None, buckets: int = 100
-    ) -> PhaseTimesReply:
-        """The stepping trainer's per-step phase times (``hooks.region``): the ``last`` steps
-        (0..10000) with their regions, each region's mean and share, the slowest steps, and
-        ``buckets`` of 100 older steps each; ``run``: an earlier run. A ``PhaseTimesReply``.
-
-        Example::
-
-            pt = ray.get(h.phase_times.remote(last=50))
-            [(r["region"], r["mean_ms"], r["share"]) for r in pt["regions"]]
-        """
-        return await self._readers.phase_times(last, run, buckets)
 
     async def ping(self) -> PingReply:
         """Cheap liveness check: the current run's name and how often this actor restarted."""

@@ -24,6 +24,7 @@ class CoordinatorMetrics:
         "profiler_worker_rpcs": "Calls the coordinator made to worker ranks",
         "profiler_auto_captures": "Auto captures planned because the run slowed down",
         "profiler_stalls": "Stalls the watchdog detected (no step for the stall threshold)",
+        "profiler_regressions": "Windows marked slower than the run's baseline window",
     }
 
     def __init__(self, name: str) -> None:
@@ -75,6 +76,7 @@ class CoordinatorMetrics:
             "profiler_worker_rpcs": float(st.counters["worker_rpcs"]),
             "profiler_auto_captures": float(st.counters["auto_captures"]),
             "profiler_stalls": float(st.counters["stalls"]),
+            "profiler_regressions": float(st.counters["regressions"]),
         }
         try:
             for n, g in self._gauges.items():

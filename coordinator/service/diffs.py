@@ -1,0 +1,102 @@
+"""Window diffs and regression marks: ``kernel_diff(a, b)``, ``pin_baseline``, and the marks
+``status()`` shows on each window against its run's baseline.
+
+The baseline is the window the operator pinned (``pin_baseline``), else the run's first
+scheduled window that recorded what it planned with every summary in. A window is marked once,
+when its own summaries are all in: each kernel whose per-step time rose by
+``regression_threshold`` or more (and is at least 1% of the step), and the step time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coordinator.core.records import WindowRecord
+from coordinator.core.run import Run
+from coordinator.core.validate import is_int
+from coordinator.core.window_diff import kernel_diff, regression
+from coordinator.protocol.replies import BaselineReply, KernelDiffReply
+from coordinator.service.readers import Readers
+from coordinator.service.shell import CoordinatorShell
+
+ALL_KERNELS = 100_000
+
+
+class Diffs:
+    """See the module docstring."""
+
+    def __init__(self, shell: CoordinatorShell, readers: Readers) -> None:
+        self.shell, self.readers = shell, readers
+        self._cannot: set[tuple[str, int, int]] = set()  # (run, baseline, window) not comparable
+
+    async def kernel_diff(
+        self, a: Any, b: Any, run_a: Any, run_b: Any, trainer_id: Any, top_k: Any
+    ) -> KernelDiffReply:
+        if not is_int(top_k) or not 0 <= top_k <= ALL_KERNELS:
+            raise ValueError(f"top_k must be an int in 0..{ALL_KERNELS}, got {top_k!r:.80}")
+        for name, w in (("a", a), ("b", b)):
+            if not is_int(w):
+                raise ValueError(f"{name} must be a window's index, got {w!r:.80}")
+        sa = await self.readers.kernel_summary(a, ALL_KERNELS, trainer_id, False, run_a)
+        sb = await self.readers.kernel_summary(b, ALL_KERNELS, trainer_id, False, run_b)
+        for name, s in (("a", sa), ("b", sb)):
+            if not s["ranks"]:
+                raise ValueError(f"window {s['window']} ({name}) has no summary to compare yet")
+        return kernel_diff(sa, sb, top_k)
+
+    async def pin_baseline(self, window: Any) -> BaselineReply:
+        run = self.shell.run
+        if window is not None:
+            if not is_int(window):
+                raise ValueError(f"window must be a window's index or None, got {window!r:.80}")
+            rec = run.state.windows.get(window)
+            if rec is None or not rec.closed:
+                known = [w.window.index for w in run.state.closed_windows()]
+                raise ValueError(f"no closed window {window} in run {run.name}: closed {known}")
+        async with self.shell.lock:
+            run.baseline = window
+            for rec in run.state.windows.values():  # marked again, against the new baseline
+                rec.regression = None
+            self.shell.save()
+        await self.mark(run)
+        return {"run": run.name, "baseline": baseline(run), "pinned": window is not None}
+
+    async def mark(self, run: Run) -> None:
+        """Mark every settled window of ``run`` not marked yet (status() calls it)."""
+        base = baseline(run)
+        if base is None:
+            return
+        for rec in run.state.closed_windows():
+            marked = getattr(rec, "regression", None)  # (a record from an older checkpoint)
+            key = (run.name, base, rec.window.index)
+            if marked is not None or rec.window.index == base or not _settled(rec):
+                continue
+            if key in self._cannot:
+                continue
+            try:
+                diff = await self.kernel_diff(
+                    base, rec.window.index, run.name, run.name, None, ALL_KERNELS
+                )
+            except ValueError:  # the baseline left the history; no summary of this trainer
+                self._cannot.add(key)
+                continue
+            rec.regression = regression(diff, run.config.regression_threshold)
+            if rec.regression["kernels"] or rec.regression["step_regressed"]:
+                run.state.counters["regressions"] += 1
+                self.shell.metrics.export(run.state)
+
+
+def baseline(run: Run) -> int | None:
+    """The pinned window, else the run's first scheduled window that kept its plan, with
+    every summary in."""
+    pinned: int | None = getattr(run, "baseline", None)  # (an older checkpoint's run has none)
+    if pinned is not None:
+        return pinned
+    for rec in run.state.closed_windows():
+        if rec.window.kind == "scheduled" and not rec.partial and rec.steps and _settled(rec):
+            return rec.window.index
+    return None
+
+
+def _settled(rec: WindowRecord) -> bool:
+    return rec.closed and not rec.summaries_pending and bool(rec.aggregates)

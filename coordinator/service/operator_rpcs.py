@@ -1,0 +1,89 @@
+"""The coordinator's RPCs for an operator diagnosing a run: stacks, phase times, window diffs
+and the regression baseline. ``ProfilerCoordinator`` inherits them; each hands the call to its
+part of the actor (``stacks``, ``readers``, ``diffs``)."""
+
+from __future__ import annotations
+
+from coordinator.protocol.replies import (
+    BaselineReply,
+    KernelDiffReply,
+    PhaseTimesReply,
+    StacksReply,
+)
+from coordinator.service.diffs import Diffs
+from coordinator.service.readers import Readers
+from coordinator.service.stacks import STACK_TIMEOUT_S, StackCalls
+
+
+class OperatorRPCs:
+    """Mixed into the coordinator actor, which sets the three parts below."""
+
+    _stacks: StackCalls
+    _readers: Readers
+    _diffs: Diffs
+
+    async def stacks(
+        self,
+        native: bool = False,
+        ranks: list[int] | None = None,
+        trainer_id: str | None = None,
+        method: str = "auto",
+        threads: bool = False,
+        timeout_s: float = STACK_TIMEOUT_S,
+    ) -> StacksReply:
+        """Every registered rank's stack (every role) and each trainer's driver's, read at the
+        same moment on every node by its agent, grouped by identical stack (docs/reference.md).
+
+        ``native``: C/C++ frames too; ``ranks``: only these, with every thread; ``method``:
+        ``auto`` (py-spy, else faulthandler), ``py-spy`` or ``faulthandler``; ``timeout_s``:
+        per process (0..120). Returns a ``StacksReply``: ``groups`` (smallest first),
+        ``culprit`` (one line), ``unreadable`` (with why), ``entries``, ``lines``.
+
+        Example::
+
+            st = ray.get(h.stacks.remote())
+            print("\\n".join(st["lines"]))
+            # rank 2 (1): slow_loader <- load_batch <- train  <- likely culprit
+            # ranks 0-1, 3 (3): all_reduce <- _update <- sft_step <- train
+        """
+        return await self._stacks.stacks(native, ranks, trainer_id, method, threads, timeout_s)
+
+    async def phase_times(
+        self, last: int = 100, run: str | None = None, buckets: int = 100
+    ) -> PhaseTimesReply:
+        """The stepping trainer's per-step phase times (``hooks.region``): the ``last`` steps
+        (0..10000) with their regions, each region's mean and share, the slowest steps, and
+        ``buckets`` of 100 older steps each; ``run``: an earlier run. A ``PhaseTimesReply``.
+
+        Example::
+
+            pt = ray.get(h.phase_times.remote(last=50))
+            [(r["region"], r["mean_ms"], r["share"]) for r in pt["regions"]]
+        """
+        return await self._readers.phase_times(last, run, buckets)
+
+    async def kernel_diff(
+        self,
+        a: int,
+        b: int,
+        run_a: str | None = None,
+        run_b: str | None = None,
+        trainer_id: str | None = None,
+        top_k: int = 50,
+    ) -> KernelDiffReply:
+        """Window ``b`` against window ``a`` (of this run, or of the runs ``run_a``/``run_b``):
+        each kernel's per-step self time per rank in both, the change and the ratio, new and
+        vanished kernels, the breakdown's shift and the step time; the ``top_k`` largest
+        changes first. ValueError for an unknown window or one without summaries.
+
+        Example::
+
+            d = ray.get(h.kernel_diff.remote(0, 7))
+            [(k["name"], k["a_us"], k["b_us"], k["ratio"]) for k in d["kernels"][:5]]
+        """
+        return await self._diffs.kernel_diff(a, b, run_a, run_b, trainer_id, top_k)
+
+    async def pin_baseline(self, window: int | None) -> BaselineReply:
+        """The window every later one is compared with for regression marks (None: back to
+        the run's first complete scheduled window); the windows are marked again."""
+        return await self._diffs.pin_baseline(window)
