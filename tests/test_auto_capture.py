@@ -37,7 +37,8 @@ def train(ray, hooks, workers, steps, slow_from=SLOW_FROM, on_step=None, seed=0)
             if on_step:
                 on_step(k)
             sleep_s = 0.02 * rng.uniform(0.7, 1.3) + (0.04 if k >= slow_from else 0.0)
-            ray.get([w.train_step.remote(1, sleep_s) for w in workers])
+            with hooks.region("train"):
+                ray.get([w.train_step.remote(1, sleep_s) for w in workers])
             hooks.step(k)
 
 
@@ -79,6 +80,7 @@ def test_a_slowdown_is_profiled_by_itself_and_cooldown_and_maximum_hold(
     # (slow steps are known to a report's resolution: one interval, 0.1 s, may straddle 300)
     assert t1["ratio"] >= 1.5 and SLOW_FROM - 10 <= t1["slow_steps"][0] <= SLOW_FROM + 10
     assert 10 < t1["baseline_ms"] < 40 and t1["recent_ms"] > 1.5 * t1["baseline_ms"]
+    assert t1["region"] == "train"  # from the phase times: the region whose time grew
     assert t2["step"] - t1["step"] >= 60  # the cooldown
     assert "_auto_steps_" in first["trace_dir"]
     assert "x the baseline" in trigger_text(t1) and "why: steps" in render_status(st)

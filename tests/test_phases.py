@@ -99,3 +99,14 @@ def test_the_table_and_the_frame_show_each_region_and_the_time_in_none():
     assert list(frame.columns) == ["generate", "train", "other"]
     assert frame.sum(axis=1).round(6).tolist() == [100.0] * 10 + [500.0]
     assert render_phases(PhaseLog().reply(run="r")).endswith("marks a step's regions)")
+
+
+def test_the_region_that_grew_names_an_auto_capture_s_slow_steps():
+    log = PhaseLog()
+    log.add([[k, 0.10, {"generate": 0.05, "train": 0.04}] for k in range(20)])
+    log.add([[k, 0.20, {"generate": 0.14, "train": 0.04}] for k in range(20, 23)])
+    assert log.grown_region(20, 22) == "generate"
+    log.add([[k, 0.30, {"generate": 0.05, "train": 0.04}] for k in range(23, 26)])
+    assert log.grown_region(23, 25) is None  # the time in no region grew: not a region's doing
+    assert log.grown_region(0, 3) is None  # nothing before to compare with
+    assert PhaseLog().grown_region(5, 9) is None

@@ -116,6 +116,26 @@ class PhaseLog:
             b.regions[name] = b.regions.get(name, 0.0) + value
         b.slowest = max(b.slowest, (wall, step))
 
+    def grown_region(self, first: int, last: int, before: int = 100) -> str | None:
+        """The region whose mean time grew most from the ``before`` steps preceding ``first``
+        to the steps ``first..last`` (an auto capture's slow steps); None when none grew, or
+        the time in no region grew more.
+
+        >>> log = PhaseLog()
+        >>> _ = log.add([[k, 0.1, {"gen": 0.05, "train": 0.04}] for k in range(10)])
+        >>> _ = log.add([[k, 0.2, {"gen": 0.06, "train": 0.13}] for k in range(10, 13)])
+        >>> log.grown_region(10, 12)
+        'train'
+        """
+        slow = [r for r in self.exact if first <= r[0] <= last]
+        base = [r for r in self.exact if r[0] < first][-before:]
+        if not slow or not base:
+            return None
+        growth = {n: _mean(slow, n) - _mean(base, n) for n in self.names}
+        other = _mean_other(slow) - _mean_other(base)
+        name, grew = max(growth.items(), key=lambda kv: kv[1], default=(None, 0.0))
+        return name if name is not None and grew > 0 and grew >= other else None
+
     def last_step(self) -> dict[str, float] | None:
         """The last step's region times in ms (for the metrics), or None."""
         if not self.exact:
@@ -185,3 +205,11 @@ def _bucket_entry(b: _Bucket) -> PhaseBucket:
         "slowest_step": b.slowest[1],
         "slowest_ms": round(b.slowest[0] * 1e3, 3),
     }
+
+
+def _mean(recs: list[tuple[int, float, dict[str, float]]], name: str) -> float:
+    return sum(r[2].get(name, 0.0) for r in recs) / len(recs)
+
+
+def _mean_other(recs: list[tuple[int, float, dict[str, float]]]) -> float:
+    return sum(max(0.0, w - sum(reg.values())) for _, w, reg in recs) / len(recs)

@@ -299,6 +299,7 @@ class RunCalls:
         trigger = run.detector.observe(k, time.monotonic(), in_window)
         if trigger is None or not run.auto_enabled:
             return
+        trigger["region"] = self.shell.phases.log(run.name).grown_region(*trigger["slow_steps"])
         if any(r.active for r in run.state.ranks.values()):  # someone can profile it
             self.captures.request_auto(trigger)
 
