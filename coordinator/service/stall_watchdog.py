@@ -37,7 +37,6 @@ class StallWatchdog:
         self.shell, self.stacks = shell, stacks
         self.history = shell.stalls
         self.current: StallEntry | None = None
-        self._count = 0
         self._task: asyncio.Task[None] | None = None
         self._busy = False
 
@@ -73,7 +72,6 @@ class StallWatchdog:
     async def _take(self, run: Run, watch: StallWatch, now: float, first: bool) -> None:
         watch.took(now)
         if first:
-            self._count += 1
             self.current = self._new_entry(run, watch, now)
         entry = self.current
         assert entry is not None
@@ -100,7 +98,8 @@ class StallWatchdog:
     def _new_entry(self, run: Run, watch: StallWatch, now: float) -> StallEntry:
         wall = time.time()
         return {
-            "index": self._count,
+            # numbered per run, from its checkpointed counter: a restart never reuses a file name
+            "index": run.state.counters["stalls"] + 1,
             "trainer_id": run.state.stepping_trainer or "",
             "detected_at": wall,
             "last_step": watch.last_step,
