@@ -37,6 +37,7 @@ from coordinator.core.partial import fold_summaries
 from coordinator.protocol.agent_rpc import NodeCommand
 from coordinator.protocol.names import AGENT_NAMESPACE
 from coordinator.protocol.partial_codec import encode_partial
+from coordinator.protocol.replies import rank_reply  # noqa: E402
 from coordinator.protocol.summary_codec import (
     Breakdown,
     KernelRow,
@@ -74,28 +75,19 @@ def reply(
     """A rank's reply; ``rank`` None for the direct path (one actor answers for many ranks, so
     it cannot say which node: the coordinator keeps what the registration told it)."""
     node = node_of(rank) if rank is not None else None
-    return {
-        "rank": rank,
-        "node_id": node,
-        "state": "ok",
-        "reason": None,
-        "device": "cuda",
-        "note": None,
-        "phase": "idle",
-        "window": None,
-        "windows_captured": 0,
-        "windows_skipped": 0,
-        "last_skip_reason": None,
-        "last_trace_path": None,
-        "closed": closed,
-        "summaries": [],
-        "summary_failures": [],
-        "summaries_pending": pending or [],
-        "agent": {"kind": "node_agent", "pid": 1, "name": f"sim-agents-{host_of(node)}"}
-        if node
-        else None,
-        "last_agent_error": None,
-    }
+    agent = (
+        {"kind": "node_agent", "pid": 1, "name": f"sim-agents-{host_of(node)}"} if node else None
+    )
+    return dict(
+        rank_reply(
+            rank=rank,
+            node_id=node,
+            device="cuda",
+            closed=closed,
+            summaries_pending=pending or [],
+            agent=agent,
+        )
+    )
 
 
 def closing(window: dict[str, Any], step: int) -> dict[str, Any] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from coordinator.protocol.replies import RankReply
+from coordinator.protocol.replies import RankReply, rank_reply
 from worker_ext.agent.rank_fanout import RankFanOut
 
 
@@ -29,26 +29,14 @@ class PlainRank:
         return self.calls
 
     def reply(self, closed: dict[str, Any] | None = None) -> RankReply:
-        return {
-            "rank": None,
-            "node_id": self.node,
-            "state": "ok",
-            "reason": None,
-            "device": "cpu",
-            "note": None,
-            "phase": "idle" if self.window is None else "recording",
-            "window": self.window["index"] if self.window else None,
-            "windows_captured": 0,
-            "windows_skipped": 0,
-            "last_skip_reason": None,
-            "last_trace_path": None,
-            "closed": closed,  # type: ignore[typeddict-item]
-            "summaries": [],
-            "summary_failures": [],
-            "summaries_pending": [],
-            "agent": {"kind": "node_agent", "pid": 0, "name": self.agent},
-            "last_agent_error": None,
-        }
+        return rank_reply(
+            node_id=self.node,
+            device="cpu",
+            phase="idle" if self.window is None else "recording",
+            window=self.window["index"] if self.window else None,
+            closed=closed,
+            agent={"kind": "node_agent", "pid": 0, "name": self.agent},
+        )
 
     def configure_profiler(self, rank, config, run_dir, warm_up=True, report_to=None):
         self.calls.append(("configure_profiler", rank))

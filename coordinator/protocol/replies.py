@@ -103,6 +103,42 @@ class RankReply(TypedDict):
     stack_dump: StackDump | None  # how the node agent reads this rank's stack without py-spy
 
 
+def rank_reply(**values: Any) -> RankReply:
+    """A ``RankReply`` with every key: a rank that has done nothing yet, with ``values`` put
+    in; KeyError for a key a ``RankReply`` does not have.
+
+    >>> rank_reply(state="not_configured")["phase"]
+    'idle'
+    """
+    reply: dict[str, Any] = {
+        "rank": None,
+        "node_id": None,
+        "state": "ok",
+        "reason": None,
+        "device": None,
+        "note": None,
+        "phase": "idle",
+        "window": None,
+        "windows_captured": 0,
+        "windows_skipped": 0,
+        "last_skip_reason": None,
+        "last_trace_path": None,
+        "closed": None,
+        "summaries": [],
+        "summary_failures": [],
+        "summaries_pending": [],
+        "agent": {"kind": None, "pid": None, "name": None},
+        "last_agent_error": None,
+        "pid": None,
+        "stack_dump": None,
+    }
+    unknown = set(values) - set(reply)
+    if unknown:
+        raise KeyError(f"not RankReply keys: {sorted(unknown)}")
+    reply.update(values)
+    return reply  # type: ignore[return-value]
+
+
 class StepReply(TypedDict):
     """``start``, ``step`` and ``stop``. ``next_sync_step``: the first step whose report makes
     ranks act (the trainer waits for that report); ``None`` when nothing is planned."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.schedule import Window
 from coordinator.protocol.rank_rpc import RankRPC
-from coordinator.protocol.replies import RankReply
+from coordinator.protocol.replies import RankReply, rank_reply
 
 if TYPE_CHECKING:
     from worker_ext.rank.rank_profiler import RankProfiler
@@ -85,28 +85,7 @@ class ProfilerWorkerMixin(RankRPC):
 
 
 def _not_configured() -> RankReply:
-    return {
-        "rank": None,
-        "node_id": None,
-        "state": "not_configured",
-        "reason": None,
-        "device": None,
-        "note": None,
-        "phase": "idle",
-        "window": None,
-        "windows_captured": 0,
-        "windows_skipped": 0,
-        "last_skip_reason": None,
-        "last_trace_path": None,
-        "closed": None,
-        "summaries": [],
-        "summary_failures": [],
-        "summaries_pending": [],
-        "agent": {"kind": None, "pid": None, "name": None},
-        "last_agent_error": None,
-        "pid": None,
-        "stack_dump": None,
-    }
+    return rank_reply(state="not_configured")
 
 
 def _threaded_actor_reason() -> str | None:
