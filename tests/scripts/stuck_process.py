@@ -8,16 +8,16 @@ import time
 from worker_ext.rank.stack_dump import enable_stack_dump
 
 
-def slow_loader() -> None:
+def slow_loader(ready: str) -> None:
+    print(ready, flush=True)  # said from inside, so a reader never catches the caller instead
     time.sleep(60.0)
 
 
-def load_batch() -> None:
-    slow_loader()
+def load_batch(ready: str) -> None:
+    slow_loader(ready)
 
 
 if __name__ == "__main__":
     # "--as-cuda": open the Flight Recorder pipe as a CUDA rank would (torch's dump API is the
     # same on CPU; it holds no collective there).
-    print(json.dumps(enable_stack_dump(cuda="--as-cuda" in sys.argv)), flush=True)
-    load_batch()
+    load_batch(json.dumps(enable_stack_dump(cuda="--as-cuda" in sys.argv)))

@@ -36,7 +36,7 @@ PY_SPY_ENV = "RAY_PROFILER_PY_SPY"
 # with their targets stopped (bench/stack_cost.py: 32 ranks on 2 cores).
 MAX_PARALLEL = min(16, max(2, os.cpu_count() or 2))
 MAX_LEAD_S = 5.0  # the longest the agent waits for the request's moment
-_DUMP_SETTLE_S = 0.05
+_DUMP_SETTLE_S = 0.2  # faulthandler writes line by line; a preempted writer pauses
 
 
 class StackReadError(Exception):
