@@ -108,7 +108,7 @@ class SimRanks:
     def __init__(self) -> None:
         self.window: dict[str, Any] | None = None
 
-    def configure_profiler(self, rank, config, run_dir, warm_up=True, report_to=None):
+    def configure_profiler(self, rank, config, run_dir, warm_up=True, report_to=None, role=""):
         return reply(rank)
 
     def start_profile(self, window, step):

@@ -38,7 +38,7 @@ class PlainRank:
             agent={"kind": "node_agent", "pid": 0, "name": self.agent},
         )
 
-    def configure_profiler(self, rank, config, run_dir, warm_up=True, report_to=None):
+    def configure_profiler(self, rank, config, run_dir, warm_up=True, report_to=None, role=""):
         self.calls.append(("configure_profiler", rank))
         return self.reply()
 

@@ -124,7 +124,7 @@ def test_the_tables_show_every_rank_kernel_and_the_straggler():
 
     ks = _window_of_three_ranks()
     top = render_top(ks)
-    assert top.splitlines()[0].startswith("window 2 steps [10, 12], ranks [0, 1, 2]")
+    assert top.splitlines()[0].startswith("window 2 steps [10, 12], policy ranks [0, 1, 2]")
     assert "aten::addmm" in top and "gloo:all_reduce" in top
     assert "memory: peak 3.0 MB on rank 2" in top and "aten::empty" in top
     rows = {line.split()[0]: line for line in top.splitlines() if line.endswith("%")}

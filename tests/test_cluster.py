@@ -58,7 +58,7 @@ def test_two_nodes_upload_to_s3_and_collect_names_the_ranks_of_a_removed_node():
     # 1. every window of every rank, from both nodes, is in the bucket; staging is empty again
     dirs = ["window_0000_steps_1-2", "window_0001_steps_4-5"]
     assert out["uploaded"] == [
-        f"traces/multi/run/{d}/rank{r}.pt.trace.json.gz" for d in dirs for r in range(4)
+        f"traces/multi/run/{d}/policy/rank{r}.pt.trace.json.gz" for d in dirs for r in range(4)
     ]
     assert out["s3_trace_errors"] == [{}, {}]
     assert out["s3_nodes"] == {str(r): out["nodes"][r] for r in range(4)}
@@ -174,7 +174,7 @@ def test_second_driver_reads_the_coordinator_after_the_trainer_exits(head, tmp_p
     assert [t["trainer_id"] for t in st["trainers"]] == ["sft"]
     assert st["metrics"]["exported"] and st["metrics"]["values"]["profiler_global_step"] == 3
     assert ks["window"] == 0 and ks["ranks"] == [0, 1] and len(ks["kernels"]) == 5
-    assert sorted(os.listdir(tmp_path / "run" / "window_0000_steps_1-2")) == [
+    assert sorted(os.listdir(tmp_path / "run" / "window_0000_steps_1-2" / "policy")) == [
         "rank0.pt.trace.json.gz",
         "rank1.pt.trace.json.gz",
     ]
@@ -277,7 +277,10 @@ def test_capture_requested_from_another_process_while_training(head, tmp_path):
     run = tmp_path / "run"
     (window_dir,) = [d for d in os.listdir(run) if d.startswith(f"window_{ks['window']:04d}")]
     assert window_dir == f"window_{ks['window']:04d}_steps_{ks['steps'][0]}-{ks['steps'][1]}"
-    assert sorted(os.listdir(run / window_dir)) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+    assert sorted(os.listdir(run / window_dir / "policy")) == [
+        "rank0.pt.trace.json",
+        "rank1.pt.trace.json",
+    ]
     assert '"enabled": true' in out
     kill = subprocess.run(
         [sys.executable, "-m", "tests.scripts.second_driver_reader", "--kill"],

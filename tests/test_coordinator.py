@@ -67,7 +67,8 @@ def test_end_to_end_windows_traces_and_aggregates(ray_session, make, tmp_path):
     dirs = sorted(os.listdir(tmp_path / "run"))
     assert dirs == ["window_0000_steps_2-3", "window_0001_steps_6-7"]
     for d in dirs:
-        assert sorted(os.listdir(tmp_path / "run" / d)) == [
+        assert os.listdir(tmp_path / "run" / d) == ["policy"]  # one directory per role
+        assert sorted(os.listdir(tmp_path / "run" / d / "policy")) == [
             f"rank{r}.pt.trace.json" for r in range(3)
         ]
     st = ray.get(coord.status.remote())
@@ -77,7 +78,7 @@ def test_end_to_end_windows_traces_and_aggregates(ray_session, make, tmp_path):
         (0, [2, 3], False, [0, 1, 2]),
         (1, [6, 7], False, [0, 1, 2]),
     ]
-    assert st["windows"][0]["trace_dir"] == str(tmp_path / "run" / dirs[0])
+    assert st["windows"][0]["trace_dir"] == str(tmp_path / "run" / dirs[0] / "policy")
     assert {r["state"] for r in st["ranks"]} == {"ok"}
     assert all(r["windows_captured"] == 2 for r in st["ranks"])
     c = st["counters"]
@@ -137,7 +138,7 @@ def test_all_ranks_record_the_same_steps(ray_session, make, tmp_path):
     ray.get(coord.register.remote("t", workers))
     train(ray, coord, workers, steps=6)
     steps = []
-    for path in sorted(glob.glob(str(tmp_path / "run" / "*" / "rank*.json"))):
+    for path in sorted(glob.glob(str(tmp_path / "run" / "*" / "policy" / "rank*.json"))):
         with open(path) as f:
             events = json.load(f)["traceEvents"]
         steps.append(
@@ -168,7 +169,7 @@ def test_unselected_ranks_never_get_an_rpc(ray_session, make):
 def test_registration_errors(ray_session, make):
     ray = ray_session
     coord, workers = make(2, ranks=[0, 3])
-    with pytest.raises(ValueError, match=r"selects ranks \[3\].*its ranks: 0-1"):
+    with pytest.raises(ValueError, match=r"selects policy ranks \[3\] \(ranks\).*its ranks: 0-1"):
         ray.get(coord.register.remote("t", workers))
     with pytest.raises(ValueError, match="workers must be a list"):
         ray.get(coord.register.remote("t", "not-workers"))
@@ -286,7 +287,7 @@ def test_a_failing_rank_is_disabled_and_the_rest_carry_on(ray_session, make, tmp
     assert "CUPTI_ERROR_NOT_INITIALIZED" in states[1]["reason"]["message"]
     assert states[0]["state"] == states[2]["state"] == "ok"
     assert [w["ranks"] for w in st["windows"]] == [[0, 2], [0, 2]]
-    assert sorted(os.listdir(tmp_path / "run" / "window_0001_steps_6-7")) == [
+    assert sorted(os.listdir(tmp_path / "run" / "window_0001_steps_6-7" / "policy")) == [
         "rank0.pt.trace.json",
         "rank2.pt.trace.json",
     ]
@@ -391,7 +392,9 @@ def test_capture_and_schedule_in_one_run(ray_session, make, tmp_path):
         "window_0000_steps_3-4",
         "window_0001_steps_7-8",
     ]
-    assert os.listdir(tmp_path / "run" / "window_0000_steps_3-4") == ["rank1.pt.trace.json"]
+    assert os.listdir(tmp_path / "run" / "window_0000_steps_3-4" / "policy") == [
+        "rank1.pt.trace.json"
+    ]
     assert (
         st["counters"]["captures_requested"] == 1 and st["counters"]["refused_capture"] == 2
     )  # no trainer yet; the overlap
@@ -429,3 +432,30 @@ def test_a_killed_node_agent_costs_one_window_and_comes_back(ray_session, make):
     assert ray.get(coord.kernel_summary.remote(window=0))["ranks"] == [0, 1]
     assert ray.get(coord.kernel_summary.remote(window=2))["ranks"] == [0, 1]
     assert {r["agent"]["pid"] for r in st["ranks"]} != {agent_pid}
+
+
+def test_roles_select_their_own_ranks_and_an_unselected_role_gets_no_rpc(ray_session, make):
+    ray = ray_session
+    coord, workers = make(3, ranks="all", roles={"rollout": {"ranks": [1]}})
+    with pytest.raises(ValueError, match=r"selects rollout ranks \[1\] \(roles.rollout.ranks\)"):
+        ray.get(coord.register.remote("gen", workers[:1], role="rollout"))
+    with pytest.raises(ValueError, match="role must be 1-64 letters"):
+        ray.get(coord.register.remote("gen", workers[:1], role="a/b"))
+    ray.get(coord.register.remote("t", workers[:1]))
+    gen = ray.get(coord.register.remote("gen", workers[1:], role="rollout"))
+    assert gen["selected_ranks"] == [1] and gen["advances_step"] is False
+    assert gen["run_dir"] == ray.get(coord.status.remote())["run_dir"]  # one directory a window
+    critic = ray.get(coord.register.remote("critic", workers[1:], role="critic"))
+    assert critic["selected_ranks"] == []  # named nowhere: not profiled
+    train(ray, coord, workers[:1], steps=4)
+    st = ray.get(coord.status.remote())
+    c = st["counters"]
+    assert c["worker_rpcs_configure_profiler"] == 2  # t rank 0 and gen rank 1; critic none
+    # one start each, and a step each for the warm-up step 1 and the recorded 2-3
+    assert c["worker_rpcs_start_profile"] == 2 and c["worker_rpcs_profile_step"] == 2 * 3
+    (w,) = st["windows"]
+    assert {p["role"]: p["ranks"] for p in w["roles"].values()} == {"policy": [0], "rollout": [1]}
+    assert "critic" not in w["roles"]
+    states = {(r["trainer_id"], r["rank"]): r["state"] for r in st["ranks"]}
+    assert states[("critic", 0)] == states[("critic", 1)] == states[("gen", 0)] == "not_selected"
+    assert ray.get(coord.kernel_summary.remote(role="rollout"))["ranks"] == [1]

@@ -29,7 +29,7 @@ def run_demo(*args, timeout=240):
 def test_demo_prints_steps_status_kernels_and_traces(tmp_path):
     proc = run_demo(
         "--trainer",
-        "sft",
+        "rl",
         "--steps",
         "8",
         "--save-path",
@@ -44,15 +44,20 @@ def test_demo_prints_steps_status_kernels_and_traces(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     step_lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
-    assert len(step_lines) == 8 and "loss" in step_lines[0] and " ms " in step_lines[0]
+    assert len(step_lines) == 8 and "reward" in step_lines[0] and " ms " in step_lines[0]
     assert "profiler: recording" in out and "profiler: warmup" in out
-    assert "== profiler status ==" in out and "== top kernels" in out
-    assert f"traces: {tmp_path / 'demo'}" in out
+    assert "== profiler status ==" in out and "== top kernels, policy" in out
+    # both roles by default: the policy ranks and generation worker 0, each its own table
+    assert "== top kernels, rollout, window 1 steps [7, 7], ranks [0]" in out
+    assert "    rollout  ranks [0], busy " in out
+    assert f"traces: {tmp_path / 'demo'} (window_.../<role>/rank<r>...)" in out
     # windows record 3-4 and 7-8; the run ends after step 7, so the second one is partial
     assert sorted(os.listdir(tmp_path / "demo")) == [
         "window_0000_steps_3-4",
         "window_0001_steps_7-7",
     ]
+    for d in os.listdir(tmp_path / "demo"):
+        assert sorted(os.listdir(tmp_path / "demo" / d)) == ["policy", "rollout"]
 
 
 def test_demo_config_file_and_flags(tmp_path):

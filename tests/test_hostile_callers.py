@@ -45,7 +45,7 @@ METHODS = {
     "stop": 1,
     "request_capture": 5,
     "cancel_capture": 1,
-    "kernel_summary": 5,
+    "kernel_summary": 6,
     "status": 1,
     "ranks": 4,
     "ingest_summary": 4,

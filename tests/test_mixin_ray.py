@@ -36,7 +36,9 @@ def test_mixin_profiles_a_real_actor(ray_session, ray_actors, tmp_path, cls):
             "window": 0,
             "steps": [1, 2],
             "partial": False,
-            "trace_path": str(tmp_path / "run" / "window_0000_steps_1-2" / "rank1.pt.trace.json"),
+            "trace_path": str(
+                tmp_path / "run" / "window_0000_steps_1-2" / "policy" / "rank1.pt.trace.json"
+            ),
         }
     ]
     assert os.path.isfile(closed[0]["trace_path"])

@@ -57,7 +57,8 @@ def test_trace_files_follow_the_schedule(tmp_path, kw, steps):
     dirs = expected_dirs(cfg, steps)
     assert dirs and window_dirs(cfg) == dirs
     for d in dirs:
-        assert os.listdir(tmp_path / "run" / d) == ["rank0.pt.trace.json"]
+        assert os.listdir(tmp_path / "run" / d) == ["policy"]
+        assert os.listdir(tmp_path / "run" / d / "policy") == ["rank0.pt.trace.json"]
     assert rp.status()["windows_captured"] == len(dirs)
     assert sorted(decode_summary(s).window for s in summaries(statuses)) == list(range(len(dirs)))
 
@@ -164,7 +165,8 @@ def test_traces_carry_their_rank_and_real_ops(tmp_path, export):
     assert path.endswith(".pt.trace.json.gz" if export.endswith("gz") else ".pt.trace.json")
     assert os.path.basename(path) == "rank3" + os.path.basename(path)[5:]
     trace = load_trace(path)
-    assert trace["rank"] == 3
+    assert trace["rank"] == 3 == trace["distributedInfo"]["rank"]  # no process group: ours
+    assert os.path.basename(os.path.dirname(path)) == "policy"
     names = {e.get("name") for e in trace["traceEvents"]}
     assert "aten::addmm" in names and "ProfilerStep#1" in names and "ProfilerStep#2" in names
     assert not [f for f in os.listdir(os.path.dirname(path)) if f.endswith((".tmp", ".part"))]

@@ -97,7 +97,8 @@ def test_flags_roles_and_trainer_ids_say_what_is_wrong():
     assert flag_problem("advances_step", "y", none_ok=True) == (
         "advances_step must be True, False or None, got 'y'"
     )
-    assert role_problem("rollout") is None and "at most 64" in role_problem("r" * 65)
+    assert role_problem("rollout") is None and "1-64 letters" in role_problem("r" * 65)
+    assert "1-64 letters" in role_problem("../x")
     assert trainer_id_problem("sft-1.a_b") is None
     assert "1-64 letters" in trainer_id_problem("../etc")
     assert "1-64 letters" in trainer_id_problem("x" * 65)

@@ -119,13 +119,17 @@ def test_every_window_of_every_rank_lands_in_the_bucket_and_staging_is_emptied(
     st = wait_for_traces(ray, coord)
     dirs = ["window_0000_steps_2-3", "window_0001_steps_6-7"]
     files = sorted(s3.fs().find("traces/runs/run"))
-    assert files == [f"traces/runs/run/{d}/rank{r}.pt.trace.json.gz" for d in dirs for r in (0, 1)]
+    assert files == [
+        f"traces/runs/run/{d}/policy/rank{r}.pt.trace.json.gz" for d in dirs for r in (0, 1)
+    ]
     with s3.fs().open(files[0], "rb") as f:
         trace = json.loads(gzip.decompress(f.read()))
     assert trace["rank"] == 0 and any(
         e.get("name", "").startswith("ProfilerStep#2") for e in trace["traceEvents"]
     )
-    assert [w["trace_dir"] for w in st["windows"]] == [f"s3://traces/runs/run/{d}" for d in dirs]
+    assert [w["trace_dir"] for w in st["windows"]] == [
+        f"s3://traces/runs/run/{d}/policy" for d in dirs
+    ]
     for w in st["windows"]:
         assert w["trace_errors"] == {} and w["traces_pending"] == []
         assert {r: t["path"] for r, t in w["traces"].items()} == {

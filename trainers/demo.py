@@ -62,6 +62,7 @@ def build_config(args: argparse.Namespace) -> ProfilerConfig:
         "repeat": 2,
         "activities": ["cpu", "cuda"],
         "export_type": "chrome_trace_gz",
+        "roles": {"rollout": {"ranks": [0]}},  # generation worker 0, on the same steps
     }
     if args.config:
         with open(args.config) as f:
@@ -174,16 +175,19 @@ def report(coordinator: Any, top_k: int) -> None:
     late = wait_for_traces(coordinator, timeout_s=60)
     if late:
         print(f"windows {late}: traces still being finished by the node agent")
-    print_report(
-        ray.get(coordinator.status.remote()),
-        ray.get(coordinator.kernel_summary.remote(top_k=top_k)),
-    )
+    status = ray.get(coordinator.status.remote())
+    print_status(status)
+    for t in status["trainers"]:  # each role's own table: its ops never mix into another's
+        ks = ray.get(coordinator.kernel_summary.remote(top_k=top_k, trainer_id=t["trainer_id"]))
+        if ks["ranks"]:
+            print_kernels(ks)
+    print(f"\ntraces: {status['run_dir']} (window_.../<role>/rank<r>...)")
     print("\n== phase times (hooks.region), every step ==")
     print(render_phases(ray.get(coordinator.phase_times.remote(last=1000))))
 
 
-def print_report(status: dict[str, Any], kernels: dict[str, Any]) -> None:
-    """The status summary, the cross-rank top-kernel table and where the traces are."""
+def print_status(status: dict[str, Any]) -> None:
+    """The status summary: the step, every rank, every window with each role's part."""
     c = status["counters"]
     print("\n== profiler status ==")
     print(
@@ -193,19 +197,28 @@ def print_report(status: dict[str, Any], kernels: dict[str, Any]) -> None:
     for r in status["ranks"]:
         why = f" ({r['reason']['message']})" if r.get("reason") else ""
         note = f" [{r['note']}]" if r.get("note") else ""
-        print(f"  rank {r['rank']}: {r['state']}{why}, windows {r['windows_captured']}{note}")
+        print(
+            f"  {r['trainer_id']} rank {r['rank']}: {r['state']}{why}, "
+            f"windows {r['windows_captured']}{note}"
+        )
     for w in status["windows"]:
         flag = " partial" if w["partial"] else ""
-        print(
-            f"  window {w['index']}: steps {w['steps']}{flag} ranks {w['ranks']}"
-            f" -> {w['trace_dir']}"
-        )
-    if kernels["window"] is None:
-        print("no closed window yet")
-        return
+        print(f"  window {w['index']}: steps {w['steps']}{flag}")
+        for part in w["roles"].values():
+            busy = part["busy_ms_per_step"]
+            print(
+                f"    {part['role']:<8} ranks {part['ranks']}"
+                f"{f', busy {busy:.1f} ms/step' if busy is not None else ''}"
+                f" -> {part['trace_dir']}"
+            )
+
+
+def print_kernels(kernels: dict[str, Any]) -> None:
+    """One role's cross-rank top-kernel table of the last window."""
     print(
-        f"\n== top kernels, window {kernels['window']} steps {kernels['steps']}, "
-        f"ranks {kernels['ranks']}, self {kernels['device']} time ({kernels['unit']}) =="
+        f"\n== top kernels, {kernels['role']}, window {kernels['window']} steps "
+        f"{kernels['steps']}, ranks {kernels['ranks']}, self {kernels['device']} time "
+        f"({kernels['unit']}) =="
     )
     print(
         f"{'total':>10} {'mean':>9} {'min':>9} {'max':>9} {'max@':>4} {'calls':>6} "
@@ -216,7 +229,6 @@ def print_report(status: dict[str, Any], kernels: dict[str, Any]) -> None:
             f"{k['total_us']:>10.0f} {k['mean_us']:>9.0f} {k['min_us']:>9.0f} {k['max_us']:>9.0f} "
             f"{k['max_rank']:>4} {k['count']:>6} {k['share']:>6.1%}  {k['name'][:60]}"
         )
-    print(f"\ntraces: {status['run_dir']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -110,7 +110,7 @@ class ProfilingHooks:
             raise
         except Exception as exc:  # unreachable: profiling off, training on
             hooks = cls(None, trainer_id)
-            hooks._switch_off("attach", exc)
+            _switch_off(hooks, "attach", exc)
             return hooks
         # The coordinator itself waits up to worker_timeout_s for the ranks of a report.
         client = StepClient(coord, trainer_id, timeout_s=cfg.worker_timeout_s + REPORT_MARGIN_S)
@@ -173,6 +173,33 @@ class ProfilingHooks:
         ...     pass
         """
         return Region(self._clock, name)
+
+    def add_role(self, role: str, workers: list[Any] | dict[int, Any]) -> str | None:
+        """Register another group of this trainer's workers, e.g. generation as ``rollout``:
+        the ranks the config's ``roles`` selects are profiled on the same global steps as
+        those ``attach`` registered. They never advance the step.
+
+        Returns:
+            Their trainer id (``<trainer_id>.<role>``), or None when profiling is off.
+
+        Raises:
+            ValueError: a bad role, or ranks the config selects that ``workers`` lack.
+        """
+        from coordinator.core.validate import role_problem
+
+        if problem := role_problem(role):
+            raise ValueError(problem)
+        if self._client is None or self.coordinator is None:
+            return None
+        tid = f"{self.trainer_id}.{role}"
+        try:
+            _register(self.coordinator, tid, workers, role, False)
+        except ValueError:
+            raise
+        except Exception as exc:  # unreachable: that role goes unprofiled, training goes on
+            log.warning("profiler: role %r of %r not registered: %s", role, self.trainer_id, exc)
+            return None
+        return tid
 
     def start(self, first_step: int = 0) -> None:
         self._call("start", lambda c: c.start(first_step))
@@ -248,7 +275,7 @@ class ProfilingHooks:
         try:
             fn(self._client)
         except Exception as exc:
-            self._went_down(what, exc)
+            _went_down(self, what, exc)
 
     async def _acall(self, what: str, fn: Any) -> None:
         if self._client is None or not self._reachable(what):
@@ -256,7 +283,7 @@ class ProfilingHooks:
         try:
             await fn(self._client)
         except Exception as exc:
-            self._went_down(what, exc)
+            _went_down(self, what, exc)
 
     def _reachable(self, what: str) -> bool:
         """True when reports can go out; while the coordinator is down, a non-blocking check
@@ -292,29 +319,33 @@ class ProfilingHooks:
             self._probe = self.coordinator.ping.remote()
         return False
 
-    def _went_down(self, what: str, exc: BaseException) -> None:
-        self.disabled_reason = f"{what}: {type(exc).__name__}: {exc}"[:2000]
-        if self._down_since is None:
-            log.warning(
-                "profiling paused for trainer %r: the coordinator does not answer (%s); "
-                "training goes on, and profiling resumes if it comes back",
-                self.trainer_id,
-                self.disabled_reason,
-            )
-        self._down_since = time.monotonic()
-        self._next_probe = self._down_since + self.RECONNECT_INTERVAL_S
-        self._probe = None
-        if self._client is not None:
-            self._client.forget_in_flight()
 
-    def _switch_off(self, what: str, exc: BaseException) -> None:
-        self._client = None
-        self.disabled_reason = f"{what}: {type(exc).__name__}: {exc}"
+def _went_down(self: ProfilingHooks, what: str, exc: BaseException) -> None:
+    """The coordinator stopped answering: pause (reports skipped, a probe now and then)."""
+    self.disabled_reason = f"{what}: {type(exc).__name__}: {exc}"[:2000]
+    if self._down_since is None:
         log.warning(
-            "profiling switched off for trainer %r (%s); training goes on",
+            "profiling paused for trainer %r: the coordinator does not answer (%s); "
+            "training goes on, and profiling resumes if it comes back",
             self.trainer_id,
             self.disabled_reason,
         )
+    self._down_since = time.monotonic()
+    self._next_probe = self._down_since + self.RECONNECT_INTERVAL_S
+    self._probe = None
+    if self._client is not None:
+        self._client.forget_in_flight()
+
+
+def _switch_off(self: ProfilingHooks, what: str, exc: BaseException) -> None:
+    """Profiling off for good in these hooks (the coordinator was unreachable at attach)."""
+    self._client = None
+    self.disabled_reason = f"{what}: {type(exc).__name__}: {exc}"
+    log.warning(
+        "profiling switched off for trainer %r (%s); training goes on",
+        self.trainer_id,
+        self.disabled_reason,
+    )
 
 
 def _attach(
@@ -333,14 +364,32 @@ def _attach(
 
     try:
         coord, run = attach_coordinator(cfg, where[0], where[1], trainer_id=trainer_id)
+    except ray.exceptions.RayTaskError as exc:
+        _raise_refusal(exc)
+    _register(coord, trainer_id, workers, role, advances_step)
+    return coord, run
+
+
+def _register(
+    coord: Any, trainer_id: str, workers: Any, role: str, advances_step: bool | None
+) -> None:
+    """Register ``workers`` (and this driver); a refusal as a plain ValueError."""
+    import ray
+
+    try:
         driver = _driver(workers)
         ray.get(coord.register.remote(trainer_id, workers, role, advances_step, driver))
     except ray.exceptions.RayTaskError as exc:
-        cause = exc.as_instanceof_cause()
-        if isinstance(cause, ValueError):
-            raise ValueError(str(cause).strip().splitlines()[-1]) from None
-        raise
-    return coord, run
+        _raise_refusal(exc)
+
+
+def _raise_refusal(exc: Any) -> None:
+    """A ValueError from the actor as a plain ValueError (its last line); else ``exc``."""
+    cause = exc.as_instanceof_cause()
+    if isinstance(cause, ValueError):
+        line = str(cause).strip().splitlines()[-1]
+        raise ValueError(line.removeprefix("ValueError: ")) from None
+    raise exc
 
 
 def _driver(workers: Any) -> dict[str, Any] | None:

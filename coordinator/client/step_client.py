@@ -166,7 +166,8 @@ def wait_for_traces(coordinator: Any, timeout_s: float = 60.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
     windows = ray.get(coordinator.status.remote())["windows"]
     late = []
-    for index in [w["index"] for w in windows if w["traces_pending"]]:
+    pending = [w for w in windows if any(p["traces_pending"] for p in w["roles"].values())]
+    for index in [w["index"] for w in pending]:
         left = max(0.0, deadline - time.monotonic())
         ref = coordinator.wait_window.remote(index, until="traces", timeout_s=left)
         if not ray.get(ref, timeout=left + 30)["done"]:

@@ -189,6 +189,8 @@ class WindowAggregate:
         self.devices: set[str] = set()
         self.rank_totals: dict[int, float] = {}
         self.rank_step_ms: dict[int, float] = {}  # mean step time
+        self.step_ms_sum: dict[int, float] = {}  # global step -> its time summed over ranks
+        self.step_ranks: dict[int, int] = {}  # global step -> the ranks that timed it
         self._stragglers: tuple[tuple[int, float], Stragglers] | None = None
         self.rank_dropped: dict[int, tuple[int, float]] = {}
         self.bad_ranks: dict[int, str] = {}
@@ -258,12 +260,23 @@ class WindowAggregate:
         self.rank_totals[rank] = part.total_us
         if part.step_us:
             self.rank_step_ms[rank] = statistics.fmean(us for _, us in part.step_us) / 1e3
+            sums, counts = self.step_sums()
+            for step, us in part.step_us:
+                sums[step] = sums.get(step, 0.0) + us / 1e3
+                counts[step] = counts.get(step, 0) + 1
         self.rank_dropped[rank] = part.dropped
         self.breakdowns[rank] = tuple(part.breakdown)
         if part.streams:
             self.streams[rank] = list(part.streams)
         if part.peak_bytes is not None:
             self.peak_bytes[rank] = part.peak_bytes
+
+    def step_sums(self) -> tuple[dict[int, float], dict[int, int]]:
+        """Each recorded step's time summed over ranks, and how many ranks timed it (made on
+        first use: a checkpoint from before has neither)."""
+        if not hasattr(self, "step_ms_sum"):
+            self.step_ms_sum, self.step_ranks = {}, {}
+        return self.step_ms_sum, self.step_ranks
 
     def drop_detail(self) -> None:
         """Forget per-rank values (the running statistics stay)."""
@@ -317,11 +330,14 @@ class WindowAggregate:
     def snapshot(self) -> WindowAggregate:
         """A copy that later folds do not change, to read off the event loop (O(ranks) of
         C-speed copies, the per-rank values shared: they are only ever appended to)."""
+        self.step_sums()  # (a checkpoint from before has none)
         snap = copy.copy(self)
         for name in (
             "devices",
             "rank_totals",
             "rank_step_ms",
+            "step_ms_sum",
+            "step_ranks",
             "rank_dropped",
             "bad_ranks",
             "breakdowns",
@@ -448,7 +464,24 @@ class WindowAggregate:
             "memory": self.memory(top_k),
             "per_rank": self.per_rank([k["name"] for k in kernels]) if per_rank else None,
             "trainer_id": None,
+            "role": None,
         }
+
+
+def step_ms(agg: WindowAggregate) -> dict[int, float]:
+    """Each recorded step's mean time over the ranks that timed it, in ms."""
+    sums, counts = agg.step_sums()
+    return {s: round(sums[s] / counts[s], 3) for s in sorted(sums)}
+
+
+def busy_ms_per_step(agg: WindowAggregate) -> tuple[float, float] | None:
+    """The self time per recorded step of every op and kernel, in ms: mean and max over the
+    ranks (None before any summary)."""
+    if not agg.rank_totals or agg.steps is None:
+        return None
+    n = max(1, agg.steps[1] - agg.steps[0] + 1)
+    per = [us / n / 1e3 for us in agg.rank_totals.values()]
+    return round(statistics.fmean(per), 3), round(max(per), 3)
 
 
 def empty_summary() -> KernelSummaryReply:
@@ -479,6 +512,7 @@ def empty_summary() -> KernelSummaryReply:
         "memory": None,
         "per_rank": None,
         "trainer_id": None,
+        "role": None,
     }
 
 

@@ -10,9 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.core.roles import POLICY, checked_ranks, checked_roles, selects
 from coordinator.core.slowdown import AutoCapture
 from coordinator.core.storage import check_backend, is_remote, local_path, redact
-from coordinator.core.validate import MAX_WORLD, check_known_keys
+from coordinator.core.validate import check_known_keys
 
 ACTIVITIES = ("cpu", "cuda")
 EXPORT_TYPES = ("chrome_trace", "chrome_trace_gz", "stacks", "none")
@@ -52,7 +53,10 @@ class ProfilerConfig:
     enable: bool = False
     """Master switch; a disabled config makes the hooks no-ops."""
     ranks: list[int] | str = field(default_factory=lambda: [0])
-    """Global ranks to profile, or ``"all"``."""
+    """Global ranks of the ``policy`` role to profile, or ``"all"``."""
+    roles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Ranks to profile per role: ``{rollout: {ranks: [0]}, critic: {ranks: all}}``. It
+    overrides ``ranks`` for a ``policy`` it names; a role named nowhere is not profiled."""
     save_path: str | None = None
     """Directory for traces, or an fsspec URL (``s3://bucket/prefix``); required when enabled."""
     storage_options: dict[str, Any] = field(default_factory=dict)
@@ -164,6 +168,11 @@ class ProfilerConfig:
         """A plain, JSON- and msgpack-friendly copy."""
         out = dataclasses.asdict(self)
         out["ranks"] = list(self.ranks) if isinstance(self.ranks, list) else self.ranks
+        out["roles"] = {
+            role: {"ranks": list(r) if isinstance(r, list) else r}
+            for role, spec in self.roles.items()
+            for r in [spec["ranks"]]
+        }
         out["storage_options"] = dict(self.storage_options)
         return out
 
@@ -222,7 +231,8 @@ class ProfilerConfig:
                     f"profiler config: {name!r} is {getattr(self, name)}, beyond 2**62 steps"
                 )
         self.auto_capture = AutoCapture.from_value(self.auto_capture).validate()
-        self._validate_ranks()
+        self.ranks = checked_ranks(self.ranks)
+        self.roles = checked_roles(self.roles)
         self._validate_activities()
         _validate_export(self)
         _validate_run_name(self)
@@ -230,39 +240,9 @@ class ProfilerConfig:
         self._validate_save_path(check_paths)
         return self
 
-    def selects(self, rank: int) -> bool:
-        """Whether ``rank`` is profiled under this config."""
-        return self.ranks == "all" or rank in self.ranks
-
-    def _validate_ranks(self) -> None:
-        ranks = self.ranks
-        if ranks is None:
-            raise ValueError("profiler config: 'ranks' is None; give a list of ranks or 'all'")
-        if isinstance(ranks, str):
-            if ranks != "all":
-                raise ValueError(
-                    f"profiler config: 'ranks' must be a list of ints or 'all', got {ranks!r}"
-                )
-            return
-        if not isinstance(ranks, Sequence):
-            raise ValueError(
-                f"profiler config: 'ranks' must be a list of ints or 'all', "
-                f"got {type(ranks).__name__}: {ranks!r}"
-            )
-        if len(ranks) == 0:
-            raise ValueError("profiler config: 'ranks' is empty; give at least one rank or 'all'")
-        if len(ranks) > MAX_WORLD:
-            raise ValueError(
-                f"profiler config: 'ranks' lists {len(ranks)} ranks, more than {MAX_WORLD}"
-            )
-        for r in ranks:
-            if isinstance(r, bool) or not isinstance(r, int):
-                raise ValueError(f"profiler config: 'ranks' holds a non-int rank {r!r:.80}")
-            if r < 0:
-                raise ValueError(f"profiler config: 'ranks' holds a negative rank {r}")
-            if r >= MAX_WORLD:
-                raise ValueError(f"profiler config: 'ranks' holds rank {r}, beyond {MAX_WORLD - 1}")
-        self.ranks = sorted({int(r) for r in ranks})
+    def selects(self, rank: int, role: str = POLICY) -> bool:
+        """Whether ``rank`` of ``role`` is profiled under this config (see ``roles``)."""
+        return selects(self.ranks, self.roles, rank, role)
 
     def _validate_activities(self) -> None:
         acts: Any = self.activities  # whatever a YAML file held

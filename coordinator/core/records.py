@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.core.aggregate import WindowAggregate
+from coordinator.core.aggregate import WindowAggregate, busy_ms_per_step, step_ms
 from coordinator.core.schedule import Window
 from coordinator.protocol.replies import (
     AgentEntry,
@@ -14,6 +14,7 @@ from coordinator.protocol.replies import (
     RankEntry,
     RankState,
     RegressionEntry,
+    RoleWindow,
     TrainerEntry,
     WindowEntry,
     WindowTrace,
@@ -115,6 +116,8 @@ class WindowRecord:
     cut: str | None = None  # why the window was cut short, when not by the trainer's stop()
     trigger: AutoTrigger | None = None  # why an auto capture was taken
     regression: RegressionEntry | None = None  # against the run's baseline (diffs.mark)
+    roles: dict[str, str] = field(default_factory=dict)  # trainer_id -> role, at the opening
+    primary: str | None = None  # the stepping trainer: the per-rank fields are its ranks
 
     def aggregate(self, trainer_id: str) -> WindowAggregate:
         agg = self.aggregates.get(trainer_id)
@@ -150,16 +153,11 @@ class WindowRecord:
     def to_dict(self, complete: bool = True) -> WindowEntry:
         """The window's entry; ``complete=False`` (a large run's default ``status()``) cuts
         each per-rank list to its first ``LISTED`` ranks and lists only the failed traces."""
-        captured = sorted({r for _, r in self.acked & self.participants} if self.steps else ())
         plan = self.planned or self.window
         kept, why = self.promise()
-
-        def cut(xs: list[Any]) -> list[Any]:
-            return xs if complete else xs[:LISTED]
-
-        by_key = sorted(self.traces.items(), key=lambda kt: kt[0])
-        failed = [(r, t) for (_, r), t in by_key if t["error"]]
-        traces = [(r, t) for (_, r), t in by_key] if complete else failed
+        roles = {tid: self._role_part(tid, complete) for tid in self._trainer_ids()}
+        main = roles.get(getattr(self, "primary", None) or "") or next(iter(roles.values()), None)
+        captured = main["ranks"] if main else []
         return {
             "index": self.window.index,
             "kind": self.window.kind,  # type: ignore[typeddict-item]
@@ -168,20 +166,53 @@ class WindowRecord:
             "kept": kept,
             "reason": why,
             "partial": self.partial,
-            "ranks": cut(captured),
-            "rank_count": len(captured),
+            "ranks": captured,
+            "rank_count": main["rank_count"] if main else 0,
             "complete": complete,
-            "trace_dir": next(iter(self.trace_dirs.values()), None),
+            "trace_dir": main["trace_dir"] if main else None,
             "trace_dirs": dict(self.trace_dirs),
-            "summaries_pending": cut(sorted(r for _, r in self.summaries_pending)),
-            "traces_pending": cut(sorted(r for _, r in self.traces_pending)),
-            "trace_errors": {r: t["error"] for r, t in cut(failed) if t["error"]},
-            "traces": dict(cut(traces)),
-            "stragglers": cut(
-                sorted(
-                    {r for a in self.aggregates.values() for r in a.flagged(self.threshold) or []}
-                )
-            ),
+            "summaries_pending": main["summaries_pending"] if main else [],
+            "traces_pending": main["traces_pending"] if main else [],
+            "trace_errors": {
+                r: t["error"] for r, t in (main["traces"] if main else {}).items() if t["error"]
+            },
+            "traces": main["traces"] if main else {},
+            "stragglers": main["stragglers"] if main else [],
             "trigger": self.trigger,
             "regression": getattr(self, "regression", None),  # (a checkpoint from before)
+            "roles": roles,
+        }
+
+    def _trainer_ids(self) -> list[str]:
+        """The trainers in this window: its primary first, then the others by id."""
+        ids = {tid for tid, _ in self.participants} | set(self.aggregates)
+        primary = getattr(self, "primary", None)  # (a checkpoint from before has none)
+        return sorted(ids, key=lambda tid: (tid != primary, tid))
+
+    def _role_part(self, tid: str, complete: bool) -> RoleWindow:
+        """Trainer ``tid``'s part of the window (``complete=False``: lists cut as in
+        ``to_dict``)."""
+
+        def cut(xs: list[Any]) -> list[Any]:
+            return xs if complete else xs[:LISTED]
+
+        mine = sorted(r for t, r in self.acked & self.participants if t == tid)
+        captured = mine if self.steps else []
+        by_rank = sorted((r, t) for (t_id, r), t in self.traces.items() if t_id == tid)
+        traces = by_rank if complete else [(r, t) for r, t in by_rank if t["error"]]
+        agg = self.aggregates.get(tid)
+        busy = busy_ms_per_step(agg) if agg is not None else None
+        return {
+            "trainer_id": tid,
+            "role": getattr(self, "roles", {}).get(tid, "policy"),
+            "ranks": cut(captured),
+            "rank_count": len(captured),
+            "trace_dir": self.trace_dirs.get(tid),
+            "traces": dict(cut(traces)),
+            "traces_pending": cut(sorted(r for t, r in self.traces_pending if t == tid)),
+            "summaries_pending": cut(sorted(r for t, r in self.summaries_pending if t == tid)),
+            "stragglers": cut(sorted(agg.flagged(self.threshold) or [])) if agg else [],
+            "busy_ms_per_step": busy[0] if busy else None,
+            "busy_ms_per_step_max": busy[1] if busy else None,
+            "step_ms": step_ms(agg) if agg is not None else {},
         }

@@ -79,12 +79,9 @@ class CoordinatorState:
         participants: list[tuple[str, int]],
         planned: Window | None = None,
     ) -> WindowRecord:
-        rec = WindowRecord(
-            window,
-            planned=planned,
-            participants=set(participants),
-            threshold=self.straggler_threshold,
-        )
+        roles = {t.trainer_id: t.role for t in self.trainers.values()}
+        rec = WindowRecord(window, planned, set(participants), threshold=self.straggler_threshold)
+        rec.roles, rec.primary = roles, self.stepping_trainer
         self.windows[window.index] = rec
         self.counters["windows_opened"] += 1
         return rec
@@ -369,5 +366,6 @@ def with_window(
     out["partial"] = rec.partial
     out["closed"] = rec.closed
     out["trainer_id"] = tid
+    out["role"] = getattr(rec, "roles", {}).get(tid or "") if tid else None
     out["summaries_pending"] = sorted(r for t, r in rec.summaries_pending if t == tid)
     return out

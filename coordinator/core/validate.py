@@ -53,10 +53,11 @@ def flag_problem(name: str, value: Any, none_ok: bool = False) -> str | None:
 
 
 def role_problem(value: Any) -> str | None:
-    """Why ``value`` is not a role name (a string of at most 64 characters), or None."""
-    if isinstance(value, str) and len(value) <= 64:
+    """Why ``value`` is not a role name, or None: a role names a directory in each window, so
+    it is 1-64 letters, digits, '.', '_' or '-' (not starting with '.', '_' or '-')."""
+    if isinstance(value, str) and TRAINER_ID.match(value):
         return None
-    return f"role must be a string of at most 64 characters, got {value!r:.80}"
+    return f"role must be 1-64 letters, digits, '.', '_' or '-', got {_show(value)}"
 
 
 def trainer_id_problem(value: Any) -> str | None:

@@ -44,7 +44,10 @@ _EXAMPLES = {
         "  ray-profiler status --all   # every rank of a run of over 256 ranks"
     ),
     "ranks": "ray-profiler ranks --state unresponsive\n  ray-profiler ranks --offset 1000",
-    "top": "ray-profiler top --window 3 --k 20\n  ray-profiler top --run run_20261201-120000",
+    "top": (
+        "ray-profiler top --window 3 --k 20\n  ray-profiler top --role rollout\n"
+        "  ray-profiler top --run run_20261201-120000"
+    ),
     "capture": (
         "ray-profiler capture --active 3 --warmup 1 --wait\n"
         "  ray-profiler capture --active 2 --start-step 5000 --ranks 0 1"
@@ -153,6 +156,8 @@ def _reading_commands(command: Command) -> None:
     top.add_argument("--window", type=int, default=None, help="default: the latest closed")
     top.add_argument("--k", type=int, default=20)
     top.add_argument("--run", default=None, help="an earlier run (status shows previous_runs)")
+    top.add_argument("--role", default=None, help="whose ranks: rollout, ... (default: policy)")
+    top.add_argument("--trainer", default=None, help="whose ranks, by trainer id")
 
 
 def _steering_commands(command: Command) -> None:
@@ -189,6 +194,7 @@ def _steering_commands(command: Command) -> None:
     coll.add_argument("--to", required=True, help="a local directory or an fsspec URL")
     coll.add_argument("--run", default=None, help="an earlier run (default: the current one)")
     coll.add_argument("--wait", type=float, default=60.0, help="seconds to wait for traces")
+    coll.add_argument("--role", default=None, help="whose traces: rollout, ... (default: policy)")
     auto = command("auto", "profile slow steps by themselves: switch it on or off, or show it")
     auto.add_argument("switch", nargs="?", choices=["on", "off"], help="default: show")
     watch = command("watch", "a refreshing status view")
@@ -234,8 +240,9 @@ def run(args: argparse.Namespace) -> int:
         page = call(h, "ranks", args.offset, args.limit, args.state, args.trainer)
         out(json.dumps(page) if args.json else render_ranks(page))
     elif args.command == "top":
-        ks = call(h, "kernel_summary", window=args.window, top_k=args.k, run=args.run)
-        out(json.dumps(ks) if args.json else render_top(ks))
+        a = args
+        ks = call(h, "kernel_summary", a.window, a.k, a.trainer, False, a.run, a.role)
+        out(json.dumps(ks) if a.json else render_top(ks))
     elif args.command == "stragglers":
         ks = call(h, "kernel_summary", window=args.window, top_k=0)
         out(
@@ -299,7 +306,9 @@ def collect(h: Any, args: argparse.Namespace) -> int:
     from coordinator.ops.collect import collect_window
 
     try:
-        res = collect_window(h, args.window, args.to, run=args.run, wait_s=args.wait)
+        res = collect_window(
+            h, args.window, args.to, run=args.run, wait_s=args.wait, role=args.role
+        )
     except ValueError as exc:
         raise CliError(str(exc).strip().splitlines()[-1]) from None
     if args.json:

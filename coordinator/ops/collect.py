@@ -37,9 +37,10 @@ def collect_window(
     run: str | None = None,
     storage_options: dict[str, Any] | None = None,
     wait_s: float = 60.0,
+    role: str | None = None,
 ) -> CollectResult:
-    """Pull every rank's trace of ``window`` into ``dest``: one file per rank, each naming its
-    rank inside, as Holistic Trace Analysis, Perfetto and TensorBoard want them.
+    """Pull every rank's trace of ``window`` (of one role) into ``dest``: one file per rank,
+    each naming its rank inside, as HTA, Perfetto and TensorBoard want them.
 
     Each trace comes from the node that wrote it, through that node's agent, a chunk at a time
     (bounded memory whatever its size), or is downloaded when it was uploaded.
@@ -53,14 +54,15 @@ def collect_window(
             default the run's own, without its credentials (the usual environment variables
             and roles supply them).
         wait_s: how long to wait for traces the agents are still finishing.
+        role: whose traces (``rollout``); None: the stepping trainer's (the policy).
 
     Returns:
         A ``CollectResult``: ``files`` (rank -> the file written), ``missing`` (rank -> why: its
         node has gone, its trace cannot be read, or it was still being finished), ``bytes``.
 
     Raises:
-        ValueError: an unknown run, a window that is not closed or not kept, or a run that
-            keeps no traces (``export_type: none``).
+        ValueError: an unknown run, a window that is not closed or not kept, a run that
+            keeps no traces (``export_type: none``), or a role the window does not have.
 
     Example::
 
@@ -72,11 +74,12 @@ def collect_window(
     entry, run_name, options = _window_entry(coordinator, window, run, wait_s)
     if storage_options is not None:
         options = dict(storage_options)
+    part = _role_part(entry, role)
     out = CollectResult(run=run_name, window=window, dest=dest, files={}, missing={}, bytes=0)
-    traces = {int(r): t for r, t in entry["traces"].items()}
-    never = {r: "its node agent never reported where the trace is" for r in entry["ranks"]}
+    traces = {int(r): t for r, t in part["traces"].items()}
+    never = {r: "its node agent never reported where the trace is" for r in part["ranks"]}
     out["missing"].update({r: why for r, why in never.items() if r not in traces})
-    for r in entry["traces_pending"]:
+    for r in part["traces_pending"]:
         out["missing"][r] = f"its trace was still being finished after {wait_s:g} s"
     for rank, t in sorted(traces.items()):
         try:
@@ -91,6 +94,18 @@ def collect_window(
 
 class _Missing(Exception):
     pass
+
+
+def _role_part(entry: dict[str, Any], role: str | None) -> dict[str, Any]:
+    """The window entry's part for ``role`` (its own per-rank fields when None)."""
+    if role is None:
+        return entry
+    parts = [p for p in entry.get("roles", {}).values() if p["role"] == role]
+    if len(parts) != 1:
+        have = sorted({p["role"] for p in entry.get("roles", {}).values()})
+        why = "several trainers have it" if parts else f"its roles are {have}"
+        raise ValueError(f"window {entry['index']} has no single role {role!r}: {why}")
+    return dict(parts[0])
 
 
 def _window_entry(

@@ -136,6 +136,33 @@ def windows_frame(status: dict[str, Any]) -> Any:
     return pd.DataFrame(rows).set_index("index") if rows else pd.DataFrame()
 
 
+def roles_frame(status: dict[str, Any], value: str = "step_ms") -> Any:
+    """Roles x global steps of every closed window: each role's step time (``step_ms``, the
+    mean over its profiled ranks) or its ``busy_ms_per_step`` (self time of every op per
+    step, one value per window), side by side on the same steps.
+
+    Example::
+
+        nb.roles_frame(ray.get(h.status.remote()))   # rows policy, rollout; columns steps
+    """
+    pd = _pd()
+    if value not in ("step_ms", "busy_ms_per_step"):
+        raise ValueError(f"value must be 'step_ms' or 'busy_ms_per_step', got {value!r}")
+    data: dict[str, dict[int, float]] = {}
+    for w in status["windows"]:
+        for part in (w.get("roles") or {}).values():
+            row = data.setdefault(part["role"], {})
+            if value == "step_ms":
+                row.update({int(k): v for k, v in part["step_ms"].items()})
+            elif w["steps"] and part["busy_ms_per_step"] is not None:
+                row.update(
+                    dict.fromkeys(range(w["steps"][0], w["steps"][1] + 1), part["busy_ms_per_step"])
+                )
+    frame = pd.DataFrame.from_dict(data, orient="index")
+    frame.index.name, frame.columns.name = "role", "step"
+    return frame.sort_index(axis=1)
+
+
 def step_times_frame(summaries: list[dict[str, Any]]) -> Any:
     """Windows x ranks of mean step time (ms), from one ``kernel_summary`` per window."""
     pd = _pd()

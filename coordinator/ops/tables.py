@@ -136,7 +136,8 @@ def render_top(ks: KernelSummaryReply) -> str:
         return "no closed window yet"
     head = (
         f"window {ks['window']} steps {ks['steps']}{' partial' if ks['partial'] else ''}, "
-        f"ranks {ks['ranks']}, self {ks['device']} time in {ks['unit']}"
+        f"{ks.get('role') or 'policy'} ranks {ks['ranks']}, self {ks['device']} time in "
+        f"{ks['unit']}"
     )
     if ks.get("summaries_pending"):
         head += f" (summaries pending from ranks {ks['summaries_pending']})"

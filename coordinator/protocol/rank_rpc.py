@@ -33,10 +33,12 @@ class RankRPC:
         run_dir: str | None,
         warm_up: bool = True,
         report_to: dict[str, str] | None = None,
+        role: str = "policy",
     ) -> RankReply:
         """Set the rank's global rank, config and run directory; ``report_to`` names the
         coordinator (``name``, ``namespace``, ``trainer_id``, ``run``) its node agent pushes
-        summaries to."""
+        summaries to; ``role`` is its trainer's role (it selects the rank with the config's
+        ``roles``, and names the rank's sub-directory in each window)."""
         raise NotImplementedError
 
     def start_profile(self, window: dict[str, Any], step: int) -> RankReply:

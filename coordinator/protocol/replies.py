@@ -233,8 +233,28 @@ class AutoTrigger(TypedDict):
     region: str | None  # the part of the step that grew, when known
 
 
+class RoleWindow(TypedDict):
+    """One trainer's (one role's) part of a window, in ``WindowEntry["roles"]``: its ranks and
+    traces are its own, and its ops never mix into another role's table."""
+
+    trainer_id: str
+    role: str
+    ranks: list[int]
+    rank_count: int
+    trace_dir: str | None  # ``window_.../<role>``: HTA opens it as it is
+    traces: dict[int, WindowTrace]  # cut to the failed ones as ``WindowEntry["traces"]``
+    traces_pending: list[int]
+    summaries_pending: list[int]
+    stragglers: list[int]
+    busy_ms_per_step: float | None  # self time of every op per recorded step: mean over ranks
+    busy_ms_per_step_max: float | None  # ... and its largest rank
+    step_ms: dict[int, float]  # each recorded step's time, the mean over its ranks
+
+
 class WindowEntry(TypedDict):
-    """One window of a run, in ``status()["windows"]``."""
+    """One window of a run, in ``status()["windows"]``. The per-rank fields describe the
+    stepping trainer's ranks (the ``policy`` of an RL run); ``roles`` holds every trainer's,
+    keyed by ``trainer_id``."""
 
     index: int
     kind: WindowKind
@@ -255,6 +275,7 @@ class WindowEntry(TypedDict):
     stragglers: list[int]
     trigger: AutoTrigger | None  # for an ``auto`` window: why it was taken
     regression: RegressionEntry | None  # against the run's baseline, once its summaries are in
+    roles: dict[str, RoleWindow]  # trainer_id -> that trainer's part of the window
 
 
 class TrainerEntry(TypedDict):
@@ -518,6 +539,7 @@ class KernelSummaryReply(TypedDict):
     memory: MemoryTable | None
     per_rank: dict[str, dict[int, float]] | None
     trainer_id: str | None
+    role: str | None  # the trainer's role: a table never mixes two roles' ops
 
 
 class PhaseStep(TypedDict):

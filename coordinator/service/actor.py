@@ -249,8 +249,9 @@ class _Coordinator(OperatorRPCs):
         trainer_id: str | None = None,
         per_rank: bool = False,
         run: str | None = None,
+        role: str | None = None,
     ) -> KernelSummaryReply:
-        """The cross-rank kernel table of one window.
+        """The cross-rank kernel table of one window, of one trainer (one role).
 
         Args:
             window: the window's index; None means the latest closed window.
@@ -259,6 +260,7 @@ class _Coordinator(OperatorRPCs):
             per_rank: add each listed kernel's self time on every rank (recent windows only;
                 ``detail_windows`` in the config).
             run: an earlier run of this coordinator (``status()["previous_runs"]``).
+            role: whose ranks, by role (``rollout``): the one trainer with that role.
 
         Returns:
             A ``KernelSummaryReply``: ``kernels`` (total, mean, min, max, std, the slowest
@@ -275,7 +277,7 @@ class _Coordinator(OperatorRPCs):
             ks = ray.get(h.kernel_summary.remote(top_k=10))
             [(k["name"], k["total_us"], k["max_rank"]) for k in ks["kernels"]]
         """
-        return await self._readers.kernel_summary(window, top_k, trainer_id, per_rank, run)
+        return await self._readers.kernel_summary(window, top_k, trainer_id, per_rank, run, role)
 
     async def wait_window(
         self,

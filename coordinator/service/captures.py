@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from coordinator.core.validate import (
     MAX_WORLD,
@@ -127,15 +128,19 @@ class Captures:
         st = self.shell.run.state
         tid = st.stepping_trainer
         assert tid is not None
-        world = st.trainers[tid].ranks
-        wanted = (
-            [r for r in world if self.shell.run.config.selects(r)]
-            if req.ranks is None
-            else sorted(set(req.ranks))
-        )
+        if req.ranks is None:  # every role's selected ranks, so they share the window
+            cfg = self.shell.run.config
+            keys = [
+                (t.trainer_id, r)
+                for t in st.trainers.values()
+                for r in t.ranks
+                if cfg.selects(r, t.role)
+            ]
+        else:  # ranks named by the operator: the stepping trainer's
+            keys = [(tid, r) for r in sorted(set(req.ranks))]
         if req.kind == "auto":
-            wanted = [r for r in wanted if st.ranks[(tid, r)].active]
-        return [(tid, r) for r in wanted]
+            keys = [k for k in keys if st.ranks[k].active]
+        return keys
 
     async def _plan(self, req: CaptureRequest) -> CaptureReply:
         """Plan ``req`` now: the trainer learns of it before it runs another step."""
@@ -248,13 +253,18 @@ class Captures:
             return
         for key in fresh:
             st.ranks[key].selected = True
-        tid = fresh[0][0]
-        report_to, run_dir = self.shell.report_to(tid), st.trainers[tid].run_dir
-        base = run.config.to_dict()
+        trainer = st.trainers[fresh[0][0]]  # (only the stepping trainer's ranks are named)
+        report_to, run_dir = self.shell.report_to(trainer.trainer_id), trainer.run_dir
+        base, role = run.config.to_dict(), trainer.role
+
+        def args(key: Key) -> tuple[Any, ...]:
+            just = {**base, "roles": {**base["roles"], role: {"ranks": [key[1]]}}}
+            return (key[1], just, run_dir, False, report_to, role)
+
         await fan_out(
             run,
             fresh,
             "configure_profiler",
-            lambda key: (key[1], {**base, "ranks": [key[1]]}, run_dir, False, report_to),
+            args,
             timeout=max(CONFIGURE_TIMEOUT_S, run.config.worker_timeout_s),
         )

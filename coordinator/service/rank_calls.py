@@ -80,7 +80,11 @@ async def run_commands(
         if isinstance(cmd, Start):
             keys = run.capture_ranks.pop(cmd.window.index, None)
             if keys is None:  # a scheduled window: the ranks the config selects
-                keys = [k for k, r in st.ranks.items() if r.active and run.config.selects(k[1])]
+                keys = [
+                    k
+                    for k, r in st.ranks.items()
+                    if r.active and run.config.selects(k[1], st.trainers[k[0]].role)
+                ]
             keys = [k for k in keys if st.ranks[k].active]
             opened = st.open_window(cmd.window, keys, cmd.planned)
             opened.trigger = run.auto_triggers.pop(cmd.window.index, None)

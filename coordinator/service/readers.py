@@ -16,9 +16,10 @@ from typing import Any, Literal
 
 from coordinator.core.aggregate import CHEAP_RANKS
 from coordinator.core.phases import EXACT_STEPS, MAX_BUCKETS
+from coordinator.core.roles import trainer_of_role
 from coordinator.core.run import Run
 from coordinator.core.state import kernel_summary, pick_window, with_window
-from coordinator.core.validate import is_int, is_number, trainer_id_problem
+from coordinator.core.validate import is_int, is_number, role_problem, trainer_id_problem
 from coordinator.protocol.replies import (
     KernelSummaryReply,
     NodesEntry,
@@ -125,6 +126,7 @@ class Readers:
         trainer_id: str | None,
         per_rank: bool,
         run: str | None,
+        role: str | None = None,
     ) -> KernelSummaryReply:
         if not is_int(top_k) or not 0 <= top_k <= 100_000:
             raise ValueError(f"top_k must be an int in 0..100000, got {top_k!r:.80}")
@@ -134,8 +136,13 @@ class Readers:
             raise ValueError(problem)
         if not isinstance(per_rank, bool):
             raise ValueError(f"per_rank must be True or False, got {per_rank!r:.80}")
+        if role is not None and (problem := role_problem(role)):
+            raise ValueError(problem)
         target = self._run(run)
         st = target.state
+        if role is not None:
+            roles = {t.trainer_id: t.role for t in st.trainers.values()}
+            trainer_id = trainer_of_role(roles, role, trainer_id)
         tid = trainer_id or st.stepping_trainer
         rec = pick_window(st, window)
         agg = rec.aggregates.get(tid) if rec is not None and tid else None
@@ -240,13 +247,15 @@ def nodes_entry(nodes: NodeFanOut, complete: bool) -> NodesEntry:
 
 
 def _done(entry: WindowEntry, until: WaitUntil) -> bool:
-    """Nothing more will arrive for this window that ``until`` waits for. A window that
-    recorded nothing is done at once."""
+    """Nothing more will arrive for this window that ``until`` waits for, from any role. A
+    window that recorded nothing is done at once."""
     if entry["steps"] is None:
         return True
-    if entry["summaries_pending"]:
+    parts = list(entry["roles"].values())
+    if entry["summaries_pending"] or any(p["summaries_pending"] for p in parts):
         return False
-    return until == "summaries" or not entry["traces_pending"]
+    pending = entry["traces_pending"] or any(p["traces_pending"] for p in parts)
+    return until == "summaries" or not pending
 
 
 def _later_kept(run: Run, index: int) -> bool:

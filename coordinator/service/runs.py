@@ -15,6 +15,7 @@ import ray
 
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.records import TrainerRecord
+from coordinator.core.roles import outside_ranks, role_ranks
 from coordinator.core.run import attach_decision, new_run
 from coordinator.core.trace_layout import child
 from coordinator.core.validate import (
@@ -160,26 +161,23 @@ class RunCalls:
         driver = checked_driver(driver)
         run, world = self.shell.run, sorted(handles)
         cfg, st = run.config, run.state
-        if cfg.ranks != "all" and (outside := [r for r in cfg.ranks if r not in handles]):
+        chosen = role_ranks(cfg.ranks, cfg.roles, role)
+        if outside := outside_ranks(chosen, world):
+            field = f"roles.{role}.ranks" if role in cfg.roles else "ranks"
             raise ValueError(
-                f"profiler config selects ranks {outside}, which trainer {trainer_id!r} "
-                f"does not have (its ranks: {span(world)})"
+                f"profiler config selects {role} ranks {outside} ({field}), which trainer "
+                f"{trainer_id!r} does not have (its ranks: {span(world)})"
             )
-        existing = st.trainers.get(trainer_id)
-        run_dir = run.run_dir
-        if existing is not None:
-            run_dir = existing.run_dir
-        elif st.trainers and run.run_dir is not None:
-            run_dir = child(run.run_dir, trainer_id)  # a second trainer: its own directory
+        run_dir = _trainer_run_dir(run.run_dir, st.trainers, trainer_id, role)
         trainer = TrainerRecord(trainer_id, role, world, handles, run_dir, driver)
-        keys = st.register(trainer, advances_step, lambda r: cfg.enable and cfg.selects(r))
+        keys = st.register(trainer, advances_step, lambda r: cfg.enable and cfg.selects(r, role))
         self.shell.nodes.forget([(trainer_id, r) for r in world])  # new handles for the agents
         cfg_dict, report_to = cfg.to_dict(), self.shell.report_to(trainer_id)
         await fan_out(
             run,
             keys,
             "configure_profiler",
-            lambda key: (key[1], cfg_dict, run_dir, True, report_to),
+            lambda key: (key[1], cfg_dict, run_dir, True, report_to, role),
             timeout=max(CONFIGURE_TIMEOUT_S, cfg.worker_timeout_s),
         )
         await self._join_open_window(keys)
@@ -321,6 +319,20 @@ class RunCalls:
         self.shell.next_report_waits = not self.shell.throttled or (
             waited and ns is not None and ns <= next_step
         )
+
+
+def _trainer_run_dir(
+    run_dir: str | None, trainers: dict[str, TrainerRecord], trainer_id: str, role: str
+) -> str | None:
+    """Where a trainer's ranks write: the run directory, in which each window holds one
+    sub-directory per role; a second trainer of a role already there gets its own run
+    directory inside (``<run>/<trainer_id>``), so no two ranks share a file."""
+    existing = trainers.get(trainer_id)
+    if existing is not None:
+        return existing.run_dir
+    if run_dir is not None and any(t.role == role for t in trainers.values()):
+        return child(run_dir, trainer_id)
+    return run_dir
 
 
 def _checked_registration(

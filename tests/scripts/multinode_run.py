@@ -115,7 +115,7 @@ def main(endpoint: str) -> None:
             "ranks": {r["rank"]: r["state"] for r in st["ranks"]},
             "windows": [(w["steps"], w["ranks"]) for w in st["windows"]],
             "files": {
-                d: sorted(os.listdir(os.path.join(save, "run", d)))
+                d: sorted(os.listdir(os.path.join(save, "run", d, "policy")))
                 for d in sorted(os.listdir(os.path.join(save, "run")))
             },
             "collected": {str(k): v for k, v in collected["files"].items()},

@@ -7,6 +7,9 @@
 - ``run_fully_async_rl``: generation workers run continuously into a buffer bounded by a
   staleness limit; one global step is one policy update plus one weight sync, and generation
   pauses only for the sync.
+
+The RL trainers register their rollout workers as role ``rollout`` (``hooks.add_role``): the
+config's ``roles: {rollout: {ranks: [0]}}`` profiles them on the policy's global steps.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ def run_sync_rl(
 ) -> RunResult:
     """Generate, score, update, sync: strictly in that order; returns mean reward per step."""
     result = RunResult("rl", "reward")
+    hooks.add_role("rollout", [rollout])
     ray.get(_sync_weights(policy, [rollout], 0))
     with hooks.session(first_step=rc.first_step):
         for step in range(rc.first_step, rc.first_step + rc.steps):
@@ -124,6 +128,7 @@ async def run_one_step_async_rl(
     Each batch's weights and seed are fixed by construction, so the run is deterministic.
     """
     result = RunResult("async", "reward")
+    await asyncio.to_thread(hooks.add_role, "rollout", [rollout])
     await asyncio.gather(*_sync_weights(policy, [rollout], 0))
     first = rc.first_step
     nxt = rollout.generate.remote(first, rc.prompts, rc.group, rc.new_tokens, rc.seed)
@@ -221,6 +226,7 @@ async def run_fully_async_rl(
     weights sync. Batches older than ``max_staleness`` versions are dropped, never trained on.
     """
     result = RunResult("fully-async", "reward")
+    await asyncio.to_thread(hooks.add_role, "rollout", rollouts)
     version = 0
     await asyncio.gather(*_sync_weights(policy, rollouts, version))
     gen = _Generation(rollouts, rc)

@@ -90,7 +90,7 @@ class PolicyWorker(ProfilerWorkerMixin):
         self.opt.step()
 
 
-class RolloutWorker:
+class Sampler:
     """Samples completions from a snapshot of the policy and scores them."""
 
     def __init__(self, worker_id: int) -> None:
@@ -124,6 +124,11 @@ class RolloutWorker:
             "request_id": request_id,
             "worker_id": self.worker_id,
         }
+
+
+class RolloutWorker(Sampler, ProfilerWorkerMixin):
+    """A generation worker that is a profilable rank of role ``rollout``: its profiler calls run
+    between generation requests, on its own thread (a plain, one-thread Ray actor)."""
 
 
 def grpo_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:

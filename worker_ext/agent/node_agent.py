@@ -144,7 +144,7 @@ class NodeAgent(AgentRPC):
     async def read_trace_chunk(self, path: str, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes of a trace file on this node from ``offset`` (b"" at its end).
 
-        Serves trace files of the trace layout only (``window_*/rank*.pt.trace.json[.gz]``,
+        Serves trace files of the trace layout only (``window_*/<role>/rank*.pt.trace.json[.gz]``,
         ``rank*.stacks.txt``), for ``coordinator.ops.collect``; anything else is a ValueError.
         """
         self._idle.touch()
@@ -238,7 +238,8 @@ class NodeAgent(AgentRPC):
 
 MAX_CHUNK = 8 << 20
 _TRACE_FILE = re.compile(
-    r"(^|/)window_\d{4,}_(auto_)?steps_\d+-\d+/rank\d+\.(pt\.trace\.json(\.gz)?|stacks\.txt)$"
+    r"(^|/)window_\d{4,}_(auto_)?steps_\d+-\d+/([A-Za-z0-9][A-Za-z0-9._-]{0,63}/)?"
+    r"rank\d+(-\d+)?\.(pt\.trace\.json(\.gz)?|stacks\.txt)$"
 )
 
 

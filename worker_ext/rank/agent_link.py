@@ -190,6 +190,17 @@ def _main_hidden() -> Iterator[None]:
 _LINKS: dict[str, AgentLink] = {}
 
 
+def node_id() -> str | None:
+    """The Ray node this process runs on, or None outside Ray."""
+    ray = sys.modules.get("ray")
+    try:
+        if ray is not None and ray.is_initialized():
+            return str(ray.get_runtime_context().get_node_id())
+    except Exception:
+        return None
+    return None
+
+
 def default_link() -> AgentLink:
     """The node agent when this process is part of a Ray cluster, else a local child process.
 

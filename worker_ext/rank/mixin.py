@@ -7,15 +7,27 @@ module imports no torch; ``RankProfiler`` loads it on the first ``configure_prof
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.schedule import Window
+from coordinator.core.validate import role_problem
 from coordinator.protocol.rank_rpc import RankRPC
-from coordinator.protocol.replies import RankReply, rank_reply
+from coordinator.protocol.replies import Phase, RankReply, rank_reply
 
-if TYPE_CHECKING:
-    from worker_ext.rank.rank_profiler import RankProfiler
+
+class RankSide(Protocol):
+    """What the RPCs drive: ``RankProfiler`` (torch.profiler in this process) or ``EngineRank``
+    (an inference engine's own profiler)."""
+
+    @property
+    def phase(self) -> Phase: ...
+    def start_window(self, window: Window, step: int) -> RankReply: ...
+    def step(self, k: int) -> RankReply: ...
+    def stop_window(self) -> RankReply: ...
+    def wait_for_summaries(self, timeout_s: float) -> RankReply: ...
+    def status(self) -> RankReply: ...
+    def _disable(self, where: str, exc: BaseException) -> None: ...
 
 
 class ProfilerWorkerMixin(RankRPC):
@@ -26,7 +38,7 @@ class ProfilerWorkerMixin(RankRPC):
     that are ready ride along in ``summaries``. No RPC raises a profiling fault.
     """
 
-    _rank_profiler: RankProfiler | None = None
+    _rank_profiler: RankSide | None = None
 
     def configure_profiler(
         self,
@@ -35,11 +47,13 @@ class ProfilerWorkerMixin(RankRPC):
         run_dir: str | None,
         warm_up: bool = True,
         report_to: dict[str, str] | None = None,
+        role: str = "policy",
     ) -> RankReply:
         """Set this actor's global rank, the config and the run directory.
 
         ``report_to`` (``name``, ``namespace``, ``trainer_id``) names the coordinator that the
         node agent pushes summaries to as soon as they are built; without it they ride on replies.
+        ``role``: its trainer's role (``window_.../<role>/rank<r>...`` in each window).
         """
         from worker_ext.rank.rank_profiler import RankProfiler
 
@@ -48,13 +62,22 @@ class ProfilerWorkerMixin(RankRPC):
             old.stop_window()  # a re-configure never leaves a profiler running
         try:
             cfg = config if isinstance(config, ProfilerConfig) else ProfilerConfig.from_dict(config)
-            refuse = _threaded_actor_reason()
+            refuse = _threaded_actor_reason() or role_problem(role)
         except Exception as exc:
             cfg, refuse = ProfilerConfig(enable=True, ranks="all"), f"bad config: {exc}"
-        self._rank_profiler = RankProfiler(
-            int(rank), cfg, run_dir, warm_up=warm_up, refuse_reason=refuse, report_to=report_to
+        if role_problem(role):
+            role, cfg.roles = "policy", {}  # refused above; selected so that it says why
+        rp = RankProfiler(
+            int(rank),
+            cfg,
+            run_dir,
+            warm_up=warm_up,
+            refuse_reason=refuse,
+            report_to=report_to,
+            role=role,
         )
-        return self._rank_profiler.status()
+        self._rank_profiler = rp
+        return rp.status()
 
     def start_profile(self, window: dict[str, Any], step: int) -> RankReply:
         """Start a window (``Window.to_dict()``); ``step`` is the next training step to run."""

@@ -29,7 +29,7 @@ from coordinator.core.schedule import Window
 from coordinator.core.storage import is_remote
 from coordinator.protocol.reasons import is_exit
 from coordinator.protocol.replies import ClosedWindow, Phase, RankReply, Reason
-from worker_ext.rank.agent_link import AgentLink
+from worker_ext.rank.agent_link import AgentLink, node_id
 from worker_ext.rank.hand_off import HandOff
 from worker_ext.rank.stack_dump import enable_stack_dump
 from worker_ext.rank.torch_session import (
@@ -37,7 +37,6 @@ from worker_ext.rank.torch_session import (
     activities,
     claim,
     export_trace,
-    node_id,
     other_profiler_reason,
     pick_device,
     release,
@@ -77,8 +76,10 @@ class RankProfiler:
         refuse_reason: str | None = None,
         report_to: dict[str, str] | None = None,
         agent: AgentLink | None = None,
+        role: str = "policy",
     ) -> None:
         self.rank = int(rank)
+        self.role = role
         self.config = config
         # Where this rank writes: the run directory, or its staging copy on this node when the
         # run directory is a URL (the node agent uploads each finished trace there).
@@ -87,7 +88,7 @@ class RankProfiler:
             staging_dir(config, self.remote_run_dir) if self.remote_run_dir else run_directory
         )
         self.node_id = node_id()
-        self.selected = bool(config.enable and config.selects(self.rank))
+        self.selected = bool(config.enable and config.selects(self.rank, role))
         self.report_to = report_to  # the coordinator the agent pushes summaries to
         self.hand_off = HandOff(self.rank, agent, report_to)
         self.windows_captured = 0
@@ -265,7 +266,7 @@ class RankProfiler:
             log.warning("rank %d: %s", self.rank, self.last_skip_reason)
             return
         prof = window_profiler(
-            self.config, self.device, self.rank, window, step, self._on_trace_ready
+            self.config, self.device, self.rank, window, step, self._on_trace_ready, self.role
         )
         prof._rank_profiler_stopped = False
         if not claim(self):
@@ -334,7 +335,9 @@ class RankProfiler:
             job = export_trace(
                 prof,
                 self.config,
-                TraceTarget(self.rank, self.device, self.run_directory, self.remote_run_dir),
+                TraceTarget(
+                    self.rank, self.device, self.run_directory, self.remote_run_dir, self.role
+                ),
                 closing.window,
                 closing.steps,
                 closing.partial,

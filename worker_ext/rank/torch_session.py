@@ -6,8 +6,8 @@ guard of their own beyond the process-wide claim.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -45,6 +45,7 @@ def window_profiler(
     window: Window,
     step: int,
     on_trace_ready: Callable[[Any], None],
+    role: str = "policy",
 ) -> Any:
     """A torch profiler for ``window``, not yet started; training step ``step`` runs next.
 
@@ -74,7 +75,9 @@ def window_profiler(
         ),
     )
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        # distributedInfo carries the rank otherwise; HTA reads either.
+        # torch writes distributedInfo only for a process group; HTA reads the rank there.
+        info = {"backend": "none", "rank": int(rank), "role": role}
+        prof.preset_metadata_json("distributedInfo", json.dumps(info))
         prof.preset_metadata_json("rank", str(rank))
     prof.step_num = step  # ProfilerStep#N markers carry the global step
     return prof
@@ -89,6 +92,7 @@ class TraceTarget:
     device: str
     run_directory: str
     remote_run_dir: str | None
+    role: str = "policy"
 
 
 def export_trace(
@@ -110,12 +114,14 @@ def export_trace(
         raw = contained(target.run_directory, f".rank{rank}.window{index:04d}.json")
     else:
         wdir = window_dir(target.run_directory, index, first, last, window.kind)
-        os.makedirs(wdir, exist_ok=True)
-        final = trace_path(wdir, rank, export)
-        raw = trace_path(wdir, rank, "chrome_trace")  # the agent compresses or folds it
+        rdir = contained(wdir, target.role)  # one sub-directory per role: HTA opens each
+        os.makedirs(rdir, exist_ok=True)
+        final = trace_path(rdir, rank, export)
+        raw = trace_path(rdir, rank, "chrome_trace")  # the agent compresses or folds it
         upload = None
         if target.remote_run_dir is not None:
-            upload = join(target.remote_run_dir, os.path.basename(wdir), os.path.basename(final))
+            where = (os.path.basename(wdir), target.role, os.path.basename(final))
+            upload = join(target.remote_run_dir, *where)
     tmp = raw + ".tmp"
     try:
         prof.export_chrome_trace(tmp)
@@ -155,17 +161,6 @@ def staging_dir(config: ProfilerConfig, run_url: str) -> str:
     )
     name = run_url.rstrip("/").rsplit("/", 1)[-1]
     return contained(root, name) if os.path.isdir(root) else os.path.join(root, name)
-
-
-def node_id() -> str | None:
-    """The Ray node this process runs on, or None outside Ray."""
-    ray = sys.modules.get("ray")
-    try:
-        if ray is not None and ray.is_initialized():
-            return str(ray.get_runtime_context().get_node_id())
-    except Exception:
-        return None
-    return None
 
 
 def pick_device(config: ProfilerConfig) -> tuple[str, str | None]:
