@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: venv test test-fast lint format demo bench fuzz clean
+.PHONY: venv browser test test-fast lint format demo bench fuzz clean
 
 venv: $(STAMP)
 
@@ -29,8 +29,15 @@ format: venv
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# The whole suite: lint, types, then every test (Ray clusters, subprocesses, S3, the demo).
-test: lint
+# Debian's chromium for the web view's browser test (Playwright's own download is unreachable).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; }
+
+# The whole suite: lint, types, then every test (Ray clusters, subprocesses, S3, the browser,
+# the demo).
+test: lint browser
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q
 
 # Lint, types and every test that needs no Ray and no subprocess (starting either fails there).

@@ -76,6 +76,10 @@ _EXAMPLES = {
         "  ray-profiler stacks --native --json   # C/C++ frames too, as JSON"
     ),
     "watch": "ray-profiler watch --interval 2\n  ray-profiler watch --count 10 > status.log",
+    "serve": (
+        "ray-profiler serve   # http://127.0.0.1:8270/, a token for changes printed once\n"
+        "  RAY_PROFILER_TOKEN=... ray-profiler serve --host 0.0.0.0 --port 8270"
+    ),
     "collect": (
         "ray-profiler collect --window 3 --to ./window3   # then: tensorboard, Perfetto, HTA\n"
         "  ray-profiler collect --window 3 --run job --to s3://bucket/collected/w3"
@@ -197,6 +201,9 @@ def _steering_commands(command: Command) -> None:
     coll.add_argument("--role", default=None, help="whose traces: rollout, ... (default: policy)")
     auto = command("auto", "profile slow steps by themselves: switch it on or off, or show it")
     auto.add_argument("switch", nargs="?", choices=["on", "off"], help="default: show")
+    serve = command("serve", "web pages and a JSON API for this coordinator (token for changes)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    serve.add_argument("--port", type=int, default=8270)
     watch = command("watch", "a refreshing status view")
     watch.add_argument("--interval", type=float, default=2.0)
     watch.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
@@ -233,6 +240,8 @@ def call(handle: Any, method: str, *args: Any, get_timeout: float = 60, **kwargs
 def run(args: argparse.Namespace) -> int:
     h = connect(args.address, args.namespace, args.name)
     out = print
+    if args.command == "serve":
+        return serve(h, args)
     if args.command == "status":
         st = call(h, "status", ranks="all" if args.all else "summary")
         out(json.dumps(st) if args.json else render_status(st))
@@ -285,6 +294,16 @@ def run(args: argparse.Namespace) -> int:
         watch(h, args)
     elif args.command == "collect":
         return collect(h, args)
+    return EXIT_OK
+
+
+def serve(h: Any, args: argparse.Namespace) -> int:
+    """Serve the web pages and the JSON API until interrupted."""
+    from coordinator.ops.web.auth import TOKEN_ENV
+    from coordinator.ops.web.server import serve as serve_web
+
+    token = os.environ.get(TOKEN_ENV) or None
+    serve_web(h, args.name, args.namespace, args.host, args.port, token)
     return EXIT_OK
 
 

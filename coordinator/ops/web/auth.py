@@ -1,0 +1,88 @@
+"""Who may ask the web server what: pure checks on a request's method, headers and cookie.
+
+- Changes (captures, cancels: every method but GET and HEAD) need the token, always, in an
+  ``Authorization: Bearer <token>`` header; a cookie never authorises a change (so another site
+  cannot make a browser change a run).
+- Reads need nothing on a loopback address; on any other address they need the token too, in
+  the header or in the cookie that ``/login?token=...`` sets.
+- The ``Host`` header must name the server (its address, or ``localhost`` on loopback), which
+  stops a page on another site from reaching a loopback server by DNS rebinding.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import secrets
+from dataclasses import dataclass
+
+TOKEN_ENV = "RAY_PROFILER_TOKEN"
+COOKIE = "ray_profiler_token"
+READS = ("GET", "HEAD")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An HTTP status and the reason the server answers with."""
+
+    status: int
+    reason: str
+
+
+def new_token() -> str:
+    """A fresh random token (32 bytes, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is a loopback address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(host: str, port: int) -> frozenset[str]:
+    """The ``Host`` header values that name a server bound to ``host:port``."""
+    names = {host, f"[{host}]"} if ":" in host else {host}
+    if is_loopback(host):
+        names |= {"localhost", "127.0.0.1", "[::1]"}
+    return frozenset({*names, *(f"{n}:{port}" for n in names)})
+
+
+def check(
+    method: str,
+    host_header: str | None,
+    authorization: str | None,
+    cookie: str | None,
+    token: str,
+    hosts: frozenset[str],
+    open_reads: bool,
+) -> Refusal | None:
+    """None when the request may go on, else why not (400, 401 or 403)."""
+    if host_header is None or host_header.lower() not in hosts:
+        return Refusal(403, f"unexpected Host header {str(host_header)[:80]!r}")
+    read = method in READS
+    if read and open_reads:
+        return None
+    given = bearer(authorization)
+    if given is None and read:
+        given = cookie
+    if given is None:
+        what = "changes need" if not read else "this server (not on loopback) needs"
+        return Refusal(401, f"{what} the token: send 'Authorization: Bearer <token>'")
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        return Refusal(403, "wrong token")
+    return None
+
+
+def bearer(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, or None."""
+    if not authorization:
+        return None
+    scheme, _, value = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()

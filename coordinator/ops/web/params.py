@@ -1,0 +1,110 @@
+"""The web API's inputs, checked before anything reaches the coordinator: pure, each bad value a
+``BadRequest`` whose message names the parameter."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from coordinator.core.validate import is_int
+
+MAX_BODY_BYTES = 64 * 1024
+CAPTURE_FIELDS = ("active", "warmup", "ranks", "start_step")
+
+
+class BadRequest(ValueError):
+    """A request the API refuses with 400; ``str`` is the reason."""
+
+
+def int_param(query: Mapping[str, str], name: str, default: int | None, lo: int, hi: int) -> int:
+    """``query[name]`` as an int in ``lo..hi``, or ``default`` when absent (None: required)."""
+    raw = query.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise BadRequest(f"{name} is required (an int in {lo}..{hi})")
+        return default
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise BadRequest(f"{name} must be an int in {lo}..{hi}, got {raw[:40]!r}") from None
+    if not lo <= value <= hi:
+        raise BadRequest(f"{name} must be an int in {lo}..{hi}, got {value}")
+    return value
+
+
+def str_param(query: Mapping[str, str], name: str) -> str | None:
+    """``query[name]`` (at most 128 characters), or None when absent or empty."""
+    raw = query.get(name)
+    if raw is None or raw == "":
+        return None
+    if len(raw) > 128:
+        raise BadRequest(f"{name} is longer than 128 characters")
+    return raw
+
+
+def bool_param(query: Mapping[str, str], name: str) -> bool:
+    raw = (query.get(name) or "false").lower()
+    if raw in ("1", "true", "yes"):
+        return True
+    if raw in ("0", "false", "no"):
+        return False
+    raise BadRequest(f"{name} must be true or false, got {raw[:40]!r}")
+
+
+def window_index(raw: str) -> int:
+    """A window index from the path."""
+    return int_param({"window": raw}, "window", None, 0, 2**62)
+
+
+def kernels_args(query: Mapping[str, str]) -> dict[str, Any]:
+    """``kernel_summary`` keyword arguments from ``?top_k&trainer_id&role&per_rank&run``."""
+    return {
+        "top_k": int_param(query, "top_k", 20, 0, 100_000),
+        "trainer_id": str_param(query, "trainer_id"),
+        "role": str_param(query, "role"),
+        "per_rank": bool_param(query, "per_rank"),
+        "run": str_param(query, "run"),
+    }
+
+
+def diff_args(query: Mapping[str, str]) -> dict[str, Any]:
+    """``kernel_diff`` keyword arguments from ``?a&b&run_a&run_b&trainer_id&top_k``."""
+    return {
+        "a": int_param(query, "a", None, 0, 2**62),
+        "b": int_param(query, "b", None, 0, 2**62),
+        "run_a": str_param(query, "run_a"),
+        "run_b": str_param(query, "run_b"),
+        "trainer_id": str_param(query, "trainer_id"),
+        "top_k": int_param(query, "top_k", 50, 0, 100_000),
+    }
+
+
+def capture_args(body: bytes) -> dict[str, Any]:
+    """``request_capture`` keyword arguments from a JSON body: ``active`` and optionally
+    ``warmup``, ``ranks``, ``start_step`` (their ranges are the coordinator's to judge)."""
+    if len(body) > MAX_BODY_BYTES:
+        raise BadRequest(f"the body is over {MAX_BODY_BYTES} bytes")
+    try:
+        data = json.loads(body or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest('the body must be a JSON object like {"active": 3}')
+    unknown = sorted(set(data) - set(CAPTURE_FIELDS))
+    if unknown:
+        raise BadRequest(f"unknown fields {unknown}; known: {list(CAPTURE_FIELDS)}")
+    if "active" not in data:
+        raise BadRequest("active is required: the number of steps to record")
+    for name in ("active", "warmup", "start_step"):
+        if name in data and data[name] is not None and not is_int(data[name]):
+            raise BadRequest(f"{name} must be an int, got {data[name]!r:.40}")
+    ranks = data.get("ranks")
+    if ranks is not None and (
+        not isinstance(ranks, list) or len(ranks) > 100_000 or not all(is_int(r) for r in ranks)
+    ):
+        raise BadRequest("ranks must be a list of ints or null")
+    out = {"active": data["active"], "ranks": ranks, "start_step": data.get("start_step")}
+    if data.get("warmup") is not None:
+        out["warmup"] = data["warmup"]
+    return out

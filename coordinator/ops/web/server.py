@@ -1,0 +1,311 @@
+"""``ray-profiler serve``: the web pages and the JSON API of a running coordinator (aiohttp).
+
+It runs in the operator's process, beside a Ray driver, and only calls the coordinator's own
+RPCs: every answer has the shape of a reply in ``coordinator.protocol.replies``. See
+docs/operations.md#the-web-view-and-its-http-api for the pages and the API table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import math
+import os
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Awaitable, Callable
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from coordinator.ops.web import auth
+from coordinator.ops.web.params import (
+    MAX_BODY_BYTES,
+    BadRequest,
+    capture_args,
+    diff_args,
+    int_param,
+    kernels_args,
+    str_param,
+    window_index,
+)
+
+log = logging.getLogger(__name__)
+CALL_TIMEOUT_S = 60.0
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Unavailable(Exception):
+    """The coordinator cannot be reached (503)."""
+
+
+class NotFound(Exception):
+    """An unknown window or run (404)."""
+
+
+class CoordinatorLink:
+    """The coordinator's handle, looked up by name, and again after it failed."""
+
+    def __init__(self, name: str, namespace: str, handle: Any = None) -> None:
+        self.name, self.namespace, self._handle = name, namespace, handle
+
+    async def call(
+        self, method: str, *args: Any, timeout: float = CALL_TIMEOUT_S, **kw: Any
+    ) -> Any:
+        """``method`` on the coordinator; Unavailable, NotFound or BadRequest when it fails."""
+        import ray
+
+        try:
+            if self._handle is None:
+                loop = asyncio.get_running_loop()
+                lookup = functools.partial(ray.get_actor, self.name, namespace=self.namespace)
+                self._handle = await loop.run_in_executor(None, lookup)
+            ref = getattr(self._handle, method).remote(*args, **kw)
+            return await asyncio.wait_for(ref, timeout)
+        except ray.exceptions.RayTaskError as exc:
+            raise _refused(exc) from None
+        except (ray.exceptions.RayActorError, ValueError) as exc:  # gone, or never found
+            self._handle = None
+            raise Unavailable(f"the coordinator {self.name!r} cannot be reached: {exc}") from None
+        except (asyncio.TimeoutError, ray.exceptions.GetTimeoutError):
+            raise Unavailable(f"the coordinator did not answer {method} in {timeout:g} s") from None
+
+
+def _refused(exc: Exception) -> Exception:
+    """A ValueError the coordinator raised, as NotFound (an unknown window or run) or
+    BadRequest; anything else as Unavailable."""
+    line = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    line = line.split(": ", 1)[1] if line.startswith("ValueError: ") else line
+    if not isinstance(exc, ValueError):
+        return Unavailable(f"the coordinator failed: {line}")
+    if line.startswith(("no window", "no closed window", "no run")):
+        return NotFound(line)
+    return BadRequest(line)
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with NaN and infinities as None (JSON has neither) and tuples as lists."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def reply(obj: Any, status: int = 200) -> web.Response:
+    body = json.dumps(finite(obj), allow_nan=False, default=str)
+    return web.Response(text=body, status=status, content_type="application/json")
+
+
+class WebServer:
+    """The aiohttp application: pages, static files and the API, behind ``auth.check``."""
+
+    def __init__(self, link: CoordinatorLink, token: str, host: str, port: int) -> None:
+        self.link, self.token = link, token
+        self.hosts = auth.allowed_hosts(host, port)
+        self.open_reads = auth.is_loopback(host)
+        self.static = resources.files("coordinator.ops.web") / "static"
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=MAX_BODY_BYTES, middlewares=[self._errors, self._guard]
+        )
+        r = app.router
+        r.add_get("/", self.page)
+        r.add_get("/login", self.login)
+        r.add_get("/static/{path:.+}", self.static_file)
+        r.add_get("/api/status", self.status)
+        r.add_get("/api/windows/{window}/kernels", self.kernels)
+        r.add_get("/api/windows/{window}/stragglers", self.stragglers)
+        r.add_get("/api/windows/{window}/traces.tar.gz", self.traces)
+        r.add_get("/api/diff", self.diff)
+        r.add_get("/api/phases", self.phases)
+        r.add_post("/api/captures", self.capture)
+        r.add_delete("/api/captures/{window}", self.cancel)
+        return app
+
+    # ------------------------------------------------------------- middleware
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every error as JSON with a reason and its status; never a traceback."""
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return reply({"error": str(exc)}, 400)
+        except NotFound as exc:
+            return reply({"error": str(exc)}, 404)
+        except Unavailable as exc:
+            return reply({"error": str(exc)}, 503)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return reply({"error": exc.reason}, exc.status)
+        except Exception:
+            log.exception("web request %s %s failed", request.method, request.path)
+            return reply({"error": "internal error (see the server's log)"}, 500)
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        refusal = None
+        if request.path != "/login":
+            refusal = auth.check(
+                request.method,
+                request.headers.get("Host"),
+                request.headers.get("Authorization"),
+                request.cookies.get(auth.COOKIE),
+                self.token,
+                self.hosts,
+                self.open_reads,
+            )
+        if refusal is not None:
+            return reply({"error": refusal.reason}, refusal.status)
+        response = await handler(request)
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        response.headers.setdefault("Cache-Control", "no-store")
+        response.headers.setdefault(
+            "Content-Security-Policy", "default-src 'self'; img-src 'self' data:"
+        )
+        return response
+
+    # ------------------------------------------------------------------ pages
+
+    async def page(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(
+            body=(self.static / "index.html").read_bytes(), content_type="text/html"
+        )
+
+    async def login(self, request: web.Request) -> web.StreamResponse:
+        """``/login?token=...``: the cookie that lets a browser read a non-loopback server."""
+        given = request.query.get("token", "")
+        refusal = auth.check(
+            "GET", request.headers.get("Host"), None, given, self.token, self.hosts, False
+        )
+        if refusal is not None:
+            return reply({"error": refusal.reason}, refusal.status)
+        response = web.Response(status=302, headers={"Location": "/"})
+        response.set_cookie(auth.COOKIE, given, httponly=True, samesite="Strict")
+        return response
+
+    async def static_file(self, request: web.Request) -> web.StreamResponse:
+        parts = request.match_info["path"].split("/")
+        if any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+            raise NotFound("no such file")
+        node = self.static.joinpath(*parts)
+        if not node.is_file():
+            raise NotFound("no such file")
+        kind = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
+        ext = os.path.splitext(parts[-1])[1]
+        return web.Response(body=node.read_bytes(), content_type=kind.get(ext, "text/plain"))
+
+    # -------------------------------------------------------------------- API
+
+    async def status(self, request: web.Request) -> web.StreamResponse:
+        return reply(await self.link.call("status"))
+
+    async def kernels(self, request: web.Request) -> web.StreamResponse:
+        window = window_index(request.match_info["window"])
+        ks = await self.link.call("kernel_summary", window=window, **kernels_args(request.query))
+        return reply(ks)
+
+    async def stragglers(self, request: web.Request) -> web.StreamResponse:
+        window = window_index(request.match_info["window"])
+        args = kernels_args(request.query) | {"top_k": 0, "per_rank": False}
+        ks = await self.link.call("kernel_summary", window=window, **args)
+        return reply({**ks["stragglers"], "window": ks["window"], "role": ks["role"]})
+
+    async def diff(self, request: web.Request) -> web.StreamResponse:
+        return reply(await self.link.call("kernel_diff", **diff_args(request.query)))
+
+    async def phases(self, request: web.Request) -> web.StreamResponse:
+        q = request.query
+        last = int_param(q, "last", 200, 1, 100_000)
+        return reply(await self.link.call("phase_times", last=last, run=str_param(q, "run")))
+
+    async def capture(self, request: web.Request) -> web.StreamResponse:
+        """A capture's answer: 200 when accepted, 409 with its ``reason`` when refused."""
+        args = capture_args(await request.read())
+        answer = await self.link.call("request_capture", **args, timeout=CALL_TIMEOUT_S + 60)
+        return reply(answer, 200 if answer["accepted"] else 409)
+
+    async def cancel(self, request: web.Request) -> web.StreamResponse:
+        window = window_index(request.match_info["window"])
+        answer = await self.link.call("cancel_capture", window)
+        return reply(answer, 200 if answer["cancelled"] else 409)
+
+    async def traces(self, request: web.Request) -> web.StreamResponse:
+        """Every rank's trace of a window (one role) as one ``.tar.gz``, through ``collect``."""
+        window = window_index(request.match_info["window"])
+        q = request.query
+        role, run = str_param(q, "role"), str_param(q, "run")
+        loop = asyncio.get_running_loop()
+        work = tempfile.mkdtemp(prefix="ray-profiler-web-")
+        try:
+            fn = functools.partial(_archive, self.link, window, role, run, work)
+            path, name = await loop.run_in_executor(None, fn)
+            response = web.StreamResponse(
+                headers={
+                    "Content-Type": "application/gzip",
+                    "Content-Disposition": f'attachment; filename="{name}"',
+                }
+            )
+            await response.prepare(request)
+            with open(path, "rb") as f:
+                while chunk := await loop.run_in_executor(None, f.read, 1 << 20):
+                    await response.write(chunk)
+            await response.write_eof()
+            return response
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _archive(
+    link: CoordinatorLink, window: int, role: str | None, run: str | None, work: str
+) -> tuple[str, str]:
+    """Collect the window's traces into ``work`` and pack them; the archive's path and name."""
+    import ray
+
+    from coordinator.ops.collect import collect_window
+
+    if link._handle is None:
+        link._handle = ray.get_actor(link.name, namespace=link.namespace)
+    dest = os.path.join(work, f"window_{window:04d}_{role or 'policy'}")
+    try:
+        res = collect_window(link._handle, window, dest, run=run, role=role, wait_s=30)
+    except ValueError as exc:
+        raise NotFound(str(exc).strip().splitlines()[-1]) from None
+    if not res["files"]:
+        raise NotFound(f"no trace of window {window} could be collected: {res['missing']}")
+    path = os.path.join(work, os.path.basename(dest) + ".tar.gz")
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(dest, arcname=os.path.basename(dest))
+    return path, os.path.basename(path)
+
+
+def serve(
+    handle: Any, name: str, namespace: str, host: str, port: int, token: str | None = None
+) -> None:
+    """Serve until interrupted; prints where, and the token when it made one."""
+    made = token is None
+    token = token or auth.new_token()
+    server = WebServer(CoordinatorLink(name, namespace, handle), token, host, port)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"ray-profiler serve: http://{shown}:{port}/ (coordinator {namespace}/{name})")
+    if made:
+        print(f"token (changes need it as 'Authorization: Bearer <token>'): {token}")
+    else:
+        print(f"token: from ${auth.TOKEN_ENV}")
+    if not server.open_reads:
+        print(
+            f"bound to {host}, not loopback: every request needs the token; in a browser open "
+            f"http://{shown}:{port}/login?token=<token> once"
+        )
+    with contextlib.suppress(KeyboardInterrupt):
+        web.run_app(server.app(), host=host, port=port, print=None, access_log=None)

@@ -1,0 +1,371 @@
+// The pages of `ray-profiler serve`: one script, no build step, Chart.js from /static/vendor.
+// Every value from the coordinator goes into the page as text (never as HTML).
+"use strict";
+
+const POLL_MS = 2000;
+const state = { token: sessionStorage.getItem("rayProfilerToken") || "", status: null,
+                charts: [], route: null, shown: null };
+
+// ------------------------------------------------------------------ helpers
+
+function el(tag, attrs, ...kids) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "class") node.className = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const kid of kids.flat()) {
+    if (kid === null || kid === undefined) continue;
+    node.append(kid instanceof Node ? kid : document.createTextNode(String(kid)));
+  }
+  return node;
+}
+
+function num(x, digits = 0) {
+  if (x === null || x === undefined) return "";
+  return Number(x).toLocaleString("en-US", { maximumFractionDigits: digits,
+                                              minimumFractionDigits: digits });
+}
+
+function pct(x) { return x === null || x === undefined ? "" : (100 * x).toFixed(1) + "%"; }
+
+function table(headers, rows, rowClass) {
+  const head = el("tr", {}, headers.map(h => el("th", { class: h.num ? "num" : null }, h.label)));
+  const body = rows.map(r => el("tr", { class: rowClass ? rowClass(r) : null },
+    headers.map(h => {
+      const v = h.get(r);
+      return el("td", { class: h.num ? "num" : null }, v instanceof Node ? v : String(v ?? ""));
+    })));
+  return el("table", {}, el("thead", {}, head), el("tbody", {}, body));
+}
+
+async function api(path, opts = {}) {
+  const headers = Object.assign({}, opts.headers || {});
+  if (opts.auth && state.token) headers.Authorization = "Bearer " + state.token;
+  if (opts.json !== undefined) {
+    headers["Content-Type"] = "application/json";
+    opts.body = JSON.stringify(opts.json);
+  }
+  const r = await fetch(path, { method: opts.method || "GET", headers, body: opts.body });
+  let body = null;
+  try { body = await r.json(); } catch (e) { body = { error: "no JSON in the answer" }; }
+  return { ok: r.ok, status: r.status, body };
+}
+
+function chart(parent, config, tall) {
+  const box = el("div", { class: tall ? "chart tall" : "chart" });
+  const canvas = el("canvas", {});
+  box.append(canvas);
+  parent.append(box);
+  config.options = Object.assign({ responsive: true, maintainAspectRatio: false,
+                                   animation: false }, config.options || {});
+  state.charts.push(new Chart(canvas, config));
+}
+
+function clear() {
+  for (const c of state.charts) c.destroy();
+  state.charts = [];
+  const main = document.getElementById("main");
+  main.replaceChildren();
+  return main;
+}
+
+function fail(main, what, res) {
+  main.append(el("p", { class: "error" }, `${what}: ${res.status} ${res.body?.error ?? ""}`));
+}
+
+function regressionText(r) {
+  if (!r) return "";
+  const parts = [];
+  if (r.step_regressed) parts.push(`step x${num(r.step_ratio, 2)}`);
+  for (const k of r.kernels.slice(0, 3)) parts.push(`${k.name} x${num(k.ratio, 2)}`);
+  return parts.length ? `SLOWER than window ${r.baseline}: ${parts.join(", ")}` : "";
+}
+
+// ------------------------------------------------------------------- pages
+
+function runPage(main, st) {
+  const run = st.run;
+  main.append(el("h2", {}, `Run ${run.name}`));
+  const counts = Object.entries(st.rank_counts || {}).map(([k, v]) => `${v} ${k}`).join(", ");
+  main.append(table(
+    [{ label: "lifecycle", get: () => run.lifecycle }, { label: "phase", get: () => st.phase },
+     { label: "global step", get: () => st.global_step ?? "" },
+     { label: "current window", get: () => st.current_window ? st.current_window.index : "" },
+     { label: "next window", get: () => st.next_window
+         ? `${st.next_window.index} (${st.next_window.kind}, ${st.next_window.first}-${st.next_window.last})` : "" },
+     { label: "ranks", get: () => counts }, { label: "run dir", get: () => st.run_dir ?? "" }],
+    [st]));
+  main.append(el("h2", {}, "Trainers"));
+  main.append(table(
+    [{ label: "trainer", get: t => t.trainer_id }, { label: "role", get: t => t.role },
+     { label: "world", get: t => t.world_size, num: true },
+     { label: "steps", get: t => t.advances_step ? "advances the step" : "" }],
+    st.trainers));
+  main.append(el("h2", {}, "Windows"));
+  if (!st.windows.length) { main.append(el("p", { class: "muted" }, "no closed window yet")); return; }
+  main.append(table(
+    [{ label: "window", get: w => el("a", { href: `#/window/${w.index}` }, String(w.index)) },
+     { label: "kind", get: w => w.kind },
+     { label: "steps", get: w => w.steps ? `${w.steps[0]}-${w.steps[1]}` : "(none)" },
+     { label: "roles", get: w => Object.values(w.roles || {}).map(p =>
+         `${p.role}: ${p.rank_count} ranks` + (p.busy_ms_per_step !== null
+           ? `, ${num(p.busy_ms_per_step, 1)} ms busy/step` : "")).join("; ") },
+     { label: "stragglers", get: w => w.stragglers.join(", ") },
+     { label: "partial", get: w => w.partial ? "partial" : "" },
+     { label: "regression", get: w => el("span", { class: "slower" }, regressionText(w.regression)) },
+     { label: "traces", get: w => w.steps && !st.config.export_type.startsWith("none")
+         ? el("span", { class: "pills" }, Object.values(w.roles || {}).map(p =>
+             el("a", { href: `/api/windows/${w.index}/traces.tar.gz?role=${encodeURIComponent(p.role)}` },
+                `${p.role}.tar.gz`))) : "" },
+     { label: "where", get: w => w.trace_dir ?? w.reason ?? "" }],
+    st.windows.slice().reverse()));
+  if (st.stalls.length) {
+    main.append(el("p", {}, el("a", { href: "#/stalls", class: "error" },
+      `${st.stalls.length} stall(s): see Stalls`)));
+  }
+}
+
+async function windowPage(main, index, role) {
+  const q = `top_k=20&per_rank=true${role ? "&role=" + encodeURIComponent(role) : ""}`;
+  const res = await api(`/api/windows/${index}/kernels?${q}`);
+  if (!res.ok) { fail(main, `window ${index}`, res); return; }
+  const ks = res.body;
+  const entry = (state.status?.windows || []).find(w => w.index === index);
+  main.append(el("h2", {}, `Window ${index} (${ks.role ?? "policy"}): steps ${ks.steps.join("-")}` +
+    `${ks.partial ? " partial" : ""}, ranks ${ks.ranks.length}, self ${ks.device ?? ""} time (${ks.unit})`));
+  if (entry) {
+    main.append(el("p", { class: "pills" }, "roles: ", Object.values(entry.roles || {}).map(p =>
+      el("a", { href: `#/window/${index}/${encodeURIComponent(p.role)}` }, p.role))));
+    main.append(el("p", {}, "traces: ", el("a", { href: `/api/windows/${index}/traces.tar.gz` +
+      `?role=${encodeURIComponent(ks.role ?? "policy")}` }, "download every rank's trace (.tar.gz)"),
+      el("span", { class: "muted" }, " then open one rank's file at https://ui.perfetto.dev (Open trace file)")));
+    const mark = regressionText(entry.regression);
+    if (mark) main.append(el("p", { class: "slower" }, mark));
+  }
+  main.append(el("h2", {}, "Top kernels, and their spread across ranks"));
+  main.append(table(
+    [{ label: "kernel", get: k => k.name }, { label: "total us", get: k => num(k.total_us), num: true },
+     { label: "mean", get: k => num(k.mean_us), num: true }, { label: "min", get: k => num(k.min_us), num: true },
+     { label: "max", get: k => num(k.max_us), num: true }, { label: "max@", get: k => k.max_rank, num: true },
+     { label: "std", get: k => num(k.std_us), num: true }, { label: "calls", get: k => k.count, num: true },
+     { label: "share", get: k => pct(k.share), num: true }],
+    ks.kernels));
+  const top = ks.kernels.slice(0, 15);
+  chart(main, { type: "bar", data: { labels: top.map(k => k.name.slice(0, 50)), datasets: [
+    { label: "min..max over ranks (us)", data: top.map(k => [k.min_us, k.max_us]) },
+    { label: "mean (us)", type: "line", showLine: false, pointRadius: 5, data: top.map(k => k.mean_us) }] },
+    options: { indexAxis: "y" } }, true);
+  heatmap(main, ks);
+  breakdown(main, ks);
+  stragglers(main, ks);
+  memory(main, ks);
+}
+
+function heatmap(main, ks) {
+  main.append(el("h2", {}, "Rank x top kernel (self time, us)"));
+  if (!ks.per_rank) { main.append(el("p", { class: "muted" }, "per-rank values are no longer kept for this window")); return; }
+  const names = ks.kernels.slice(0, 10).map(k => k.name);
+  const labels = names.map((n, i) => `${i + 1}. ${n.slice(0, 36)}`);  // unique, even when cut
+  const data = [];
+  let top = 0;
+  names.forEach((n, i) => Object.entries(ks.per_rank[n] || {}).forEach(([r, v]) => {
+    data.push({ x: labels[i], y: String(r), v, name: n }); top = Math.max(top, v); }));
+  const ranks = [...new Set(data.map(d => d.y))].sort((a, b) => a - b);
+  chart(main, { type: "matrix", data: { datasets: [{ label: "self time (us)", data,
+    backgroundColor: c => `rgba(32, 90, 170, ${0.08 + 0.92 * ((c.raw?.v ?? 0) / (top || 1))})`,
+    width: c => (c.chart.chartArea || {}).width / names.length - 2,
+    height: c => (c.chart.chartArea || {}).height / Math.max(1, ranks.length) - 2 }] },
+    options: { plugins: { legend: { display: false }, tooltip: { callbacks: {
+      label: c => `rank ${c.raw.y}, ${c.raw.name}: ${num(c.raw.v)} us` } } },
+      scales: { x: { type: "category", labels },
+                y: { type: "category", labels: ranks, offset: true } } } });
+}
+
+function breakdown(main, ks) {
+  main.append(el("h2", {}, "Breakdown per rank (us)"));
+  const ranks = Object.keys(ks.breakdown.ranks);
+  const cats = ["compute_us", "comm_us", "memcpy_us", "other_us"];
+  chart(main, { type: "bar", data: { labels: ranks.map(r => `rank ${r}`), datasets: cats.map(c =>
+    ({ label: c.replace("_us", ""), data: ranks.map(r => ks.breakdown.ranks[r][c] ?? 0) })) },
+    options: { scales: { x: { stacked: true }, y: { stacked: true } } } });
+}
+
+function stragglers(main, ks) {
+  const s = ks.stragglers;
+  main.append(el("h2", {}, `Stragglers (threshold x${num(s.threshold, 2)}; median step ${num(s.median_step_ms, 1)} ms)`));
+  const rows = Object.entries(s.ranks).map(([r, v]) => Object.assign({ rank: r }, v));
+  main.append(table(
+    [{ label: "rank", get: r => r.rank }, { label: "step ms", get: r => num(r.step_ms, 1), num: true },
+     { label: "x median", get: r => num(r.step_ratio, 2), num: true },
+     { label: "compute ms", get: r => num(r.compute_ms, 1), num: true },
+     { label: "compute x", get: r => num(r.compute_ratio, 2), num: true },
+     { label: "comm share", get: r => pct(r.comm_share), num: true },
+     { label: "flagged", get: r => r.flagged ? "straggler" : "" }],
+    rows, r => r.flagged ? "flagged" : null));
+  main.append(el("h2", {}, "Step time per rank (ms)"));
+  chart(main, { type: "bar", data: { labels: rows.map(r => `rank ${r.rank}`),
+    datasets: [{ label: "mean step time (ms)", data: rows.map(r => r.step_ms) }] } });
+}
+
+function memory(main, ks) {
+  main.append(el("h2", {}, "Memory peaks per rank"));
+  if (!ks.memory) { main.append(el("p", { class: "muted" }, "profile_memory is off in this run")); return; }
+  const ranks = Object.keys(ks.memory.peak_bytes);
+  chart(main, { type: "bar", data: { labels: ranks.map(r => `rank ${r}`),
+    datasets: [{ label: "peak allocated (MB)", data: ranks.map(r => ks.memory.peak_bytes[r] / 2 ** 20) }] } });
+}
+
+function capturesPage(main, st) {
+  main.append(el("h2", {}, "Request a capture"));
+  const answer = el("div", { id: "capture-answer", class: "answer muted" }, "no request yet");
+  const form = el("form", { class: "inline", id: "capture-form" },
+    el("label", {}, "active ", el("input", { name: "active", type: "number", min: 1, value: 2 })),
+    el("label", {}, "warmup ", el("input", { name: "warmup", type: "number", min: 0, value: 1 })),
+    el("label", {}, "ranks ", el("input", { name: "ranks", placeholder: "all selected" })),
+    el("label", {}, "start step ", el("input", { name: "start_step", type: "number", min: 0 })),
+    el("label", {}, "token ", el("input", { name: "token", type: "password", class: "wide",
+                                             value: state.token })),
+    el("button", { type: "submit" }, "Capture"));
+  form.addEventListener("submit", async ev => {
+    ev.preventDefault();
+    const f = new FormData(form);
+    state.token = String(f.get("token") || "");
+    sessionStorage.setItem("rayProfilerToken", state.token);
+    const body = { active: Number(f.get("active")), warmup: Number(f.get("warmup")) };
+    if (f.get("ranks")) body.ranks = String(f.get("ranks")).split(",").map(x => Number(x.trim()));
+    if (f.get("start_step")) body.start_step = Number(f.get("start_step"));
+    const res = await api("/api/captures", { method: "POST", json: body, auth: true });
+    answer.className = "answer " + (res.ok ? "ok" : "error");
+    answer.textContent = res.ok
+      ? `accepted: window ${res.body.window}, steps ${res.body.steps.join("-")}, ranks ${res.body.ranks.join(", ")}`
+      : `refused (${res.status}): ${res.body.reason ?? res.body.error}`;
+    if (res.ok) pendingCapture(main, res.body.window);
+  });
+  main.append(form, answer);
+  const next = st.next_window;
+  if (next && next.kind === "capture") pendingCapture(main, next.index);
+}
+
+function pendingCapture(main, index) {
+  if (document.getElementById(`cancel-${index}`)) return;
+  const out = el("span", { class: "muted" }, "");
+  const button = el("button", { id: `cancel-${index}`, onclick: async () => {
+    const res = await api(`/api/captures/${index}`, { method: "DELETE", auth: true });
+    out.textContent = res.ok ? " cancelled" : ` not cancelled (${res.status}): ${res.body.reason ?? res.body.error}`;
+  } }, `Cancel capture ${index}`);
+  main.append(el("p", {}, button, out));
+}
+
+async function diffPage(main, st, a, b) {
+  const closed = st.windows.filter(w => w.steps).map(w => w.index);
+  if (a === undefined) a = closed[0];
+  if (b === undefined) b = closed[closed.length - 1];
+  const form = el("form", { class: "inline" },
+    el("label", {}, "window A ", el("input", { name: "a", type: "number", value: a ?? "" })),
+    el("label", {}, "window B ", el("input", { name: "b", type: "number", value: b ?? "" })),
+    el("button", { type: "submit" }, "Compare"));
+  form.addEventListener("submit", ev => {
+    ev.preventDefault();
+    const f = new FormData(form);
+    location.hash = `#/diff/${f.get("a")}/${f.get("b")}`;
+  });
+  main.append(el("h2", {}, "Window diff"), form);
+  if (a === undefined || b === undefined) { main.append(el("p", { class: "muted" }, "no closed window yet")); return; }
+  const res = await api(`/api/diff?a=${a}&b=${b}&top_k=30`);
+  if (!res.ok) { fail(main, "diff", res); return; }
+  const d = res.body;
+  main.append(el("p", {}, `window ${d.b.window} (steps ${d.b.steps.join("-")}) against window ${d.a.window} ` +
+    `(steps ${d.a.steps.join("-")}): every kernel per step ${num(d.total_us[0])} -> ${num(d.total_us[1])} us; ` +
+    `step ${num(d.step_ms[0], 1)} -> ${num(d.step_ms[1], 1)} ms (x${num(d.step_ratio, 2)})`));
+  main.append(table(
+    [{ label: "kernel", get: k => k.name }, { label: "status", get: k => k.status },
+     { label: "A us/step", get: k => num(k.a_us, 1), num: true }, { label: "B us/step", get: k => num(k.b_us, 1), num: true },
+     { label: "change", get: k => num(k.change_us, 1), num: true }, { label: "ratio", get: k => num(k.ratio, 2), num: true }],
+    d.kernels));
+  const top = d.kernels.slice(0, 15);
+  chart(main, { type: "bar", data: { labels: top.map(k => k.name.slice(0, 50)),
+    datasets: [{ label: "change per step (us)", data: top.map(k => k.change_us) }] }, options: { indexAxis: "y" } }, true);
+  main.append(el("h2", {}, "Breakdown shift"));
+  main.append(table(
+    [{ label: "category", get: r => r.category }, { label: "A us", get: r => num(r.a_us), num: true },
+     { label: "B us", get: r => num(r.b_us), num: true }, { label: "A share", get: r => pct(r.a_share), num: true },
+     { label: "B share", get: r => pct(r.b_share), num: true }], d.breakdown));
+}
+
+async function phasesPage(main) {
+  const res = await api("/api/phases?last=200");
+  if (!res.ok) { fail(main, "phases", res); return; }
+  const p = res.body;
+  main.append(el("h2", {}, `Phase times: the last ${p.steps.length} steps (${p.steps_seen} seen)`));
+  main.append(table(
+    [{ label: "region", get: r => r.region }, { label: "mean ms", get: r => num(r.mean_ms, 1), num: true },
+     { label: "share", get: r => pct(r.share), num: true }, { label: "max ms", get: r => num(r.max_ms, 1), num: true }],
+    p.regions));
+  const names = p.regions.map(r => r.region);
+  chart(main, { type: "bar", data: { labels: p.steps.map(s => s.step), datasets: [
+    ...names.map(n => ({ label: n, data: p.steps.map(s => s.regions[n] ?? 0) })),
+    { label: "(in no region)", data: p.steps.map(s => s.other_ms) }] },
+    options: { scales: { x: { stacked: true }, y: { stacked: true, title: { display: true, text: "ms" } } } } });
+}
+
+function stallsPage(main, st) {
+  main.append(el("h2", {}, "Stalls"));
+  if (!st.stalls.length) { main.append(el("p", { class: "muted" }, "no stall in this run")); return; }
+  for (const s of st.stalls.slice().reverse()) {
+    main.append(el("h2", {}, `Stall ${s.index}: trainer ${s.trainer_id}, after step ${s.last_step ?? "-"}` +
+      (s.resumed_at ? `, resumed at step ${s.resumed_step}` : ", still stalled")));
+    if (s.culprit) main.append(el("p", { class: "error" }, s.culprit));
+    main.append(el("pre", {}, s.lines.join("\n")));
+    if (s.path) main.append(el("p", { class: "muted" }, s.path));
+  }
+}
+
+// ------------------------------------------------------------------ router
+
+function parseRoute() {
+  const parts = location.hash.replace(/^#\/?/, "").split("/").filter(Boolean);
+  return { name: parts[0] || "run", args: parts.slice(1).map(decodeURIComponent) };
+}
+
+async function render() {
+  const st = state.status;
+  const route = parseRoute();
+  state.route = route;
+  const main = clear();
+  if (!st) { main.append(el("p", { class: "muted" }, "waiting for the coordinator...")); return; }
+  if (route.name === "window") await windowPage(main, Number(route.args[0]), route.args[1]);
+  else if (route.name === "captures") capturesPage(main, st);
+  else if (route.name === "diff") await diffPage(main, st, route.args[0] && Number(route.args[0]),
+                                                  route.args[1] && Number(route.args[1]));
+  else if (route.name === "phases") await phasesPage(main);
+  else if (route.name === "stalls") stallsPage(main, st);
+  else runPage(main, st);
+  state.shown = fingerprint(st);
+}
+
+function fingerprint(st) {
+  // What a view shows changes when a step, a window, a rank state or a stall changes.
+  return JSON.stringify([st.global_step, st.phase, st.windows.map(w => [w.index, w.rank_count,
+    w.summaries_pending.length, w.traces_pending.length, !!w.regression]), st.rank_counts, st.stalls.length]);
+}
+
+async function poll() {
+  const res = await api("/api/status");
+  const live = document.getElementById("live");
+  if (!res.ok) {
+    live.textContent = `coordinator: ${res.status} ${res.body?.error ?? ""}`;
+    live.className = "error";
+    return;
+  }
+  state.status = res.body;
+  live.className = "";
+  live.textContent = `${res.body.run.name} · step ${res.body.global_step ?? "-"} · ${res.body.phase}`;
+  const busyPage = ["captures", "diff"].includes(state.route?.name);  // keep what is typed
+  if (state.shown === null || (!busyPage && fingerprint(res.body) !== state.shown)) await render();
+}
+
+window.addEventListener("hashchange", () => render());
+poll().then(() => setInterval(poll, POLL_MS));

@@ -1,0 +1,73 @@
+"""Remake docs/img/window.png from a real run: a private Ray head, `make demo` joining it (the
+coordinator stays alive), `ray-profiler serve`, then headless Chromium on the window page.
+
+    .venv/bin/python docs/img/screenshot.py        # about a minute; needs Debian's chromium
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = sys.executable
+
+
+def main() -> None:
+    tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: Ray's socket paths are capped
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": ROOT}
+    port, web = 6391, 8279
+    head = [PY, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}"]
+    head += ["--num-cpus=8", "--include-dashboard=false", f"--temp-dir={tmp}"]
+    # its own process group: this cluster is stopped, and no other
+    ray = subprocess.Popen(head, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    server = None
+    try:
+        time.sleep(15)
+        demo = [PY, "-m", "trainers.demo", "--address", address, "--trainer", "rl"]
+        demo += ["--steps", "16", "--save-path", f"{tmp}/profiles"]
+        subprocess.run(demo, env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        cli = [PY, "-m", "coordinator", "--address", address, "serve", "--port", str(web)]
+        server = subprocess.Popen(cli, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{web}"
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(url + "/api/status", timeout=5)
+                break
+            except OSError:
+                time.sleep(0.5)
+        shoot(url, os.path.join(ROOT, "docs", "img", "window.png"))
+    finally:
+        if server is not None:
+            server.terminate()
+        os.killpg(ray.pid, signal.SIGTERM)
+        time.sleep(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(ray.pid, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def shoot(url: str, out: str) -> None:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(url + "/#/window/1")
+        page.wait_for_selector("text=Rank x top kernel", timeout=60_000)
+        page.wait_for_timeout(500)
+        page.screenshot(path=out, full_page=True)
+        browser.close()
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

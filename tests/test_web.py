@@ -1,0 +1,328 @@
+"""The web view: its pure checks, its JSON API on a live coordinator with finished windows, the
+pages in a real headless Chromium, and ``ray-profiler serve`` as a user starts it."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+
+from coordinator import get_or_create_coordinator
+from coordinator.ops.web import auth
+from coordinator.ops.web.params import BadRequest, capture_args, diff_args, kernels_args
+from tests.configs import ROOT, profiler_config
+from tests.s3_server import free_port
+
+TOKEN = "test-token-" + uuid.uuid4().hex
+HOSTS = auth.allowed_hosts("127.0.0.1", 8270)
+
+
+# ------------------------------------------------------------------ pure
+
+
+def test_reads_are_open_on_loopback_and_changes_always_need_the_bearer_token():
+    ok = "127.0.0.1:8270"
+    assert auth.check("GET", ok, None, None, TOKEN, HOSTS, True) is None
+    no = auth.check("POST", ok, None, None, TOKEN, HOSTS, True)
+    assert no is not None and no.status == 401 and "Bearer" in no.reason
+    wrong = auth.check("POST", ok, "Bearer nope", None, TOKEN, HOSTS, True)
+    assert wrong is not None and wrong.status == 403
+    assert auth.check("DELETE", ok, f"Bearer {TOKEN}", None, TOKEN, HOSTS, True) is None
+    # a cookie never authorises a change (another site could make a browser send it)
+    assert auth.check("POST", ok, None, TOKEN, TOKEN, HOSTS, True).status == 401
+    # DNS rebinding: a Host that does not name this server
+    assert auth.check("GET", "evil.example:8270", None, None, TOKEN, HOSTS, True).status == 403
+    assert auth.check("GET", None, None, None, TOKEN, HOSTS, True).status == 403
+    assert auth.check("GET", "localhost:8270", None, None, TOKEN, HOSTS, True) is None
+
+
+def test_on_another_address_every_read_needs_the_token_in_the_header_or_the_cookie():
+    hosts = auth.allowed_hosts("10.1.2.3", 8270)
+    assert not auth.is_loopback("10.1.2.3") and auth.is_loopback("::1")
+    host = "10.1.2.3:8270"
+    assert auth.check("GET", host, None, None, TOKEN, hosts, False).status == 401
+    assert auth.check("GET", host, f"Bearer {TOKEN}", None, TOKEN, hosts, False) is None
+    assert auth.check("GET", host, None, TOKEN, TOKEN, hosts, False) is None
+    assert auth.check("GET", host, None, "x", TOKEN, hosts, False).status == 403
+    assert auth.check("GET", "127.0.0.1:8270", None, TOKEN, TOKEN, hosts, False).status == 403
+    assert auth.bearer("Basic abc") is None and auth.bearer("bearer  t ") == "t"
+
+
+def test_api_inputs_are_checked_naming_the_parameter():
+    assert kernels_args({"top_k": "5", "per_rank": "true", "role": "rollout"}) == {
+        "top_k": 5,
+        "trainer_id": None,
+        "role": "rollout",
+        "per_rank": True,
+        "run": None,
+    }
+    for query, message in [
+        ({"top_k": "x"}, "top_k must be an int"),
+        ({"top_k": "-1"}, "top_k must be an int in 0..100000"),
+        ({"per_rank": "maybe"}, "per_rank must be true or false"),
+        ({"role": "r" * 200}, "role is longer than 128"),
+    ]:
+        with pytest.raises(BadRequest, match=message):
+            kernels_args(query)
+    with pytest.raises(BadRequest, match="a is required"):
+        diff_args({"b": "1"})
+    assert capture_args(b'{"active": 2}') == {"active": 2, "ranks": None, "start_step": None}
+    for body, message in [
+        (b"{", "not JSON"),
+        (b"[1]", "must be a JSON object"),
+        (b'{"actve": 2}', r"unknown fields \['actve'\]"),
+        (b"{}", "active is required"),
+        (b'{"active": "2"}', "active must be an int"),
+        (b'{"active": 2, "ranks": [0, "1"]}', "ranks must be a list of ints"),
+        (b" " * 70_000, "over 65536 bytes"),
+    ]:
+        with pytest.raises(BadRequest, match=message):
+            capture_args(body)
+
+
+# ------------------------------------------------------- a live coordinator
+
+
+class Served:
+    """A coordinator with two closed windows (the second doing 8x the work), a trainer that
+    is still running, and the web server on a free loopback port (in a thread)."""
+
+    def __init__(self, ray, tmp_path, workers):
+        from coordinator.ops.web.server import CoordinatorLink, WebServer
+
+        cfg = profiler_config(tmp_path, wait=1, warmup=1, active=2, repeat=2)
+        self.name = f"profiler-{uuid.uuid4().hex[:8]}"
+        self.coord = get_or_create_coordinator(cfg, name=self.name, namespace="profiler-tests")
+        ray.get(self.coord.register.remote("t", workers))
+        ray.get(self.coord.start.remote("t", 0))
+        for k in range(8):  # windows 0 (steps 2-3) and 1 (6-7); the run goes on
+            ray.get([w.train_step.remote(8 if k >= 4 else 1) for w in workers])
+            ray.get(self.coord.step.remote("t", k))
+        from coordinator.client.step_client import wait_for_traces
+
+        assert wait_for_traces(self.coord, timeout_s=60) == []
+        self.port = free_port()
+        link = CoordinatorLink(self.name, "profiler-tests", self.coord)
+        self.server = WebServer(link, TOKEN, "127.0.0.1", self.port)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self.thread.start()
+        assert ready.wait(30), "the web server did not start"
+
+    def _run(self, ready):
+        from aiohttp import web
+
+        asyncio.set_event_loop(self.loop)
+        self.runner = web.AppRunner(self.server.app(), access_log=None)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        self.loop.run_until_complete(site.start())
+        ready.set()
+        self.loop.run_forever()
+
+    def close(self, ray):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        ray.get(self.coord.stop.remote("t"))
+        ray.kill(self.coord)
+
+    def http(self, method, path, body=None, token=None, headers=None):
+        """(status, parsed JSON or raw bytes) of one request."""
+        hdrs = dict(headers or {})
+        if token:
+            hdrs["Authorization"] = f"Bearer {token}"
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=hdrs)
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                raw, status, kind = r.read(), r.status, r.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as exc:
+            raw, status, kind = exc.read(), exc.code, exc.headers.get("Content-Type", "")
+        return status, json.loads(raw) if "json" in kind else raw
+
+
+@pytest.fixture(scope="module")
+def served(ray_session, tmp_path_factory, worker_pool):
+    workers = worker_pool.take(2)
+    s = Served(ray_session, tmp_path_factory.mktemp("web"), workers)
+    yield s
+    s.close(ray_session)
+    worker_pool.give_back(workers)
+
+
+def test_every_endpoint_answers_with_the_replies_shapes(served):
+    status, st = served.http("GET", "/api/status")
+    assert status == 200 and [w["index"] for w in st["windows"]] == [0, 1]
+    assert st["config"]["storage_options"] == {}  # (redacted when it holds any)
+    status, ks = served.http("GET", "/api/windows/1/kernels?top_k=5&per_rank=true")
+    assert status == 200 and ks["window"] == 1 and len(ks["kernels"]) == 5
+    assert set(ks["per_rank"][ks["kernels"][0]["name"]]) == {"0", "1"}
+    status, strag = served.http("GET", "/api/windows/0/stragglers")
+    assert status == 200 and strag["window"] == 0 and set(strag["ranks"]) == {"0", "1"}
+    status, d = served.http("GET", "/api/diff?a=0&b=1&top_k=3")
+    assert status == 200 and d["a"]["window"] == 0 and len(d["kernels"]) == 3
+    status, ph = served.http("GET", "/api/phases?last=5")
+    assert status == 200 and "steps" in ph
+    status, raw = served.http("GET", "/api/windows/1/traces.tar.gz")
+    assert status == 200
+    with tarfile.open(fileobj=io.BytesIO(raw), mode="r:gz") as tar:
+        names = sorted(n for n in tar.getnames() if n.endswith(".json"))
+    assert names == [f"window_0001_policy/rank{r}.pt.trace.json" for r in (0, 1)]
+    status, page = served.http("GET", "/")
+    assert status == 200 and b"/static/app.js" in page
+    status, js = served.http("GET", "/static/vendor/chart.umd.min.js")
+    assert status == 200 and len(js) > 100_000  # served from the package, no CDN
+
+
+def test_bad_input_gets_a_json_reason_and_the_right_status(served):
+    status, body = served.http("GET", "/api/windows/9/kernels")
+    assert status == 404 and body["error"].startswith("no window 9")
+    assert served.http("GET", "/api/windows/x/kernels")[0] == 400
+    assert served.http("GET", "/api/windows/1/kernels?top_k=-3")[0] == 400
+    assert served.http("GET", "/api/diff?a=0")[0] == 400
+    assert served.http("GET", "/api/windows/1/kernels?role=nobody")[0] == 400
+    assert served.http("GET", "/api/nothing")[0] == 404
+    assert served.http("GET", "/static/../server.py")[0] == 404
+    assert served.http("POST", "/api/captures", b"{", token=TOKEN)[0] == 400
+    status, body = served.http("POST", "/api/captures", b'{"active": 1, "x": 2}', token=TOKEN)
+    assert status == 400 and "unknown fields" in body["error"]
+    status, body = served.http("POST", "/api/captures", b"[" * 100_000, token=TOKEN)
+    assert status == 413 and body["error"]
+    # no token, a wrong one, a foreign Host: refused before the coordinator is asked
+    assert served.http("POST", "/api/captures", {"active": 1})[0] == 401
+    assert served.http("POST", "/api/captures", {"active": 1}, token="nope")[0] == 403
+    assert served.http("DELETE", "/api/captures/5")[0] == 401
+    assert served.http("GET", "/api/status", headers={"Host": "evil.example"})[0] == 403
+    status, body = served.http("GET", "/api/status")
+    assert TOKEN not in json.dumps(body)
+
+
+def test_captures_are_answered_refused_with_their_reason_and_cancelled(served):
+    status, ok = served.http(
+        "POST", "/api/captures", {"active": 2, "start_step": 100_000}, token=TOKEN
+    )
+    assert status == 200 and ok["accepted"] and ok["steps"] == [100_000, 100_001]
+    status, clash = served.http(
+        "POST", "/api/captures", {"active": 1, "start_step": 100_001}, token=TOKEN
+    )
+    assert status == 409 and not clash["accepted"] and "overlap" in clash["reason"]
+    status, gone = served.http("DELETE", f"/api/captures/{ok['window']}", token=TOKEN)
+    assert status == 200 and gone["cancelled"]
+    status, again = served.http("DELETE", f"/api/captures/{ok['window']}", token=TOKEN)
+    assert status == 409 and "no pending capture" in again["reason"]
+
+
+def test_an_unreachable_coordinator_is_503(ray_session):
+    from coordinator.ops.web.server import CoordinatorLink, Unavailable
+
+    link = CoordinatorLink("no-such-coordinator", "profiler-tests")
+    with pytest.raises(Unavailable, match="cannot be reached"):
+        asyncio.run(link.call("status"))
+
+
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert path, "Debian's chromium is missing: `make test` installs it (apt-get install chromium)"
+    return path
+
+
+def test_the_pages_in_a_real_browser(served, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 2200})
+            errors: list[str] = []
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            # the run page lists the windows, and refreshes by itself
+            page.goto(served.url + "/")
+            page.wait_for_selector("a[href='#/window/1']", timeout=30_000)
+            page.wait_for_function("document.getElementById('live').textContent.includes('step 7')")
+            # the window page: the kernel table and the charts
+            page.goto(served.url + "/#/window/1")
+            page.wait_for_selector("text=aten::addmm", timeout=30_000)
+            page.wait_for_selector("text=Rank x top kernel")
+            assert page.locator("canvas").count() == 4  # spread, heat map, breakdown, steps
+            page.screenshot(path=str(tmp_path / "window.png"), full_page=True)
+            assert (tmp_path / "window.png").stat().st_size > 20_000
+            # captures: refused without the token, accepted with it, then cancelled
+            page.goto(served.url + "/#/captures")
+            page.fill("input[name=start_step]", "200000")
+            page.fill("input[name=token]", "")
+            page.click("button[type=submit]")
+            page.wait_for_selector("#capture-answer.error")
+            assert "refused (401)" in page.inner_text("#capture-answer")
+            page.fill("input[name=token]", TOKEN)
+            page.click("button[type=submit]")
+            page.wait_for_selector("#capture-answer.ok")
+            answer = page.inner_text("#capture-answer")
+            assert "accepted: window" in answer and "steps 200000-200001" in answer
+            page.click("button[id^=cancel-]")
+            page.wait_for_selector("text=cancelled")
+            # the diff page
+            page.goto(served.url + "/#/diff/0/1")
+            page.wait_for_selector("text=against window 0", timeout=30_000)
+            assert page.locator("canvas").count() >= 1
+            page.screenshot(path=str(tmp_path / "diff.png"), full_page=True)
+        finally:
+            browser.close()
+    # the capture refused without a token is the one error the page is expected to log
+    assert [e for e in errors if "401" not in e] == [], errors
+
+
+@pytest.mark.subprocess
+def test_ray_profiler_serve_as_a_user_starts_it(served, ray_session):
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
+        "RAY_PROFILER_TOKEN": "",
+    }
+    env.pop("RAY_PROFILER_TOKEN")
+    cmd = [sys.executable, "-m", "coordinator", "--name", served.name, "--namespace"]
+    cmd += ["profiler-tests", "serve", "--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        token_line = proc.stdout.readline()
+        assert first.startswith(f"ray-profiler serve: http://127.0.0.1:{port}/"), first
+        token = token_line.strip().rsplit(" ", 1)[-1]
+        assert len(token) >= 32
+        url = f"http://127.0.0.1:{port}/api/status"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=30) as r:
+                    st = json.loads(r.read())
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.3)
+        assert st["name"] == served.name and len(st["windows"]) == 2
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/api/captures", data=b'{"active": 1}', method="POST"
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=30)
+        assert refused.value.code == 401
+    finally:
+        proc.terminate()
+        proc.wait(30)
