@@ -38,7 +38,7 @@ browser:
 # The whole suite: lint, types, then every test (Ray clusters, subprocesses, S3, the browser,
 # the demo).
 test: lint browser
-	RAY_AUTH_MODE=disabled $(PY) -m pytest -q
+	RAY_AUTH_MODE=disabled $(PY) -m pytest -q --durations=15
 
 # Lint, types and every test that needs no Ray and no subprocess (starting either fails there).
 test-fast: lint

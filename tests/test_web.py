@@ -100,7 +100,7 @@ class Served:
     is still running, and the web server on a free loopback port (in a thread)."""
 
     def __init__(self, ray, tmp_path, workers):
-        from coordinator.ops.web.server import CoordinatorLink, WebServer
+        from coordinator.ops.web.server import CoordinatorLink
 
         cfg = profiler_config(tmp_path, wait=1, warmup=1, active=2, repeat=2)
         self.name = f"profiler-{uuid.uuid4().hex[:8]}"
@@ -113,8 +113,25 @@ class Served:
         from coordinator.client.step_client import wait_for_traces
 
         assert wait_for_traces(self.coord, timeout_s=60) == []
+        self.web = ServerThread(CoordinatorLink(self.name, "profiler-tests", self.coord))
+        self.url = self.web.url
+
+    def close(self, ray):
+        self.web.close()
+        ray.get(self.coord.stop.remote("t"))
+        ray.kill(self.coord)
+
+    def http(self, method, path, body=None, token=None, headers=None):
+        return self.web.http(method, path, body, token, headers)
+
+
+class ServerThread:
+    """The web server of ``link`` on a free loopback port, in a thread with its own loop."""
+
+    def __init__(self, link):
+        from coordinator.ops.web.server import WebServer
+
         self.port = free_port()
-        link = CoordinatorLink(self.name, "profiler-tests", self.coord)
         self.server = WebServer(link, TOKEN, "127.0.0.1", self.port)
         self.url = f"http://127.0.0.1:{self.port}"
         self.loop = asyncio.new_event_loop()
@@ -134,12 +151,10 @@ class Served:
         ready.set()
         self.loop.run_forever()
 
-    def close(self, ray):
+    def close(self):
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
-        ray.get(self.coord.stop.remote("t"))
-        ray.kill(self.coord)
 
     def http(self, method, path, body=None, token=None, headers=None):
         """(status, parsed JSON or raw bytes) of one request."""
@@ -227,12 +242,24 @@ def test_captures_are_answered_refused_with_their_reason_and_cancelled(served):
     assert status == 409 and "no pending capture" in again["reason"]
 
 
-def test_an_unreachable_coordinator_is_503(ray_session):
-    from coordinator.ops.web.server import CoordinatorLink, Unavailable
+def test_an_unreachable_coordinator_is_503_and_found_again_when_it_is_back(ray_session, tmp_path):
+    from coordinator.ops.web.server import CoordinatorLink
 
-    link = CoordinatorLink("no-such-coordinator", "profiler-tests")
-    with pytest.raises(Unavailable, match="cannot be reached"):
-        asyncio.run(link.call("status"))
+    name = f"profiler-{uuid.uuid4().hex[:8]}"
+    web = ServerThread(CoordinatorLink(name, "profiler-tests"))
+    try:
+        status, body = web.http("GET", "/api/status")
+        assert status == 503 and f"the coordinator {name!r} cannot be reached" in body["error"]
+        assert web.http("GET", "/api/windows/0/kernels")[0] == 503
+        cfg = profiler_config(tmp_path)
+        coord = get_or_create_coordinator(cfg, name=name, namespace="profiler-tests")
+        try:
+            status, st = web.http("GET", "/api/status")  # looked up again: no restart needed
+            assert status == 200 and st["name"] == name
+        finally:
+            ray_session.kill(coord)
+    finally:
+        web.close()
 
 
 def chromium() -> str:
