@@ -35,6 +35,13 @@ class NoTraceEngine(TinyEngine):
         self._prof = None
 
 
+class AsyncEngine(TinyEngine):
+    """A fault: an async engine handed over as it is."""
+
+    async def start_profile(self, output_dir=None):
+        raise AssertionError("never awaited")
+
+
 class BrokenEngine(TinyEngine):
     """A fault: the engine's profiler cannot start."""
 
@@ -103,6 +110,11 @@ def test_faults_disable_the_rank_and_never_reach_the_engine(tmp_path):
     assert replies[-1]["state"] == "disabled" and replies[-1]["reason"]["where"] == "start_profile"
     assert "CUPTI" in replies[-1]["reason"]["message"]
     assert broken.generate().shape == (2, 8)
+    # an async engine as it is: refused with what to do, nothing left un-awaited
+    run = Generator(engine(AsyncEngine))
+    configure(run, tmp_path)
+    st = run.start_profile(Window(0, 0, 0, 1).to_dict(), 0)
+    assert st["state"] == "disabled" and "start_profile() is async" in st["reason"]["message"]
     # the engine writes nothing: disabled after the bounded wait, its profiler stopped once
     silent = Generator(engine(NoTraceEngine))
     silent.engine_trace_wait_s = 0.3

@@ -157,3 +157,20 @@ def test_kernel_summary_of_a_window_no_longer_kept_lists_what_is_kept():
     with pytest.raises(ValueError, match=r"no window 7: the closed windows kept are \[0\]"):
         kernel_summary(st, 7, 10, None)
     assert kernel_summary(st, None, 10, None)["window"] == 0
+
+
+def test_a_pending_summary_ends_by_a_later_reply_after_a_checkpoint_restore():
+    import pickle
+
+    st, keys = state()
+    rec = st.open_window(W0, keys)
+    st.apply_reply(("t", 0), closed_reply(pending=[0]))
+    st.apply_reply(("t", 1), closed_reply())
+    st.close_window(rec)
+    assert rec.summaries_pending == {("t", 0)}
+    restored = pickle.loads(pickle.dumps(st))
+    restored.__dict__.pop("_awaiting", None)  # as a checkpoint written before it existed
+    restored.apply_reply(("t", 0), {"state": "ok", "summaries_pending": []})  # lost, not pending
+    assert restored.windows[0].summaries_pending == set()
+    st.apply_reply(("t", 0), {"state": "ok", "summaries_pending": [0]})  # still being built
+    assert st.windows[0].summaries_pending == {("t", 0)}

@@ -169,7 +169,7 @@ class CoordinatorState:
         for failure in reply.get("summary_failures") or []:
             if isinstance(failure, dict):
                 self.summary_failed(key, failure.get("window"), failure)
-        for w in self.windows.values():
+        for w in _awaiting_summaries(self):  # (not every window kept: O(ranks x windows))
             if key in w.summaries_pending and w.window.index not in pending:
                 w.summaries_pending.discard(key)
 
@@ -194,8 +194,9 @@ class CoordinatorState:
                 if key not in w.traces:  # (the agent can report it before the closing reply)
                     w.traces_pending.add(key)
         w.partial = w.partial or bool(closed.get("partial"))
-        if index in pending and not w.has_summary(key):
-            w.summaries_pending.add(key)  # (a pushed summary can arrive before the closing reply)
+        if index in pending and not w.has_summary(key):  # (a push can come before the close)
+            w.summaries_pending.add(key)
+            _awaiting_summaries(self, index)
 
     def ingest_summary(self, key: tuple[str, int], blob: Any) -> int | None:
         """Decode strictly; a bad summary marks that rank's window bad and nothing else.
@@ -321,6 +322,25 @@ class CoordinatorState:
             self.counters[f"ranks_{state}"] += 1
         for w in self.windows.values():
             w.summaries_pending.discard(key)
+
+
+def _awaiting_summaries(st: CoordinatorState, add: int | None = None) -> list[WindowRecord]:
+    """The windows that may still wait for a rank's summary (their indices are kept in the
+    state's ``_awaiting``, pruned here); ``add`` records one more."""
+    idx: set[int] | None = st.__dict__.get("_awaiting")
+    if idx is None:  # (a checkpoint from before)
+        idx = st.__dict__["_awaiting"] = {i for i, w in st.windows.items() if w.summaries_pending}
+    if add is not None:
+        idx.add(add)
+        return []
+    out = []
+    for i in list(idx):
+        w = st.windows.get(i)
+        if w is None or not w.summaries_pending:
+            idx.discard(i)
+        else:
+            out.append(w)
+    return out
 
 
 def kernel_summary(

@@ -142,7 +142,7 @@ class EngineRank:
         if self.recording:
             self.recording_from = None
             try:
-                self.engine.stop_profile()  # once, after a fault while it recorded
+                _engine_call(self.engine, "stop_profile")  # once, after a fault while recording
             except Exception:
                 log.debug("stop_profile after a fault raised", exc_info=True)
         self.window = None
@@ -191,19 +191,19 @@ class EngineRank:
     def _begin(self, step: int) -> None:
         if _takes_output_dir(self.engine):
             self.out_dir = tempfile.mkdtemp(prefix=f"engine-rank{self.rank}-")
-            self.engine.start_profile(output_dir=self.out_dir)
+            _engine_call(self.engine, "start_profile", output_dir=self.out_dir)
         else:
             assert self.trace_dir is not None
             self.out_dir = self.trace_dir
             self.seen = set(_trace_files(self.trace_dir))
-            self.engine.start_profile()
+            _engine_call(self.engine, "start_profile")
         self.recording_from = step
 
     def _finish(self, last: int | None, partial: bool) -> None:
         w, first = self.window, self.recording_from
         assert w is not None and first is not None
         self.window, self.recording_from = None, None
-        self.engine.stop_profile()
+        _engine_call(self.engine, "stop_profile")
         steps = (first, last if last is not None else first)
         path = self._place_trace(w, steps)
         self.closed = ClosedWindow(
@@ -307,6 +307,20 @@ class EngineProfilerMixin(ProfilerWorkerMixin):
         er = EngineRank(engine, rank, cfg, role, report_to, *where)
         self._rank_profiler = er
         return er.status()
+
+
+def _engine_call(engine: Any, name: str, **kw: Any) -> None:
+    """``engine.<name>(**kw)``, refusing an async engine's coroutine (never awaited here: these
+    RPCs are plain calls on the actor's thread)."""
+    result = getattr(engine, name)(**kw)
+    if inspect.isawaitable(result):
+        close = getattr(result, "close", None)
+        if close is not None:
+            close()  # (no "never awaited" warning)
+        raise TypeError(
+            f"the engine's {name}() is async: give the adapter an object whose "
+            "start_profile()/stop_profile() are plain calls (wrapping the async engine)"
+        )
 
 
 def _takes_output_dir(engine: Any) -> bool:
