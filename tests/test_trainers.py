@@ -38,8 +38,9 @@ def actors(ray_session):
 def trainer_config(tmp_path, kind="sft"):
     """Every policy rank; and for the RL trainers, generation worker 0 (role ``rollout``)."""
     roles = {} if kind == "sft" else {"rollout": {"ranks": [0]}}
+    # top_k 200: every op in the summaries, so a small one (the sampling) is never cut
     return profiler_config(
-        tmp_path, skip_first=1, wait=1, warmup=1, active=2, repeat=2, roles=roles
+        tmp_path, skip_first=1, wait=1, warmup=1, active=2, repeat=2, roles=roles, top_k=200
     )
 
 
@@ -72,11 +73,15 @@ def test_trainer_is_profiled_end_to_end_and_unchanged(ray_session, actors, tmp_p
         assert hooks.enabled, hooks.disabled_reason
         status = ray.get(hooks.coordinator.status.remote())
         tables = [
-            ray.get(hooks.coordinator.kernel_summary.remote(window=w["index"]))
+            ray.get(hooks.coordinator.kernel_summary.remote(window=w["index"], top_k=1000))
             for w in status["windows"]
         ]
         gen_tables = [
-            ray.get(hooks.coordinator.kernel_summary.remote(window=w["index"], role="rollout"))
+            ray.get(
+                hooks.coordinator.kernel_summary.remote(
+                    window=w["index"], role="rollout", top_k=1000
+                )
+            )
             for w in status["windows"]
             if kind != "sft"
         ]
@@ -216,7 +221,9 @@ def test_an_engine_with_its_own_profiler_is_a_rank_through_the_adapter(
         run_sync_rl(hooks, policy, engine, RunConfig(steps=STEPS))
         assert wait_for_traces(hooks.coordinator, timeout_s=60) == []
         status = ray.get(hooks.coordinator.status.remote())
-        table = ray.get(hooks.coordinator.kernel_summary.remote(window=1, role="rollout"))
+        table = ray.get(
+            hooks.coordinator.kernel_summary.remote(window=1, role="rollout", top_k=1000)
+        )
         written = ray.get(engine.traces_written.remote())
     finally:
         ray.kill(hooks.coordinator)
