@@ -202,7 +202,7 @@ def request_flight_recorder(
         return {"path": None, "reason": why}
     if Path(str(fifo)) != stacks_dir() / f"{pid}.fr":
         return {"path": None, "reason": f"not available: no Flight Recorder pipe for pid {pid}"}
-    target = Path(out_dir) / f"nccl_flight_recorder_pid{pid}_{int(time.time())}.pkl"
+    target = Path(out_dir) / f"nccl_flight_recorder_pid{pid}_{time.time_ns() // 1_000_000}.pkl"
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(str(fifo), os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: nobody listens

@@ -6,9 +6,10 @@ until asked about CUDA.
 signal) to append every thread's stack to ``<dir>/<pid>.txt``. The dump is written by
 faulthandler's C handler, so it works while the training thread is blocked in C code, a
 collective included, and takes no GIL. On a CUDA rank with the Flight Recorder on
-(``TORCH_NCCL_TRACE_BUFFER_SIZE`` > 0) it also opens a named pipe ``<dir>/<pid>.fr``: a thread
-blocked in ``open`` on it (holding no GIL, costing nothing until asked) writes torch's own dump
-(``_dump_fr_trace``) to the path the agent sends.
+(``TORCH_NCCL_TRACE_BUFFER_SIZE`` > 0) it also makes a named pipe ``<dir>/<pid>.fr`` and opens
+it read-write before saying so, so the agent always finds a reader (no gap before the thread
+starts or between two requests); a thread blocked reading it (holding no GIL, costing nothing
+until asked) writes torch's own dump (``_dump_fr_trace``) to each path the agent sends.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import IO, Any
 
 from coordinator.protocol.stack_replies import StackDump
@@ -95,9 +95,10 @@ def _flight_recorder(pid: int, cuda: bool | None) -> tuple[str | None, str | Non
         with contextlib.suppress(FileNotFoundError):
             fifo.unlink()
         os.mkfifo(fifo, 0o600)
+        fd = os.open(fifo, os.O_RDWR)  # a reader from now on; read-write: never an EOF
         threading.Thread(
             target=_serve_flight_recorder,
-            args=(fifo,),
+            args=(fd,),
             name="profiler-flight-recorder",
             daemon=True,
         ).start()
@@ -106,17 +107,16 @@ def _flight_recorder(pid: int, cuda: bool | None) -> tuple[str | None, str | Non
         return None, f"not available: {type(exc).__name__}: {exc}"
 
 
-def _serve_flight_recorder(fifo: Path) -> None:
-    """Each line read from ``fifo`` is a path: write torch's Flight Recorder dump there (or
-    ``<path>.error`` with why)."""
-    while True:
-        try:
-            with open(fifo) as requests:  # blocks, without the GIL, until the agent writes
-                for line in requests:
-                    if line.strip():
-                        write_flight_recorder(line.strip())
-        except Exception:
-            return  # the pipe is gone: nothing more can ask
+def _serve_flight_recorder(fd: int) -> None:
+    """Each line read from the pipe ``fd`` is a path: write torch's Flight Recorder dump there
+    (or ``<path>.error`` with why)."""
+    try:
+        with open(fd, closefd=True) as requests:  # blocks, without the GIL, until asked
+            for line in requests:
+                if line.strip():
+                    write_flight_recorder(line.strip())
+    except Exception:
+        return  # the pipe is gone: nothing more can ask
 
 
 def write_flight_recorder(path: str) -> None:
