@@ -10,6 +10,10 @@ hands each call to the actor's event loop from another thread, which needs the G
 loop holds through each fold. It is why the coordinator takes node partials merged by relays
 (35 calls at 10,000 ranks, not 1,250).
 
+``--lane control`` sends the pings to a concurrency group of their own (``control``: its own
+thread and event loop), as the coordinator sends window commands to the node agents; the burst
+stays in the default group. Both lanes run by default, one after the other, in the same run.
+
 Run: RAY_AUTH_MODE=disabled .venv/bin/python bench/ray_queueing.py --mode wait
 """
 
@@ -27,7 +31,7 @@ import ray
 FOLD_S = 0.007
 
 
-@ray.remote(num_cpus=0, max_concurrency=20_000)
+@ray.remote(num_cpus=0, max_concurrency=20_000, concurrency_groups={"control": 16})
 class Folder:
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -77,27 +81,39 @@ class Pusher:
         return n
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", choices=["wait", "ack", "sync"], default="wait")
-    ap.add_argument("--calls", type=int, default=1250)
-    args = ap.parse_args()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    folder = Folder.remote(args.mode)
-    ray.get(folder.ping.remote())
-    pushes = [p.push.remote(args.calls // 4) for p in (Pusher.remote(folder) for _ in range(4))]
+def measure(mode: str, calls: int, lane: str) -> str:
+    folder = Folder.remote(mode)
+    ping = folder.ping.options(concurrency_group=lane) if lane != "default" else folder.ping
+    ray.get(ping.remote())
+    pushers = [Pusher.remote(folder) for _ in range(4)]
+    pushes = [p.push.remote(calls // 4) for p in pushers]
     t0, pings = time.perf_counter(), []
-    while ray.get(folder.count.remote()) < args.calls // 4 * 4 and time.perf_counter() - t0 < 120:
+    while ray.get(folder.count.remote()) < calls // 4 * 4 and time.perf_counter() - t0 < 120:
         t = time.perf_counter()
-        ray.get(folder.ping.remote())
+        ray.get(ping.remote())
         pings.append(time.perf_counter() - t)
         time.sleep(0.05)
     ray.get(pushes)
-    print(
-        f"mode {args.mode}: {args.calls} calls folded in {time.perf_counter() - t0:.1f} s; "
-        f"a ping took {1e3 * statistics.median(pings):.0f} ms median, "
-        f"{1e3 * max(pings):.0f} ms at most ({len(pings)} pings)"
+    for a in [folder, *pushers]:
+        ray.kill(a)
+    return (
+        f"mode {mode}, pings in the {lane} lane: {calls} calls folded in "
+        f"{time.perf_counter() - t0:.1f} s; a ping took {1e3 * statistics.median(pings):.0f} ms "
+        f"median, {1e3 * max(pings):.0f} ms at most ({len(pings)} pings)"
     )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=["wait", "ack", "sync"], default="wait")
+    ap.add_argument(
+        "--lane", nargs="+", choices=["default", "control"], default=["default", "control"]
+    )
+    ap.add_argument("--calls", type=int, default=1250)
+    args = ap.parse_args()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    for lane in args.lane:
+        print(measure(args.mode, args.calls, lane), flush=True)
 
 
 if __name__ == "__main__":

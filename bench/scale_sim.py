@@ -1,18 +1,20 @@
 """The real coordinator actor driven with thousands of simulated ranks on simulated nodes.
 
 A few Ray actors answer the rank RPCs for many ranks each (``SimRanks``, for the direct path and
-registration); a few others play the node agents of many simulated nodes each (``SimAgents``):
-they run the real agent fan-out code (``worker_ext.agent.rank_fanout``: relay, forwarding by
-agent name, reply folding) with ranks answered in process, and push realistic summaries (2,000
-kernels, the current wire format with breakdown and step times) over the real agents' path:
-one node partial per node per window (``ingest_partial``), or with ``--fanout direct`` one
-summary per rank (``ingest_summary``), the path before node partials.
+registration); a few others play the node agents of many simulated nodes each (``SimAgents``,
+4 by default, ``--agent-hosts``): they run the real agent fan-out code
+(``worker_ext.agent.rank_fanout``: relay, forwarding by agent name, reply folding; window
+commands in the agents' control lane) with ranks answered in process, and push realistic
+summaries (2,000 kernels, the current wire format with breakdown and step times) over the real
+agents' path: one node partial per node per window (``ingest_partial``), or with
+``--fanout direct`` one summary per rank (``ingest_summary``), the path before node partials.
 
 It prints, for each size: the trainer's step report latency in windows (open, step, close); the
 coordinator's own CPU per in-window step (psutil on its pid); its CPU per window of summaries;
 the time from the close until the cross-rank table lists every rank; a step report's latency
 while summaries arrive; ``status()`` latency and size; the coordinator's memory per window; and
-its event loop's longest stall (``status()["process"]["loop"]``).
+its event loop's longest stall (``status()["process"]["loop"]``). ``SCALE_SIM_GC=1`` also prints
+what the coordinator's garbage collector walks at the end, by type.
 
 Run: RAY_AUTH_MODE=disabled .venv/bin/python bench/scale_sim.py --ranks 1024 10000
 """
@@ -34,7 +36,7 @@ import ray
 
 from coordinator import get_or_create_coordinator
 from coordinator.core.partial import fold_summaries
-from coordinator.protocol.agent_rpc import NodeCommand
+from coordinator.protocol.agent_rpc import CONTROL_CALLS, CONTROL_LANE, NodeCommand
 from coordinator.protocol.names import AGENT_NAMESPACE
 from coordinator.protocol.partial_codec import encode_partial
 from coordinator.protocol.replies import rank_reply  # noqa: E402
@@ -44,6 +46,8 @@ from coordinator.protocol.summary_codec import (
     RankSummary,
     encode_summary,
 )
+from coordinator.service.node_fanout import group_size
+from worker_ext.agent.node_agent import control_lane
 from worker_ext.agent.partials import PartialRoutes, group_key
 from worker_ext.agent.rank_fanout import Key, RankFanOut, RankReplies
 
@@ -52,8 +56,9 @@ SPY = os.environ.get("SCALE_SIM_SPY")
 # SCALE_SIM_NICE_AGENTS=1: the simulated agents at the lowest CPU priority, so that they do not
 # take the coordinator's (and the driver's) cores, as real agents on their own nodes would not.
 NICE_AGENTS = os.environ.get("SCALE_SIM_NICE_AGENTS") == "1"
+GC_CENSUS = os.environ.get("SCALE_SIM_GC") == "1"  # print what the coordinator's GC walks
 PER_NODE = 8
-HOSTS = 4  # Ray actors that play the node agents (and as many that answer the rank RPCs)
+RANK_HOSTS = 4  # Ray actors that answer the rank RPCs for the registration and the direct path
 KERNELS = 2000
 NAMES = [
     f"void at::native::elementwise_kernel<{i}, 4, gemm_{i % 97}>(int, float*)"
@@ -65,18 +70,39 @@ def node_of(rank: int) -> str:
     return f"sim-node-{rank // PER_NODE:05d}"
 
 
-def host_of(node: str) -> int:
-    return int(node.rsplit("-", 1)[1]) % HOSTS
+AGENT_HOSTS = 4
+"""Ray actors that play the node agents, by default. ``--agent-hosts groups``: one per relay
+group, each relaying one group and taking its partials (about sqrt(nodes) calls a window) as a
+real relay does; on 2 cores those 35 processes (at 10,000 ranks) take turns on the CPU and the
+harness measures the machine's scheduler more than the coordinator (see bench/README.md)."""
+
+
+def agent_hosts(nodes: int, choice: str) -> int:
+    """How many actors play the agents: ``choice`` is a count or ``groups``. Node i is on actor
+    i % hosts, so with one per group each group's nodes are spread over every actor and the
+    groups' relays (their first nodes) are on different actors."""
+    if choice == "groups":
+        return max(1, -(-nodes // group_size(nodes)))
+    return max(1, int(choice))
+
+
+def host_of(node: str, hosts: int) -> int:
+    return int(node.rsplit("-", 1)[1]) % hosts
 
 
 def reply(
-    rank: int | None, closed: dict[str, Any] | None = None, pending: list[int] | None = None
+    rank: int | None,
+    hosts: int,
+    closed: dict[str, Any] | None = None,
+    pending: list[int] | None = None,
 ) -> dict[str, Any]:
     """A rank's reply; ``rank`` None for the direct path (one actor answers for many ranks, so
     it cannot say which node: the coordinator keeps what the registration told it)."""
     node = node_of(rank) if rank is not None else None
     agent = (
-        {"kind": "node_agent", "pid": 1, "name": f"sim-agents-{host_of(node)}"} if node else None
+        {"kind": "node_agent", "pid": 1, "name": f"sim-agents-{host_of(node, hosts)}"}
+        if node
+        else None
     )
     return dict(
         rank_reply(
@@ -105,28 +131,29 @@ def closing(window: dict[str, Any], step: int) -> dict[str, Any] | None:
 class SimRanks:
     """Answers the rank RPCs for many ranks (the direct path and the registration)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hosts: int) -> None:
         self.window: dict[str, Any] | None = None
+        self.hosts = hosts
 
     def configure_profiler(self, rank, config, run_dir, warm_up=True, report_to=None, role=""):
-        return reply(rank)
+        return reply(rank, self.hosts)
 
     def start_profile(self, window, step):
         self.window = window
-        return reply(None)
+        return reply(None, self.hosts)
 
     def profile_step(self, step):
         w = self.window
         closed = closing(w, step) if w else None
         if closed:
             self.window = None
-        return reply(None, closed, [closed["window"]] if closed else None)
+        return reply(None, self.hosts, closed, [closed["window"]] if closed else None)
 
     def stop_profile(self):
-        return reply(None)
+        return reply(None, self.hosts)
 
     def dump_profiler_summary(self, wait_s=0.0):
-        return reply(None)
+        return reply(None, self.hosts)
 
 
 def template(rank: int, seed: int = 0) -> RankSummary:
@@ -145,13 +172,14 @@ def template(rank: int, seed: int = 0) -> RankSummary:
     )
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, concurrency_groups={CONTROL_LANE: CONTROL_CALLS})
 class SimAgents(RankFanOut):
-    """Plays the node agents of the simulated nodes with ``host_of(node) == index``."""
+    """Plays the node agents of the simulated nodes with ``host_of(node, hosts) == index``."""
 
     def __init__(
         self,
         index: int,
+        hosts: int,
         nodes: list[str],
         coordinator: str,
         namespace: str,
@@ -161,7 +189,7 @@ class SimAgents(RankFanOut):
         super().__init__(
             f"sim-agents-{index}",
             nodes[0] if nodes else "",
-            hosts=lambda n: host_of(n) == index,
+            hosts=lambda n: host_of(n, hosts) == index,
             on_start=lambda cmd, node, keys: self.routes.learn(cmd, node, keys),
         )
         # The real agents' partial routes: each node's partial to its group's relay, which
@@ -171,7 +199,7 @@ class SimAgents(RankFanOut):
         self.nodes = nodes
         if NICE_AGENTS:  # real agents run on their own nodes, not on the coordinator's cores
             os.nice(19)
-        self.per_rank = per_rank
+        self.per_rank, self.host_count = per_rank, hosts
         self.coordinator = ray.get_actor(coordinator, namespace=namespace)
         # Every window's summaries built before the run: building them (parsing traces) is the
         # real agents' cost, on their own nodes, not the coordinator's, and here it would take
@@ -200,9 +228,11 @@ class SimAgents(RankFanOut):
             self.window = args[0]
         elif method == "profile_step" and self.window is not None:
             closed = closing(self.window, args[0])
-        out = {k: reply(k[1], closed, [closed["window"]] if closed else None) for k in keys}
+        pending = [closed["window"]] if closed else None
+        out = {k: reply(k[1], self.host_count, closed, pending) for k in keys}
         return out, []
 
+    @control_lane  # as the real agents: commands on their own thread and event loop
     async def command(self, cmd: NodeCommand) -> Any:
         if cmd["method"] == "start_profile":
             self.routes.lead(cmd)
@@ -232,6 +262,14 @@ class SimAgents(RankFanOut):
                 await self.routes.push(group_key(report_to, window), report_to, node, blob)
 
 
+def _census(_self: Any) -> list[tuple[str, int]]:
+    import collections
+    import gc
+
+    kinds = collections.Counter(type(o).__name__ for o in gc.get_objects())
+    return [("frozen", gc.get_freeze_count()), *kinds.most_common(12)]
+
+
 def cpu(pid: int) -> float:
     t = psutil.Process(pid).cpu_times()
     return t.user + t.system
@@ -247,7 +285,7 @@ def timed(ref_fn) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def run_size(n: int, fanout: str, windows: int) -> dict[str, Any]:
+def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, Any]:
     name = f"scale-{fanout}-{n}"
     ns = "profiler-bench"
     tmp = tempfile.mkdtemp(prefix="scale-sim-")
@@ -268,15 +306,17 @@ def run_size(n: int, fanout: str, windows: int) -> dict[str, Any]:
     coord = get_or_create_coordinator(cfg, name=name, namespace=ns, trainer_id="sim")
     pid = ray.get(coord.status.remote())["process"]["pid"]
     nodes = sorted({node_of(r) for r in range(n)})
-    rank_actors = [SimRanks.remote() for _ in range(HOSTS)]
+    direct = fanout == "direct"
+    hosts = agent_hosts(len(nodes), hosts_choice)
+    rank_actors = [SimRanks.remote(hosts) for _ in range(RANK_HOSTS)]
     agents = [
         SimAgents.options(name=f"sim-agents-{i}", namespace=AGENT_NAMESPACE).remote(
-            i, [x for x in nodes if host_of(x) == i], name, ns, fanout == "direct", windows
+            i, hosts, [x for x in nodes if host_of(x, hosts) == i], name, ns, direct, windows
         )
-        for i in range(HOSTS)
+        for i in range(hosts)
     ]
     ray.get([a.ready.remote() for a in agents])
-    workers = [rank_actors[r % HOSTS] for r in range(n)]
+    workers = [rank_actors[r % RANK_HOSTS] for r in range(n)]
     t0 = time.perf_counter()
     ray.get(coord.register.remote("sim", workers))
     register_s = time.perf_counter() - t0
@@ -284,6 +324,7 @@ def run_size(n: int, fanout: str, windows: int) -> dict[str, Any]:
     res: dict[str, Any] = {
         "ranks": n,
         "nodes": len(nodes),
+        "agent_hosts": hosts,
         "fanout": fanout,
         "register_s": register_s,
         "open": [],
@@ -386,7 +427,10 @@ def run_size(n: int, fanout: str, windows: int) -> dict[str, Any]:
     st, ds = timed(lambda: coord.status.remote())
     res["status_final_s"], res["status_final_kb"] = ds, len(json.dumps(st)) / 1024
     res["nodes_by_path"] = st["nodes"]["by_path"]
+    res["direct_nodes"] = [n for n in st["nodes"]["listed"] if n.get("path") == "direct"][:2]
     res["top20_s"] = timed(lambda: coord.kernel_summary.remote(top_k=20))[1]
+    if GC_CENSUS:  # what the coordinator's garbage collector walks, by type
+        res["gc_census"] = ray.get(coord.__ray_call__.remote(_census))
     ray.get(coord.stop.remote("sim"))
     for a in [coord, *agents, *rank_actors]:
         ray.kill(a)
@@ -407,8 +451,8 @@ def show(res: dict[str, Any]) -> None:
 
     r = res
     lines = [
-        f"\n== {r['ranks']} ranks on {r['nodes']} nodes, fanout {r['fanout']} "
-        f"(register {r['register_s']:.1f} s) ==",
+        f"\n== {r['ranks']} ranks on {r['nodes']} nodes, fanout {r['fanout']}, "
+        f"{r['agent_hosts']} actors play the agents (register {r['register_s']:.1f} s) ==",
         f"step report in windows: open {ms(r['open'])}, step {ms(r['step'])}, "
         f"close {ms(r['close'])}",
         f"coordinator CPU per in-window step (mean): open {mean_ms(r['cpu_open'])}, "
@@ -428,6 +472,10 @@ def show(res: dict[str, Any]) -> None:
         f"pauses up to {r['gc_max_ms']} ms by generation",
         f"top-20 query: {1e3 * r['top20_s']:.0f} ms; nodes by path: {r['nodes_by_path']}",
     ]
+    if r["direct_nodes"]:
+        lines.append(f"nodes told directly, e.g.: {r['direct_nodes']}")
+    if "gc_census" in r:
+        lines.append(f"objects the collector walks, by type: {r['gc_census']}")
     print("\n".join(lines), flush=True)
 
 
@@ -437,12 +485,17 @@ def main() -> None:
     ap.add_argument("--fanout", nargs="+", default=["node"], choices=["node", "direct"])
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument(
+        "--agent-hosts",
+        default=str(AGENT_HOSTS),
+        help="actors that play the node agents: a count, or 'groups' (one per relay group)",
+    )
     args = ap.parse_args()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     out = []
     for n in args.ranks:
         for fanout in args.fanout:
-            res = run_size(n, fanout, args.windows)
+            res = run_size(n, fanout, args.windows, args.agent_hosts)
             show(res)
             out.append(res)
     if args.json:

@@ -434,6 +434,33 @@ def test_a_killed_node_agent_costs_one_window_and_comes_back(ray_session, make):
     assert {r["agent"]["pid"] for r in st["ranks"]} != {agent_pid}
 
 
+def test_a_node_agent_busy_in_its_default_lane_still_answers_window_commands(ray_session):
+    """A relay taking its group's partials (the default lane) must not hold the next window's
+    start: commands, pings and stack reads run in the agent's control lane."""
+    ray = ray_session
+    from worker_ext.rank.agent_link import _node_agent
+
+    agent = _node_agent(ray.get_runtime_context().get_node_id())
+    ray.get(agent.ping.remote(), timeout=60)
+    busy = agent.__ray_call__.remote(lambda self: time.sleep(8))  # holds the default loop
+    time.sleep(1.0)
+    cmd = {
+        "owner": "profiler-tests/lanes#0",
+        "run": "r",
+        "relay": "",
+        "method": "profile_step",
+        "args": [1],
+        "timeout_s": 1.0,
+        "nodes": {},
+        "idle_exit_s": None,
+    }
+    reply = ray.get(agent.command.remote(cmd), timeout=5)
+    assert reply["nodes"] == [] and reply["relay"].startswith("agent-")
+    assert ray.get(agent.ping.remote(), timeout=5) > 0
+    assert ray.wait([busy], timeout=0)[1] == [busy]  # the default lane was busy all along
+    ray.get(busy)
+
+
 def test_roles_select_their_own_ranks_and_an_unselected_role_gets_no_rpc(ray_session, make):
     ray = ray_session
     coord, workers = make(3, ranks="all", roles={"rollout": {"ranks": [1]}})

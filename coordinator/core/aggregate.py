@@ -94,23 +94,23 @@ class _Table:
     def add_rank(self, rank: int, rows: Rows) -> array[float]:
         """Fold in one rank's rows (the fold of ``RowFold`` and ``merge`` in one pass); returns
         the rank's values by row id."""
-        scale = self.scale
-        mine = array("f")
-        for name, (v, count) in unique_rows(rows).items():
-            i = self.id_of(name)
+        scale, mine = self.scale, unique_rows(rows)
+        ids = [self.id_of(name) for name in mine]
+        values = array("f", [0.0]) * (max(ids) + 1 if ids else 0)
+        total, sumsq, count, present = self.total, self.sumsq, self.count, self.present
+        lo, hi, hi_rank = self.min_present, self.max, self.max_rank
+        for i, (v, calls) in zip(ids, mine.values(), strict=True):
             q = round(v * scale)
-            self.total[i] += q
-            self.sumsq[i] += q * q
-            self.count[i] += count
-            self.present[i] += 1
-            if v < self.min_present[i]:
-                self.min_present[i] = v
-            if v > self.max[i] or (v == self.max[i] and rank < self.max_rank[i]):
-                self.max[i], self.max_rank[i] = v, rank
-            if len(mine) <= i:
-                mine.extend([0.0] * (i + 1 - len(mine)))
-            mine[i] = v
-        return mine
+            total[i] += q
+            sumsq[i] += q * q
+            count[i] += calls
+            present[i] += 1
+            if v < lo[i]:
+                lo[i] = v
+            if v > hi[i] or (v == hi[i] and rank < hi_rank[i]):
+                hi[i], hi_rank[i] = v, rank
+            values[i] = v
+        return values
 
     def merge(self, rows: list[TableRow]) -> list[int]:
         """Fold in a partial's rows; returns their row ids, in order."""

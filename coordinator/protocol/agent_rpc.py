@@ -17,6 +17,12 @@ from coordinator.protocol.stack_replies import ProcessStack, StackRequest
 NODE_COMMANDS = ("start_profile", "profile_step", "stop_profile", "dump_profiler_summary")
 """The rank RPCs that may travel through node agents (``configure_profiler`` goes direct)."""
 
+CONTROL_LANE = "control"
+"""The agent's concurrency group (its own thread and event loop) for window commands, pings and
+stack reads: a relay busy taking its group's summaries must not hold the next window's start
+behind them (``bench/ray_queueing.py``: seconds in the default lane, milliseconds here)."""
+CONTROL_CALLS = 64
+
 
 class NodeOrder(TypedDict):
     """One node's part of a command: its agent, its ranks, and their handles when the agent may

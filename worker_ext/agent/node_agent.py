@@ -5,7 +5,10 @@ namespace ``profiler_agents`` (``coordinator.protocol.names``), ``num_cpus=0``, 
 with ``NodeAffinitySchedulingStrategy`` and created on demand by the first rank there that needs
 it (``worker_ext.rank.agent_link``). Being detached, it outlives every rank (a killed rank does
 not cost the other ranks of its node their summaries) and stops with the cluster (or
-``stop_node_agents``). It is an asyncio actor with two lanes: summaries (built one at a time, then
+``stop_node_agents``). It is an asyncio actor with two event loops: window commands, pings and
+stack reads in the control lane (``CONTROL_LANE``, a concurrency group of its own), everything
+else in Ray's default group; so a relay taking its group's partials never holds the next
+window's start. Its own work runs in two more lanes: summaries (built one at a time, then
 pushed to the coordinator) and file work (compression, folded stacks, clean-up, upload) on one
 thread of the lowest CPU priority, so every pending summary goes before any compression, and the
 file work yields the CPU to training.
@@ -19,10 +22,17 @@ import contextlib
 import functools
 import os
 import re
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar, cast
 
-from coordinator.protocol.agent_rpc import AgentRPC, NodeCommand, NodeCommandReply
+import ray
+
+from coordinator.protocol.agent_rpc import (
+    CONTROL_LANE,
+    AgentRPC,
+    NodeCommand,
+    NodeCommandReply,
+)
 from coordinator.protocol.names import AGENT_NAMESPACE, agent_name, is_agent_name
 from coordinator.protocol.reasons import reason
 from coordinator.protocol.replies import Reason
@@ -51,6 +61,12 @@ from worker_ext.agent.trace_jobs import (
 )
 
 PUBLISH_TIMEOUT_S = 30.0
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def control_lane(method: F) -> F:
+    """Serve ``method`` on the agent's control lane (``CONTROL_LANE``)."""
+    return cast(F, ray.method(concurrency_group=CONTROL_LANE)(method))
 
 
 class NodeAgent(AgentRPC):
@@ -63,8 +79,6 @@ class NodeAgent(AgentRPC):
         self._files = concurrent.futures.ThreadPoolExecutor(
             1, "profiler-files", initializer=lowest_cpu_priority
         )
-        import ray
-
         self.stubs = install_handle_stubs(own=("coordinator.", "worker_ext.agent."))
         self._node = str(ray.get_runtime_context().get_node_id())
         self.name = agent_name(self._node)
@@ -76,11 +90,13 @@ class NodeAgent(AgentRPC):
         self._idle = IdleExit(idle_exit_s, self._owners_live)
         self._owners: set[tuple[str, str]] = set()
 
+    @control_lane
     async def ping(self) -> int:
         """The agent's pid."""
         self._idle.touch()
         return os.getpid()
 
+    @control_lane
     async def command(self, cmd: NodeCommand) -> NodeCommandReply:
         """A window command for the ranks of some nodes: this node's ranks are called here, the
         others' through their agents (``worker_ext.agent.rank_fanout``)."""
@@ -92,6 +108,7 @@ class NodeAgent(AgentRPC):
             self._routes.lead(cmd)
         return await self._fanout.command(cmd)
 
+    @control_lane
     async def read_stacks(self, req: StackRequest) -> list[ProcessStack]:
         """The stacks of this node's processes that ``req`` lists (``stack_reader``)."""
         self._idle.touch()
@@ -127,8 +144,6 @@ class NodeAgent(AgentRPC):
 
     async def _owners_live(self) -> bool:
         """Whether a coordinator this agent served still has a live run."""
-        import ray
-
         for namespace, name in self._owners | set(self._coordinators):
             try:
                 loop = asyncio.get_running_loop()
@@ -180,8 +195,6 @@ class NodeAgent(AgentRPC):
     async def _call(self, report_to: dict[str, str], method: str, *args: Any, **kwargs: Any) -> Any:
         """Call the coordinator ``report_to`` names; a handle that has gone stale (the
         coordinator was killed, restarted or replaced by a new run) is looked up once more."""
-        import ray
-
         key = (report_to["namespace"], report_to["name"])
         for attempt in (1, 2):
             handle = self._coordinators.get(key)
@@ -261,8 +274,6 @@ def _read_chunk(path: str, offset: int, size: int) -> bytes:
 
 def stop_node_agents() -> list[str]:
     """Kill every node agent of this version on the cluster (they are detached); their names."""
-    import ray
-
     killed = []
     for a in ray.util.list_named_actors(all_namespaces=True):
         name = a.get("name", "")

@@ -66,8 +66,9 @@ class Gather(Generic[T]):
         self._pending: dict[GroupKey, _Pending[T]] = {}
 
     def expect(self, key: GroupKey, members: set[Hashable]) -> None:
-        """The members whose items ``key`` waits for (once they are all in, it goes)."""
-        self.expected.setdefault(key, set()).update(members)
+        """The members whose items ``key`` waits for (once they are all in, it goes). Called
+        from the agent's control lane, another thread: the set is replaced, never changed."""
+        self.expected[key] = self.expected.get(key, set()) | members
         while len(self.expected) > 256:  # windows whose items never came: forget the oldest
             del self.expected[next(iter(self.expected))]
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Protocol
 
+from coordinator.protocol.agent_rpc import CONTROL_CALLS, CONTROL_LANE
 from coordinator.protocol.names import AGENT_NAMESPACE, agent_name
 from worker_ext.agent.node_agent import NodeAgent
 from worker_ext.agent.trace_jobs import JobResult, TraceJob, run_job
@@ -55,7 +56,8 @@ def _agent_actor() -> Any:
     if _ACTOR is None:
         import ray
 
-        _ACTOR = ray.remote(num_cpus=0, max_restarts=0)(NodeAgent)
+        lanes = {CONTROL_LANE: CONTROL_CALLS}
+        _ACTOR = ray.remote(num_cpus=0, max_restarts=0, concurrency_groups=lanes)(NodeAgent)
     return _ACTOR
 
 
