@@ -58,6 +58,7 @@ bench: venv
 	$(PY) bench/summary_memory.py
 	RAY_AUTH_MODE=disabled $(PY) bench/upload_cost.py
 	RAY_AUTH_MODE=disabled $(PY) bench/stack_cost.py
+	$(PY) bench/status_cost.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

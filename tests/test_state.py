@@ -174,3 +174,65 @@ def test_a_pending_summary_ends_by_a_later_reply_after_a_checkpoint_restore():
     assert restored.windows[0].summaries_pending == set()
     st.apply_reply(("t", 0), {"state": "ok", "summaries_pending": [0]})  # still being built
     assert st.windows[0].summaries_pending == {("t", 0)}
+
+
+def _fresh(rec, complete):
+    """``rec.to_dict(complete)`` built from nothing (the cache of role parts dropped)."""
+    rec.__dict__.pop("_parts_cache", None)
+    return rec.to_dict(complete)
+
+
+def test_a_window_s_entry_is_built_once_and_rebuilt_whenever_anything_in_it_changes():
+    import pickle
+    import random
+
+    rng = random.Random(7)
+    st, keys = state(world=12, selected=tuple(range(12)))
+    rec = st.open_window(W0, keys)
+    ops = [
+        lambda k: st.apply_reply(k, closed_reply(pending=[0] if k[1] % 2 else [])),
+        lambda k: st.ingest_summary(k, blob(k[1], us=rng.uniform(1, 30))),
+        lambda k: st.trace_stored(k, 0, f"/t/{k[1]}", rng.choice([None, {"message": "x"}])),
+        lambda k: st.summary_failed(k, 0, {"where": "agent", "type": "E", "message": "m"}),
+        lambda k: st.rank_failed(k, "lost", {"where": "x", "type": "X", "message": "gone"}),
+        lambda k: st.close_window(rec),
+    ]
+    for _ in range(200):  # every entry read after a change equals one built from nothing
+        rng.choice(ops)(rng.choice(keys))
+        for complete in (True, False):
+            cached = rec.to_dict(complete)
+            assert rec.to_dict(complete) == cached == _fresh(rec, complete)
+    rec.to_dict(True)
+    assert "_parts_cache" in rec.__dict__
+    loaded = pickle.loads(pickle.dumps(rec))  # the checkpoint holds no cache
+    assert "_parts_cache" not in loaded.__dict__ and loaded.to_dict() == rec.to_dict()
+
+
+def test_a_trace_reported_again_over_a_settled_window_shows_in_its_entry():
+    st, keys = state()
+    rec = st.open_window(W0, keys)
+    for k in keys:
+        st.apply_reply(k, closed_reply())
+        st.trace_stored(k, 0, f"/t/{k[1]}", None)
+    st.close_window(rec)
+    assert rec.to_dict()["trace_errors"] == {}
+    st.trace_stored(keys[0], 0, "/t/0", {"where": "upload", "message": "denied"})
+    assert rec.to_dict()["trace_errors"] == {0: {"where": "upload", "message": "denied"}}
+
+
+def test_a_window_s_entry_follows_summaries_pushed_early_and_stragglers_found_later():
+    from coordinator.core.aggregate import CHEAP_RANKS
+
+    n = CHEAP_RANKS + 4
+    st, keys = state(world=n, selected=tuple(range(n)))
+    rec = st.open_window(W0, keys)
+    st.ingest_summary(keys[0], blob(0))  # before any closing reply: nothing else changes
+    assert rec.to_dict()["roles"]["t"]["busy_ms_per_step"] == 0.005
+    for k in keys[1:]:
+        st.ingest_summary(k, blob(k[1], us=500.0 if k[1] == 3 else 10.0))
+    for k in keys:
+        st.apply_reply(k, closed_reply())
+    st.close_window(rec)
+    assert rec.to_dict()["stragglers"] == []  # too many ranks to find them on the loop
+    kernel_summary(st, 0, 5, None)  # a table finds them (off the loop in the actor) and keeps them
+    assert rec.to_dict()["stragglers"] == [3]

@@ -317,6 +317,11 @@ class WindowAggregate:
             self._stragglers = (key, self._find_stragglers(threshold))
         return self._stragglers[1]
 
+    @property
+    def stragglers_known(self) -> bool:
+        """Whether the stragglers of the ranks in so far have been computed."""
+        return self._stragglers is not None and self._stragglers[0][0] == len(self.rank_totals)
+
     def flagged(self, threshold: float) -> list[int] | None:
         """The flagged stragglers; None when they would have to be computed and the window has
         over ``CHEAP_RANKS`` ranks (``stragglers()`` then runs off the event loop)."""

@@ -268,6 +268,7 @@ class CoordinatorState:
             self.counters["unexpected_trace_reports"] += 1
             return False
         w.traces[key] = WindowTrace(path=path, local_path=local_path, node=node, error=error)
+        w.changes = getattr(w, "changes", 0) + 1
         self.ranks_version += bool(error)
         w.traces_pending.discard(key)
         if error:
@@ -296,6 +297,7 @@ class CoordinatorState:
         if not w.has_summary(key):
             self.counters["lost_summaries"] += 1
         w.aggregate(key[0]).mark_bad(key[1], message[:2000])
+        w.changes = getattr(w, "changes", 0) + 1
         w.summaries_pending.discard(key)
         if isinstance(reason, dict) and reason.get("where") == "agent":
             # The agent died: nobody will finish this trace; it stays where the rank wrote it.
