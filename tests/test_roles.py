@@ -130,3 +130,22 @@ def test_the_agent_serves_trace_files_in_role_directories_and_nothing_else(tmp_p
     assert not is_trace_file(
         str(tmp_path / "window_0001_steps_2-3" / ".." / "x" / "rank0.pt.trace.json")
     )
+
+
+def test_a_long_rank_list_selects_exactly_its_ranks():
+    import pickle
+
+    odd = list(range(9999, -1, -2))
+    for cfg in (
+        ProfilerConfig(enable=True, ranks=odd, roles={"r": {"ranks": [3]}}),  # as given
+        ProfilerConfig.from_dict(
+            {"enable": True, "save_path": "/tmp", "ranks": odd, "roles": {"r": {"ranks": [3]}}}
+        ),
+    ):
+        picked = [r for r in range(-1, 10_001) if cfg.selects(r)]
+        assert picked == list(range(1, 10_000, 2))
+        assert [r for r in range(6) if cfg.selects(r, "r")] == [3]
+        assert not cfg.selects(3, "critic")
+        cfg.ranks = [2]  # a new list: the set kept for the old one is not used
+        assert cfg.selects(2) and not cfg.selects(1)
+        assert "_rank_sets" not in pickle.loads(pickle.dumps(cfg)).__dict__
