@@ -96,14 +96,6 @@ def role_ranks(
     return ranks if role == POLICY else None
 
 
-def selects(
-    ranks: RankSelection, roles: Mapping[str, Mapping[str, RankSelection]], rank: int, role: str
-) -> bool:
-    """Whether ``rank`` of ``role`` is profiled."""
-    chosen = role_ranks(ranks, roles, role)
-    return chosen is not None and (chosen == "all" or rank in chosen)
-
-
 def outside_ranks(chosen: RankSelection | None, world: Sequence[int]) -> list[int]:
     """The selected ranks a role's world does not have (none for ``all`` or an unselected
     role)."""

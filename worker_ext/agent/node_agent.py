@@ -7,11 +7,11 @@ it (``worker_ext.rank.agent_link``). Being detached, it outlives every rank (a k
 not cost the other ranks of its node their summaries) and stops with the cluster (or
 ``stop_node_agents``). It is an asyncio actor with two event loops: window commands, pings and
 stack reads in the control lane (``CONTROL_LANE``, a concurrency group of its own), everything
-else in Ray's default group; so a relay taking its group's partials never holds the next
-window's start. Its own work runs in two more lanes: summaries (built one at a time, then
-pushed to the coordinator) and file work (compression, folded stacks, clean-up, upload) on one
-thread of the lowest CPU priority, so every pending summary goes before any compression, and the
-file work yields the CPU to training.
+else in Ray's default group; so a relay taking its group's partials does not hold the next
+window's start behind its event loop's queue. Its own work runs in two more lanes: summaries
+(built one at a time, then pushed to the coordinator) and file work (compression, folded
+stacks, clean-up, upload) on one thread of the lowest CPU priority, so every pending summary
+goes before any compression, and the file work yields the CPU to training.
 """
 
 from __future__ import annotations
