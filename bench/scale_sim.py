@@ -14,7 +14,9 @@ coordinator's own CPU per in-window step (psutil on its pid); its CPU per window
 the time from the close until the cross-rank table lists every rank; a step report's latency
 while summaries arrive; ``status()`` latency and size; the coordinator's memory per window; and
 its event loop's longest stall (``status()["process"]["loop"]``). ``SCALE_SIM_GC=1`` also prints
-what the coordinator's garbage collector walks at the end, by type.
+what the coordinator's garbage collector walks at the end, by type; ``SCALE_SIM_SLOW=1`` the
+slowest turns of its event loop (its CPU, the garbage collection in it, the coroutine);
+``SCALE_SIM_SPY=<py-spy>`` records the coordinator and one agent actor for 10 s after each close.
 
 Run: RAY_AUTH_MODE=disabled .venv/bin/python bench/scale_sim.py --ranks 1024 10000
 """
@@ -57,6 +59,9 @@ SPY = os.environ.get("SCALE_SIM_SPY")
 # take the coordinator's (and the driver's) cores, as real agents on their own nodes would not.
 NICE_AGENTS = os.environ.get("SCALE_SIM_NICE_AGENTS") == "1"
 GC_CENSUS = os.environ.get("SCALE_SIM_GC") == "1"  # print what the coordinator's GC walks
+# SCALE_SIM_SLOW=1: log every turn of the coordinator's event loop that takes over 20 ms of the
+# loop thread's CPU, with the coroutine it ran (what a stall is made of).
+SLOW_LOG = os.environ.get("SCALE_SIM_SLOW") == "1"
 PER_NODE = 8
 RANK_HOSTS = 4  # Ray actors that answer the rank RPCs for the registration and the direct path
 KERNELS = 2000
@@ -221,6 +226,9 @@ class SimAgents(RankFanOut):
     def ready(self) -> int:
         return sum(len(b) for b in self.blobs.values())
 
+    def pid(self) -> int:
+        return os.getpid()
+
     async def call_ranks(self, cmd: NodeCommand, keys: list[Key]) -> RankReplies:
         method, args = cmd["method"], cmd["args"]
         closed = None
@@ -262,12 +270,67 @@ class SimAgents(RankFanOut):
                 await self.routes.push(group_key(report_to, window), report_to, node, blob)
 
 
+def _log_slow_turns(_self: Any) -> None:
+    """Runs in the coordinator: time every callback of its event loop in thread CPU."""
+    import asyncio.events as events
+    import gc
+
+    run = events.Handle._run
+    slow: list[tuple[float, float, str]] = []
+    gc_ms = [0.0, 0.0]  # collections' total, the start of the one in progress
+
+    def on_gc(phase: str, _info: Any) -> None:
+        if phase == "start":
+            gc_ms[1] = time.perf_counter()
+        else:
+            gc_ms[0] += (time.perf_counter() - gc_ms[1]) * 1e3
+
+    def timed_run(handle: Any) -> None:
+        c0, g0 = time.thread_time(), gc_ms[0]
+        run(handle)
+        ms = (time.thread_time() - c0) * 1e3
+        if ms >= 20:
+            try:
+                task = getattr(handle._callback, "__self__", None)
+                what = task.get_coro() if hasattr(task, "get_coro") else handle._callback
+                chain = []  # the coroutines it awaits, outermost first: where the turn ended
+                for _ in range(12):
+                    if getattr(what, "__qualname__", None):
+                        chain.append(what.__qualname__)
+                    what = getattr(what, "cr_await", None)
+                    if what is None:
+                        break
+                name = " > ".join(chain[:4])[:160]
+            except Exception as exc:  # never the loop's problem
+                name = f"? {exc!r:.80}"
+            slow.append((round(ms, 1), round(gc_ms[0] - g0, 1), name))
+
+    gc.callbacks.append(on_gc)
+
+    events.Handle._run = timed_run  # type: ignore[method-assign]
+    events._scale_sim_slow = slow  # type: ignore[attr-defined]
+
+
+def _slow_turns(_self: Any) -> list[tuple[float, float, str]]:
+    import asyncio.events as events
+
+    return sorted(getattr(events, "_scale_sim_slow", []), reverse=True)[:12]
+
+
 def _census(_self: Any) -> list[tuple[str, int]]:
     import collections
     import gc
 
     kinds = collections.Counter(type(o).__name__ for o in gc.get_objects())
     return [("frozen", gc.get_freeze_count()), *kinds.most_common(12)]
+
+
+def spy(pid: int, out: str) -> None:
+    import subprocess
+
+    cmd = [SPY or "py-spy", "record", "-p", str(pid), "-d", "10", "-r", "100", "--idle"]
+    cmd += ["--threads", "-f", "raw", "-o", out, "--nonblocking"]
+    subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def cpu(pid: int) -> float:
@@ -305,6 +368,8 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
     }
     coord = get_or_create_coordinator(cfg, name=name, namespace=ns, trainer_id="sim")
     pid = ray.get(coord.status.remote())["process"]["pid"]
+    if SLOW_LOG:
+        ray.get(coord.__ray_call__.remote(_log_slow_turns))
     nodes = sorted({node_of(r) for r in range(n)})
     direct = fanout == "direct"
     hosts = agent_hosts(len(nodes), hosts_choice)
@@ -364,30 +429,9 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
         closed_at, c0 = time.perf_counter(), cpu(pid)
         index = ray.get(coord.status.remote())["windows"][-1]["index"]
         pushes = [a.push_window.remote(index, run) for a in agents]
-        if SPY:
-            import subprocess
-
-            subprocess.Popen(
-                [
-                    SPY,
-                    "record",
-                    "-p",
-                    str(pid),
-                    "-d",
-                    "10",
-                    "-r",
-                    "100",
-                    "--idle",
-                    "--threads",
-                    "-f",
-                    "raw",
-                    "-o",
-                    f"/tmp/spy-{n}-{len(res['close'])}.txt",
-                    "--nonblocking",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+        if SPY:  # the coordinator and the first agent actor, 10 s from the close
+            spy(pid, f"/tmp/spy-{n}-{len(res['close'])}.txt")
+            spy(ray.get(agents[0].pid.remote()), f"/tmp/spy-agent-{n}-{len(res['close'])}.txt")
         stall_from = time.time()
         lat, stat_s, stat_kb, pings = [], [], [], []
         while True:  # the trainer steps on while the summaries arrive
@@ -429,6 +473,8 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
     res["nodes_by_path"] = st["nodes"]["by_path"]
     res["direct_nodes"] = [n for n in st["nodes"]["listed"] if n.get("path") == "direct"][:2]
     res["top20_s"] = timed(lambda: coord.kernel_summary.remote(top_k=20))[1]
+    if SLOW_LOG:
+        res["slow_turns"] = ray.get(coord.__ray_call__.remote(_slow_turns))
     if GC_CENSUS:  # what the coordinator's garbage collector walks, by type
         res["gc_census"] = ray.get(coord.__ray_call__.remote(_census))
     ray.get(coord.stop.remote("sim"))
@@ -474,6 +520,11 @@ def show(res: dict[str, Any]) -> None:
     ]
     if r["direct_nodes"]:
         lines.append(f"nodes told directly, e.g.: {r['direct_nodes']}")
+    if "slow_turns" in r:
+        lines.append(
+            "the loop's slowest turns (ms of its CPU, ms of it collecting garbage, coroutine): "
+            f"{r['slow_turns']}"
+        )
     if "gc_census" in r:
         lines.append(f"objects the collector walks, by type: {r['gc_census']}")
     print("\n".join(lines), flush=True)

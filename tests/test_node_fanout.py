@@ -102,3 +102,64 @@ def test_a_dead_agent_sends_its_nodes_direct_and_the_others_stay_on_agents(sim):
     want = [("start_profile", 0), ("profile_step", 0), ("profile_step", 1), ("profile_step", 2)]
     want += [("start_profile", 1), ("profile_step", 3), ("profile_step", 4), ("profile_step", 5)]
     assert commands(ray, ranks) == [want] * len(ranks)
+
+
+async def test_a_large_node_answer_is_folded_with_the_event_loop_let_go_between_nodes():
+    """A relay's answer of thousands of ranks (8 a node) is folded in slices: a step report
+    waits for one slice, not for the whole answer."""
+    import asyncio
+
+    from coordinator.core.config import ProfilerConfig
+    from coordinator.core.records import TrainerRecord
+    from coordinator.core.run import new_run
+    from coordinator.core.schedule import Window
+    from coordinator.protocol.replies import rank_reply
+    from coordinator.service.node_fanout import YIELD_EVERY, NodeFanOut, NodeRoute
+
+    n, per_node = 2048, 8
+    run = new_run(
+        ProfilerConfig.from_dict({"enable": True, "save_path": "/run"}, check_paths=False), set()
+    )
+    st = run.state
+    st.register(TrainerRecord("t", "policy", list(range(n)), {}, "/run"), True, lambda r: True)
+    keys = [("t", r) for r in range(n)]
+    st.open_window(Window(0, 0, 1, 2), keys)
+    closed = {"window": 0, "steps": [1, 2], "partial": False, "trace_path": "/run/w/r.json"}
+    by_node = {f"n{i}": keys[i * per_node : (i + 1) * per_node] for i in range(n // per_node)}
+    reply = {
+        "relay": "a",
+        "nodes": [
+            {
+                "node": node,
+                "agent": "a",
+                "answered": [],
+                "replies": [
+                    (t, r, dict(rank_reply(rank=r, closed=closed, summaries_pending=[0])))
+                    for t, r in ks
+                ],
+                "failed": [],
+                "unknown": [],
+                "error": None,
+            }
+            for node, ks in by_node.items()
+        ],
+    }
+    fanout = NodeFanOut("owner")
+    fanout.routes = {node: NodeRoute(node, "a") for node in by_node}
+    turns = 0
+
+    async def other_calls() -> None:
+        nonlocal turns
+        while True:
+            await asyncio.sleep(0)
+            turns += 1
+
+    other = asyncio.ensure_future(other_calls())
+    await asyncio.sleep(0)
+    before = turns
+    direct = await fanout._apply(run, reply, by_node, "profile_step")
+    other.cancel()
+    assert direct == []
+    assert turns - before >= n // YIELD_EVERY - 1
+    assert st.windows[0].acked == set(keys)
+    assert st.windows[0].summaries_pending == set(keys)

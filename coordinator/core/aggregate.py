@@ -20,6 +20,7 @@ from typing import Any, cast
 import msgspec
 
 from coordinator.core.partial import Rows, rank_part, unique_rows
+from coordinator.core.steps import Steps, run_steps
 from coordinator.protocol.partial_codec import NS, NodePartial, RankPart, TableRow
 from coordinator.protocol.replies import (
     BreakdownTable,
@@ -40,6 +41,17 @@ from coordinator.protocol.summary_codec import (
 
 CHEAP_RANKS = 256
 """Up to this many ranks, a window's stragglers are computed wherever they are asked for."""
+STEP_ROWS, STEP_BLOCKS, STEP_RANKS = 4096, 64, 512
+"""A partial's rows, detail blocks and ranks folded in one step (each a few ms)."""
+_SNAPSHOT_COPIES = (
+    *("_folding", "_torn", "devices", "rank_totals", "rank_step_ms", "step_ms_sum"),
+    *("step_ranks", "rank_dropped", "bad_ranks", "breakdowns", "streams", "peak_bytes"),
+)
+"""What a snapshot copies (the rest it shares: per-rank values are only ever appended to)."""
+TORN = (
+    "the coordinator restarted while folding this rank's node partial: the window's kernel "
+    "rows count it, its own figures are lost"
+)
 
 
 class _Table:
@@ -202,6 +214,8 @@ class WindowAggregate:
         self._memory = _Table(1)
         # Per-rank values for the rank x kernel views, in blocks of ranks (see ``_Block``).
         self._detail: list[_Block] | None = []
+        self._folding: set[int] = set()  # ranks of the partial being folded
+        self._torn: set[int] = set()  # see ``__setstate__``
 
     @property
     def ranks(self) -> list[int]:
@@ -220,7 +234,7 @@ class WindowAggregate:
         if summary.window != self.window:
             self.duplicates += 1
             return False
-        if summary.rank in self.rank_totals:
+        if self._taken(summary.rank):
             self.duplicates += 1
             return False
         self._add_rank(rank_part(summary))
@@ -235,20 +249,15 @@ class WindowAggregate:
         return True
 
     def add_partial(self, p: NodePartial) -> list[int] | None:
-        """Fold in a node partial; None (and nothing changes) when the window is another or a
-        rank of it is already in. Returns the kernel row ids of its rows."""
-        if p.window != self.window or any(part.rank in self.rank_totals for part in p.ranks):
-            self.duplicates += 1
-            return None
-        for part in p.ranks:
-            self._add_rank(part)
-        ids = self._kernels.merge(p.kernels)
-        self._memory.merge(p.memory)
-        if self._detail is not None:
-            for block in p.detail:
-                names = [self._kernels.id_of(name) for name in block.names]
-                self._detail.append(_Block(block.ranks, names, array("f", block.values)))
-        return ids
+        """``add_partial_steps`` at once: the kernel row ids of its rows, or None."""
+        return run_steps(self.add_partial_steps(p))
+
+    def add_partial_steps(self, p: NodePartial) -> Steps[list[int] | None]:
+        """Fold in a node partial in steps (``_partial_steps``)."""
+        return _partial_steps(self, p)
+
+    def _taken(self, rank: int) -> bool:  # (in, being folded in, or torn by a restart)
+        return rank in self.rank_totals or rank in self._folding or rank in self._torn
 
     def _add_rank(self, part: RankPart) -> None:
         rank = part.rank
@@ -287,7 +296,17 @@ class WindowAggregate:
         bulk of a window at scale, and only the rank x kernel views need them."""
         state = dict(self.__dict__)
         state["_detail"] = state["_stragglers"] = None
+        state["_folding"] = set(state.get("_folding", ()))
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A checkpoint taken while a partial was being folded holds its rows and only some
+        of its ranks: the others are marked bad and refused from then on (their rows are in
+        the table; a summary sent again would count them twice)."""
+        self.__dict__.update(state, _folding=set())
+        self.__dict__.setdefault("_torn", set()).update(state.get("_folding", ()))
+        for rank in state.get("_folding", ()):
+            self.bad_ranks[rank] = TORN
 
     def per_rank(self, names: list[str]) -> dict[str, dict[int, float]] | None:
         """Self time of each named kernel on each reporting rank, or None once dropped.
@@ -336,19 +355,9 @@ class WindowAggregate:
         """A copy that later folds do not change, to read off the event loop (O(ranks) of
         C-speed copies, the per-rank values shared: they are only ever appended to)."""
         self.step_sums()  # (a checkpoint from before has none)
-        snap = copy.copy(self)
-        for name in (
-            "devices",
-            "rank_totals",
-            "rank_step_ms",
-            "step_ms_sum",
-            "step_ranks",
-            "rank_dropped",
-            "bad_ranks",
-            "breakdowns",
-            "streams",
-            "peak_bytes",
-        ):
+        snap = WindowAggregate.__new__(WindowAggregate)  # (copy.copy would go through
+        snap.__dict__.update(self.__dict__, _stragglers=None)  # __setstate__: a restore)
+        for name in _SNAPSHOT_COPIES:
             setattr(snap, name, copy.copy(getattr(self, name)))
         snap._kernels, snap._memory = self._kernels.copy(), self._memory.copy()
         snap._detail = list(self._detail) if self._detail is not None else None
@@ -471,6 +480,36 @@ class WindowAggregate:
             "trainer_id": None,
             "role": None,
         }
+
+
+def _partial_steps(agg: WindowAggregate, p: NodePartial) -> Steps[list[int] | None]:
+    """Fold in a node partial; None (and nothing changes) when the window is another or a rank
+    of it is already in; else the kernel row ids of its rows. In steps of bounded work (a
+    relay's partial can hold thousands of ranks): the caller may let its event loop go at
+    each one. The rows go in first and the ranks last: once a view lists a rank, its rows are
+    in (between two steps, a view may count rows of ranks it does not list yet)."""
+    folding = agg._folding
+    if p.window != agg.window or any(agg._taken(part.rank) for part in p.ranks):
+        agg.duplicates += 1
+        return None
+    folding.update(part.rank for part in p.ranks)  # (a repeat meanwhile is refused)
+    ids: list[int] = []
+    for i in range(0, len(p.kernels), STEP_ROWS):
+        ids += agg._kernels.merge(p.kernels[i : i + STEP_ROWS])
+        yield
+    agg._memory.merge(p.memory)
+    if agg._detail is not None:
+        for n, block in enumerate(p.detail):
+            names = [agg._kernels.id_of(name) for name in block.names]
+            agg._detail.append(_Block(block.ranks, names, array("f", block.values)))
+            if n % STEP_BLOCKS == STEP_BLOCKS - 1:
+                yield
+    for n, part in enumerate(p.ranks):
+        agg._add_rank(part)
+        folding.discard(part.rank)
+        if n % STEP_RANKS == STEP_RANKS - 1:
+            yield
+    return ids
 
 
 def step_ms(agg: WindowAggregate) -> dict[int, float]:

@@ -16,6 +16,7 @@ from coordinator.protocol.partial_codec import (
     MAX_PARTIAL_TOP,
     NS,
     PARTIAL_VERSION,
+    SQ_BASE,
     DetailBlock,
     NodePartial,
     RankPart,
@@ -44,9 +45,24 @@ class RowFold:
             self._merge(name, q, q * q, count, 1, v, v, rank)
 
     def merge(self, rows: Iterable[TableRow]) -> None:
-        """Fold in another fold's rows."""
+        """Fold in another fold's rows (``_merge`` inlined: a relay merges 2,000 rows per node
+        partial)."""
+        table = self.rows
         for r in rows:
-            self._merge(r.name, r.total, r.square_sum, r.count, r.present, r.min, r.max, r.max_rank)
+            row = table.get(r.name)
+            high, low = r.sumsq
+            if row is None:
+                sq = high * SQ_BASE + low
+                table[r.name] = [r.total, sq, r.count, r.present, r.min, r.max, r.max_rank]
+                continue
+            row[0] += r.total
+            row[1] += high * SQ_BASE + low
+            row[2] += r.count
+            row[3] += r.present
+            if r.min < row[4]:
+                row[4] = r.min
+            if r.max > row[5] or (r.max == row[5] and r.max_rank < row[6]):
+                row[5], row[6] = r.max, r.max_rank
 
     def _merge(
         self,

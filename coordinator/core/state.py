@@ -14,6 +14,7 @@ from typing import Any, cast
 from coordinator.core.aggregate import empty_summary
 from coordinator.core.records import RankRecord, TrainerRecord, WindowRecord
 from coordinator.core.schedule import Window
+from coordinator.core.steps import Steps
 from coordinator.protocol.partial_codec import decode_partial
 from coordinator.protocol.replies import (
     AgentError,
@@ -221,9 +222,8 @@ class CoordinatorState:
         found.summaries_pending.discard(key)
         return s.window if added else None
 
-    def ingest_partial(self, trainer_id: str, blob: Any) -> tuple[bool, int | None]:
-        """Decode a node partial strictly and fold it into its window.
-
+    def ingest_partial_steps(self, trainer_id: str, blob: Any) -> Steps[tuple[bool, int | None]]:
+        """Decode a node partial strictly and fold it into its window, in steps (``core.steps``).
         Returns (accepted, the window folded into). Accepted and no window: nobody wants it
         (its window is not kept). Not accepted: refused whole (it is malformed, names a rank
         that is not in the window, or repeats one already in); the agent then lets each rank
@@ -242,7 +242,8 @@ class CoordinatorState:
         if any(k not in w.participants for k in keys):
             self.counters["unexpected_partials"] += 1
             return False, None
-        if w.aggregate(trainer_id).add_partial(p) is None:
+        yield  # (the decode and the checks: a step)
+        if (yield from w.aggregate(trainer_id).add_partial_steps(p)) is None:
             self.counters["duplicate_partials"] += 1
             return False, None
         self.counters["partials"] += 1

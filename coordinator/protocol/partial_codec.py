@@ -45,7 +45,7 @@ it travels as ``(high, low)`` with ``value = high * SQ_BASE + low``."""
 Low = Annotated[int, msgspec.Meta(ge=0, lt=SQ_BASE)]
 
 
-class TableRow(msgspec.Struct, array_like=True, frozen=True):
+class TableRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One name's statistics over the node's ranks: integer sums, extremes with their rank."""
 
     name: Name
@@ -67,7 +67,7 @@ def split_square_sum(value: int) -> tuple[int, int]:
     return divmod(value, SQ_BASE)
 
 
-class RankPart(msgspec.Struct, array_like=True, frozen=True):
+class RankPart(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """What the cross-rank views need of one rank: totals, breakdown, step times, streams."""
 
     rank: Count

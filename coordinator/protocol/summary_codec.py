@@ -38,7 +38,7 @@ class SummaryDecodeError(ValueError):
     """A summary payload that is malformed, oversized or of an unknown version."""
 
 
-class KernelRow(msgspec.Struct, array_like=True, frozen=True):
+class KernelRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One op or kernel: self time in microseconds, call count, flops (0 when not measured)."""
 
     name: Name
@@ -71,7 +71,7 @@ class Breakdown:
 BREAKDOWN_KEYS = ("compute", "comm", "memcpy", "other")
 
 
-class StreamRow(msgspec.Struct, array_like=True, frozen=True):
+class StreamRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Device time on one stream: busy (union of its activity) and idle, within the window."""
 
     device: Signed
@@ -80,7 +80,7 @@ class StreamRow(msgspec.Struct, array_like=True, frozen=True):
     idle_us: Micros
 
 
-class MemoryRow(msgspec.Struct, array_like=True, frozen=True):
+class MemoryRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """An op's allocations in the window: bytes allocated (frees not subtracted), how many."""
 
     name: Name

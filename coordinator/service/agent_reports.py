@@ -78,8 +78,8 @@ class AgentReports:
             self.shell.run.state.counters["unexpected_summaries"] += 1
             return True
         target.state.counters["partials_pushed"] += 1
-        accepted, window = await self.folds.run(
-            lambda: target.state.ingest_partial(trainer_id, blob)
+        accepted, window = await self.folds.run_steps(
+            lambda: target.state.ingest_partial_steps(trainer_id, blob)
         )
         if window is not None:
             self.shell.refresh_stragglers(target, window)
