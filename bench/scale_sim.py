@@ -15,7 +15,7 @@ the time from the close until the cross-rank table lists every rank; a step repo
 while summaries arrive; ``status()`` latency and size; the coordinator's memory per window; and
 its event loop's longest stall (``status()["process"]["loop"]``). ``SCALE_SIM_GC=1`` also prints
 what the coordinator's garbage collector walks at the end, by type; ``SCALE_SIM_SLOW=1`` the
-slowest turns of its event loop (its CPU, the garbage collection in it, the coroutine);
+slowest turns of its event loop (its CPU, the garbage collection in it, where it was);
 ``SCALE_SIM_SPY=<py-spy>`` records the coordinator and one agent actor for 10 s after each close.
 
 Run: RAY_AUTH_MODE=disabled .venv/bin/python bench/scale_sim.py --ranks 1024 10000
@@ -52,6 +52,7 @@ from coordinator.service.node_fanout import group_size
 from worker_ext.agent.node_agent import control_lane
 from worker_ext.agent.partials import PartialRoutes, group_key
 from worker_ext.agent.rank_fanout import Key, RankFanOut, RankReplies
+from worker_ext.agent.trace_reports import TraceReports
 
 # A py-spy binary: record the coordinator for 10 s after each close (where its time goes).
 SPY = os.environ.get("SCALE_SIM_SPY")
@@ -62,6 +63,12 @@ GC_CENSUS = os.environ.get("SCALE_SIM_GC") == "1"  # print what the coordinator'
 # SCALE_SIM_SLOW=1: log every turn of the coordinator's event loop that takes over 20 ms of the
 # loop thread's CPU, with the coroutine it ran (what a stall is made of).
 SLOW_LOG = os.environ.get("SCALE_SIM_SLOW") == "1"
+# SCALE_SIM_TRACES=<s>: the agents also report every rank's trace as the real agents do (batched
+# per node: ``traces_stored``), the nodes starting over <s> seconds after the close; windows then
+# settle. SCALE_SIM_TRACES_EACH=1: one ``trace_stored`` call per rank instead (the path before).
+TRACES_S = float(os.environ["SCALE_SIM_TRACES"]) if os.environ.get("SCALE_SIM_TRACES") else None
+TRACES_EACH = os.environ.get("SCALE_SIM_TRACES_EACH") == "1"
+TRACE_EVERY_S = 0.25  # a node's file lane finishes one trace this often
 PER_NODE = 8
 RANK_HOSTS = 4  # Ray actors that answer the rank RPCs for the registration and the direct path
 KERNELS = 2000
@@ -229,6 +236,10 @@ class SimAgents(RankFanOut):
     def pid(self) -> int:
         return os.getpid()
 
+    @control_lane  # as a window command would reach it
+    async def ping(self) -> bool:
+        return True
+
     async def call_ranks(self, cmd: NodeCommand, keys: list[Key]) -> RankReplies:
         method, args = cmd["method"], cmd["args"]
         closed = None
@@ -260,6 +271,36 @@ class SimAgents(RankFanOut):
         await asyncio.gather(*(self._push(node, window, run) for node in self.nodes))
         return len(self.nodes)
 
+    async def report_traces(self, window: int, run: str, spread_s: float) -> int:
+        """Every rank's trace report, as the real agents send them: each node's file lane
+        finishes its ranks' traces one after another (here one each ``TRACE_EVERY_S``), and
+        the node's ``TraceReports`` batches them (``traces_stored``, a call about once a
+        second); the nodes start at random times over ``spread_s``. With
+        ``SCALE_SIM_TRACES_EACH=1``, one ``trace_stored`` call per rank (the path before)."""
+        rnd = random.Random(window)
+
+        async def send(report_to: dict[str, str], reports: list[dict[str, Any]]) -> None:
+            await self.coordinator.traces_stored.remote(self.trainer, reports, run=run)
+
+        async def node_traces(node: str, delay: float) -> None:
+            await asyncio.sleep(delay)
+            first = int(node.rsplit("-", 1)[1]) * PER_NODE
+            batches = TraceReports(send)
+            for rank in range(first, first + PER_NODE):
+                report = {"rank": rank, "window": window, "node": node}
+                report["path"] = f"/sim/window_{window}/rank{rank}.pt.trace.json.gz"
+                if TRACES_EACH:
+                    await self.coordinator.trace_stored.remote(
+                        self.trainer, rank, window, report["path"], None, run=run, node=node
+                    )
+                else:
+                    batches.add({**self.report_to, "run": run}, report)
+                    await asyncio.sleep(TRACE_EVERY_S)
+            await batches.drain()
+
+        await asyncio.gather(*(node_traces(n, rnd.uniform(0, spread_s)) for n in self.nodes))
+        return len(self.nodes) * PER_NODE
+
     async def _push(self, node: str, window: int, run: str) -> None:
         first = int(node.rsplit("-", 1)[1]) * PER_NODE
         for n, blob in enumerate(self.blobs[(node, window)]):
@@ -271,13 +312,19 @@ class SimAgents(RankFanOut):
 
 
 def _log_slow_turns(_self: Any) -> None:
-    """Runs in the coordinator: time every callback of its event loop in thread CPU."""
+    """Runs in the coordinator: time every callback of its event loop in thread CPU, and sample
+    the loop thread's stack every 3 ms from another thread, to say what a slow turn ran."""
     import asyncio.events as events
+    import collections
     import gc
+    import sys
+    import threading
 
     run = events.Handle._run
     slow: list[tuple[float, float, str]] = []
     gc_ms = [0.0, 0.0]  # collections' total, the start of the one in progress
+    turn: dict[str, Any] = {"tid": None}
+    samples: collections.deque[tuple[float, str]] = collections.deque(maxlen=4096)
 
     def on_gc(phase: str, _info: Any) -> None:
         if phase == "start":
@@ -285,28 +332,39 @@ def _log_slow_turns(_self: Any) -> None:
         else:
             gc_ms[0] += (time.perf_counter() - gc_ms[1]) * 1e3
 
+    def where(frame: Any) -> str:
+        """The innermost three frames of the coordinator's own code."""
+        mine = []
+        while frame is not None and len(mine) < 3:
+            code = frame.f_code
+            if "/coordinator/" in code.co_filename or "/worker_ext/" in code.co_filename:
+                mine.append(f"{code.co_qualname}:{frame.f_lineno}")
+            frame = frame.f_back
+        return " < ".join(mine) or "(Ray or asyncio)"
+
+    def sample() -> None:
+        while True:
+            time.sleep(0.003)
+            tid = turn["tid"]
+            frame = sys._current_frames().get(tid) if tid is not None else None
+            if frame is not None:
+                samples.append((time.perf_counter(), where(frame)))
+
     def timed_run(handle: Any) -> None:
-        c0, g0 = time.thread_time(), gc_ms[0]
-        run(handle)
+        c0, g0, t0 = time.thread_time(), gc_ms[0], time.perf_counter()
+        turn["tid"] = threading.get_ident()
+        try:
+            run(handle)
+        finally:
+            turn["tid"] = None
         ms = (time.thread_time() - c0) * 1e3
         if ms >= 20:
-            try:
-                task = getattr(handle._callback, "__self__", None)
-                what = task.get_coro() if hasattr(task, "get_coro") else handle._callback
-                chain = []  # the coroutines it awaits, outermost first: where the turn ended
-                for _ in range(12):
-                    if getattr(what, "__qualname__", None):
-                        chain.append(what.__qualname__)
-                    what = getattr(what, "cr_await", None)
-                    if what is None:
-                        break
-                name = " > ".join(chain[:4])[:160]
-            except Exception as exc:  # never the loop's problem
-                name = f"? {exc!r:.80}"
-            slow.append((round(ms, 1), round(gc_ms[0] - g0, 1), name))
+            seen = collections.Counter(w for t, w in list(samples) if t >= t0)
+            what = "; ".join(f"{w} x{n}" for w, n in seen.most_common(2))
+            slow.append((round(ms, 1), round(gc_ms[0] - g0, 1), what[:300]))
 
     gc.callbacks.append(on_gc)
-
+    threading.Thread(target=sample, daemon=True, name="scale-sim-sampler").start()
     events.Handle._run = timed_run  # type: ignore[method-assign]
     events._scale_sim_slow = slow  # type: ignore[attr-defined]
 
@@ -429,11 +487,13 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
         closed_at, c0 = time.perf_counter(), cpu(pid)
         index = ray.get(coord.status.remote())["windows"][-1]["index"]
         pushes = [a.push_window.remote(index, run) for a in agents]
+        if TRACES_S is not None:  # the agents' per-rank trace reports, spread over TRACES_S
+            pushes += [a.report_traces.remote(index, run, TRACES_S) for a in agents]
         if SPY:  # the coordinator and the first agent actor, 10 s from the close
             spy(pid, f"/tmp/spy-{n}-{len(res['close'])}.txt")
             spy(ray.get(agents[0].pid.remote()), f"/tmp/spy-agent-{n}-{len(res['close'])}.txt")
         stall_from = time.time()
-        lat, stat_s, stat_kb, pings = [], [], [], []
+        lat, stat_s, stat_kb, pings, agent_pings = [], [], [], [], []
         while True:  # the trainer steps on while the summaries arrive
             rep, dt = timed(lambda k=k: coord.step.remote("sim", k))
             k += 1
@@ -443,6 +503,9 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
             else:
                 lat.append(dt)
             pings.append(timed(lambda: coord.ping.remote())[1])  # takes no lock: Ray alone
+            t0 = time.perf_counter()  # the agents' control lane, as the next window's start
+            ray.get([a.ping.remote() for a in agents])
+            agent_pings.append(time.perf_counter() - t0)
             st, ds = timed(lambda: coord.status.remote())
             stat_s.append(ds)
             stat_kb.append(len(json.dumps(st)) / 1024)
@@ -454,6 +517,7 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
             time.sleep(0.05)
         res["table_after_close"].append(time.perf_counter() - closed_at)
         ray.get(pushes)
+        res.setdefault("traces_done", []).append(time.perf_counter() - closed_at)
         res["cpu_summaries"].append(cpu(pid) - c0)
         res["step_while"].append(max(lat or [0.0]))
         res["status_s"].append(statistics.median(stat_s))
@@ -467,6 +531,7 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
         res.setdefault("latencies", []).append(sorted(lat)[-5:])
         res.setdefault("pings", []).append(sorted(pings)[-5:])
         res.setdefault("ping_max", []).append(max(pings))
+        res.setdefault("agent_ping_max", []).append(max(agent_pings))
         res["gc_max_ms"] = loop["gc_max_ms"]
     st, ds = timed(lambda: coord.status.remote())
     res["status_final_s"], res["status_final_kb"] = ds, len(json.dumps(st)) / 1024
@@ -503,11 +568,13 @@ def show(res: dict[str, Any]) -> None:
         f"close {ms(r['close'])}",
         f"coordinator CPU per in-window step (mean): open {mean_ms(r['cpu_open'])}, "
         f"step {mean_ms(r['cpu_step'])}, close {mean_ms(r['cpu_close'])}",
-        f"coordinator CPU per window of summaries: {s(r['cpu_summaries'])}",
+        f"coordinator CPU per window of summaries{' and trace reports' if TRACES_S else ''}: "
+        f"{s(r['cpu_summaries'])} (all in {s(r['traces_done'])} after the close)",
         f"table lists every rank, after the close: {s(r['table_after_close'])}",
         f"a step report while summaries arrive (slowest per window): {ms(r['step_while'])}; "
         f"a ping (no lock): {ms(r['ping_max'])}; the report that opened the next window "
-        f"meanwhile (it waits for the agents): {ms(r['open_while'])}",
+        f"meanwhile (it waits for the agents): {ms(r['open_while'])}; a ping of every agent "
+        f"actor's control lane meanwhile: {ms(r['agent_ping_max'])}",
         f"status() while summaries arrive: {ms(r['status_s'])}, up to "
         f"{max(r['status_kb']):.0f} KB; after: {1e3 * r['status_final_s']:.0f} ms, "
         f"{r['status_final_kb']:.0f} KB",
@@ -522,7 +589,8 @@ def show(res: dict[str, Any]) -> None:
         lines.append(f"nodes told directly, e.g.: {r['direct_nodes']}")
     if "slow_turns" in r:
         lines.append(
-            "the loop's slowest turns (ms of its CPU, ms of it collecting garbage, coroutine): "
+            "the loop's slowest turns (ms of its CPU, ms of it collecting garbage, where it was "
+            "when sampled every 3 ms): "
             f"{r['slow_turns']}"
         )
     if "gc_census" in r:

@@ -52,6 +52,7 @@ METHODS = {
     "ingest_partial": 3,
     "summary_failed": 5,
     "trace_stored": 5,
+    "traces_stored": 3,
     "set_auto_capture": 1,
     "wait_window": 4,
     "ping": 0,
@@ -168,3 +169,40 @@ def test_oversized_or_malformed_node_partials_are_refused_and_nothing_changes(ra
     assert c["refused_ingest_partial"] == before.get("refused_ingest_partial", 0) + 2
     assert c["bad_partials"] == before.get("bad_partials", 0) + 1
     assert c.get("partials", 0) == before.get("partials", 0)
+
+
+def test_a_batch_of_trace_reports_is_judged_report_by_report_as_single_ones(ray_session, target):
+    ray = ray_session
+    windows = ray.get(target.status.remote())["windows"]
+    w = windows[0]["index"] if windows else 0
+    reports = [
+        {"rank": 0, "window": w, "path": "/tmp/x/rank0.pt.trace.json.gz", "node": "n"},
+        {"rank": 1, "window": w, "path": None, "error": {"where": "upload", "message": "denied"}},
+        {"rank": 99, "window": w, "path": "/x"},  # no such rank
+        {"rank": 0, "window": "zero", "path": "/x"},  # not a window
+        "not a dict",
+        {"rank": -1},
+    ]
+    batch = ray.get(target.traces_stored.remote("t", reports))
+    one_by_one = [
+        ray.get(
+            target.trace_stored.remote(
+                "t",
+                r.get("rank"),
+                r.get("window"),
+                r.get("path"),
+                r.get("error"),
+                local_path=r.get("local_path"),
+                node=r.get("node"),
+            )
+        )
+        if isinstance(r, dict)
+        else False
+        for r in reports
+    ]
+    assert batch == one_by_one and batch[2:] == [False] * 4
+    before = ray.get(target.status.remote())["counters"].get("refused_traces_stored", 0)
+    assert ray.get(target.traces_stored.remote("t", {"rank": 0})) == []
+    assert ray.get(target.traces_stored.remote("t", [{}] * 5000)) == []  # over the bound
+    c = ray.get(target.status.remote())["counters"]
+    assert c["refused_traces_stored"] == before + 2

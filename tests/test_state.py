@@ -236,3 +236,24 @@ def test_a_window_s_entry_follows_summaries_pushed_early_and_stragglers_found_la
     assert rec.to_dict()["stragglers"] == []  # too many ranks to find them on the loop
     kernel_summary(st, 0, 5, None)  # a table finds them (off the loop in the actor) and keeps them
     assert rec.to_dict()["stragglers"] == [3]
+
+
+def test_rank_counts_are_kept_until_a_rank_changes_and_never_checkpointed():
+    from coordinator.core.config import ProfilerConfig
+    from coordinator.core.run import new_run
+    from coordinator.core.state import rank_counts
+    from coordinator.service.checkpoint import without_settled
+
+    st, keys = state(world=4, selected=(0, 1, 2))
+    assert rank_counts(st) == {"ok": 3, "not_selected": 1}
+    st.rank_failed(keys[0], "lost", {"where": "ray", "type": "Died", "message": "gone"})
+    assert rank_counts(st) == {"ok": 2, "lost": 1, "not_selected": 1}
+    st.apply_reply(keys[1], {"state": "disabled", "reason": {"where": "rank", "type": "X"}})
+    assert rank_counts(st) == {"ok": 1, "lost": 1, "disabled": 1, "not_selected": 1}
+    counts = rank_counts(st)
+    counts["ok"] = 99  # a copy: the caller cannot change what is kept
+    assert rank_counts(st)["ok"] == 1
+    run = new_run(ProfilerConfig.from_dict({"enable": True, "save_path": "/r"}, False), set())
+    run.state = st
+    light, _ = without_settled(run)
+    assert "_rank_counts" not in light.state.__dict__ and "_rank_counts" in st.__dict__

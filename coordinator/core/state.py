@@ -327,6 +327,18 @@ class CoordinatorState:
             w.summaries_pending.discard(key)
 
 
+def rank_counts(st: CoordinatorState) -> dict[str, int]:
+    """How many ranks are in each state ``status()`` shows (``RankRecord.public_state``); kept
+    until a rank's record may have changed (``ranks_version``): every step report and
+    ``status()`` ask, and at 10,000 ranks counting takes milliseconds of the event loop."""
+    key = (st.ranks_version, len(st.ranks))
+    kept = st.__dict__.get("_rank_counts")
+    if kept is None or kept[0] != key:
+        counts = collections.Counter(r.public_state for r in st.ranks.values())
+        kept = st.__dict__["_rank_counts"] = (key, dict(counts))
+    return dict(kept[1])
+
+
 def _awaiting_summaries(st: CoordinatorState, add: int | None = None) -> list[WindowRecord]:
     """The windows that may still wait for a rank's summary (their indices are kept in the
     state's ``_awaiting``, pruned here); ``add`` records one more."""

@@ -199,6 +199,14 @@ class _Coordinator(OperatorRPCs):
             trainer_id, rank, window, path, error, run, local_path, node
         )
 
+    async def traces_stored(
+        self, trainer_id: str, reports: list[dict[str, Any]], run: str | None = None
+    ) -> list[bool]:
+        """Several ranks' ``trace_stored`` at once, as a node agent batches its node's: each
+        report a dict with ``rank``, ``window``, ``path`` and optionally ``error``,
+        ``local_path`` and ``node``, judged by itself; one bool per report."""
+        return await self._reports.traces_stored(trainer_id, reports, run)  # type: ignore[no-any-return]
+
     # ------------------------------------------------------------ readers
 
     async def status(self, ranks: str = "summary") -> StatusReply:

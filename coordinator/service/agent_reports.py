@@ -6,6 +6,7 @@ in its own run. Anything malformed is refused without touching the run.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from coordinator.core.run import Run
@@ -18,7 +19,11 @@ from coordinator.core.validate import (
 )
 from coordinator.protocol.partial_codec import MAX_PARTIAL_BYTES
 from coordinator.service.fold_queue import FoldQueue
+from coordinator.service.node_fanout import YIELD_EVERY
 from coordinator.service.shell import CoordinatorShell
+
+MAX_TRACE_REPORTS = 4096
+"""Trace reports in one ``traces_stored`` call (a node's ranks, many times over)."""
 
 
 class AgentReports:
@@ -113,6 +118,46 @@ class AgentReports:
         node: object = None,
     ) -> bool:
         """The node agent finished a rank's trace of ``window``: its final ``path``, or why not."""
+        ok = self._trace_one(trainer_id, rank, window, path, error, run, local_path, node)
+        if ok:
+            self.shell.save(force=False)
+        return ok
+
+    async def traces_stored(self, trainer_id: str, reports: Any, run: str | None = None) -> Any:
+        """Several ranks' ``trace_stored`` in one call (a node agent's batch): a list of at most
+        ``MAX_TRACE_REPORTS`` dicts with ``rank``, ``window``, ``path`` and optionally ``error``,
+        ``local_path`` and ``node``; each judged by itself. Returns one bool per report."""
+        if not isinstance(reports, list) or len(reports) > MAX_TRACE_REPORTS:
+            what = f"{len(reports)} reports" if isinstance(reports, list) else type(reports)
+            self.shell.refuse(
+                "traces_stored", f"reports must be a list of at most {MAX_TRACE_REPORTS}; {what}"
+            )
+            return []
+        out = []
+        for n, r in enumerate(reports):
+            if n % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)
+            if not isinstance(r, dict):
+                self.shell.run.state.counters["unexpected_trace_reports"] += 1
+                out.append(False)
+                continue
+            args = (r.get("rank"), r.get("window"), r.get("path"), r.get("error"))
+            out.append(self._trace_one(trainer_id, *args, run, r.get("local_path"), r.get("node")))
+        if any(out):
+            self.shell.save(force=False)
+        return out
+
+    def _trace_one(
+        self,
+        trainer_id: Any,
+        rank: Any,
+        window: Any,
+        path: object,
+        error: Any,
+        run: Any,
+        local_path: object,
+        node: object,
+    ) -> bool:
         if not self._reporter_ok(trainer_id, rank, run) or not is_int(window):
             return False
         target = self._report_run(trainer_id, rank, run, "unexpected_trace_reports")
@@ -123,7 +168,6 @@ class AgentReports:
             return False
         if error is not None:
             error = _bounded(error if isinstance(error, dict) else {"message": error})
-        self.shell.save(force=False)
         return target.state.trace_stored(
             (trainer_id, rank),
             window,

@@ -253,6 +253,7 @@ class Captures:
             return
         for key in fresh:
             st.ranks[key].selected = True
+        st.ranks_version += 1
         trainer = st.trainers[fresh[0][0]]  # (only the stepping trainer's ranks are named)
         report_to, run_dir = self.shell.report_to(trainer.trainer_id), trainer.run_dir
         base, role = run.config.to_dict(), trainer.role

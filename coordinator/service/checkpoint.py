@@ -140,6 +140,7 @@ def without_settled(run: Run) -> tuple[Run, list[int]]:
         (i, w) for i, w in run.state.windows.items() if not settled(w)
     )
     state.ranks, state.trainers = {}, {}
+    state.__dict__.pop("_rank_counts", None)  # (a cache of counts over the ranks)
     kept = [i for i, w in run.state.windows.items() if settled(w)]
     light = copy.copy(run)
     light.state = state

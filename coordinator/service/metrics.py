@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.core.state import CoordinatorState
+from coordinator.core.state import CoordinatorState, rank_counts
 
 
 class CoordinatorMetrics:
@@ -66,12 +66,12 @@ class CoordinatorMetrics:
             self.error = f"{type(exc).__name__}: {exc}"
 
     def export(self, st: CoordinatorState) -> None:
-        states = [r.state for r in st.ranks.values() if r.selected]
+        counts = rank_counts(st)  # (of selected ranks: the others are "not_selected")
         self.values = {
             "profiler_global_step": float(st.global_step if st.global_step is not None else -1),
-            "profiler_ranks_disabled": float(states.count("disabled")),
-            "profiler_ranks_lost": float(states.count("lost")),
-            "profiler_ranks_unresponsive": float(states.count("unresponsive")),
+            "profiler_ranks_disabled": float(counts.get("disabled", 0)),
+            "profiler_ranks_lost": float(counts.get("lost", 0)),
+            "profiler_ranks_unresponsive": float(counts.get("unresponsive", 0)),
             "profiler_windows_captured": float(st.counters["windows_closed"]),
             "profiler_worker_rpcs": float(st.counters["worker_rpcs"]),
             "profiler_auto_captures": float(st.counters["auto_captures"]),

@@ -18,7 +18,7 @@ from coordinator.core.aggregate import CHEAP_RANKS
 from coordinator.core.phases import EXACT_STEPS, MAX_BUCKETS
 from coordinator.core.roles import trainer_of_role
 from coordinator.core.run import Run
-from coordinator.core.state import kernel_summary, pick_window, with_window
+from coordinator.core.state import kernel_summary, pick_window, rank_counts, with_window
 from coordinator.core.validate import is_int, is_number, role_problem, trainer_id_problem
 from coordinator.protocol.replies import (
     KernelSummaryReply,
@@ -76,7 +76,7 @@ class Readers:
             ],
             "ranks": listed[: None if complete else LISTED_RANKS],
             "ranks_complete": complete,
-            "rank_counts": dict(collections.Counter(r.public_state for r in st.ranks.values())),
+            "rank_counts": rank_counts(st),
             "nodes": nodes_entry(sh.nodes, complete),
             "counters": {
                 "worker_rpcs": 0,

@@ -59,6 +59,7 @@ from worker_ext.agent.trace_jobs import (
     summarise_job,
     upload_trace,
 )
+from worker_ext.agent.trace_reports import TraceReports
 
 PUBLISH_TIMEOUT_S = 30.0
 F = TypeVar("F", bound=Callable[..., Any])
@@ -88,6 +89,7 @@ class NodeAgent(AgentRPC):
             node_blob(self._node), self._routes.to_relay(self._node), LINGER_S
         )
         self._idle = IdleExit(idle_exit_s, self._owners_live)
+        self._traces = TraceReports(self._send_traces)
         self._owners: set[tuple[str, str]] = set()
 
     @control_lane
@@ -189,7 +191,7 @@ class NodeAgent(AgentRPC):
         if job.upload_to is not None:
             await loop.run_in_executor(self._files, upload_trace, job, res)
         if job.report_to and job.final_path is not None:
-            await self._stored(job, res)
+            self._stored(job, res)
         return res
 
     async def _call(self, report_to: dict[str, str], method: str, *args: Any, **kwargs: Any) -> Any:
@@ -226,21 +228,16 @@ class NodeAgent(AgentRPC):
             res.errors.append(reason("publish", exc))
             return False
 
-    async def _stored(self, job: TraceJob, res: JobResult) -> None:
-        """Tell the coordinator where the trace is now, or why it is not."""
+    def _stored(self, job: TraceJob, res: JobResult) -> None:
+        """Tell the coordinator where the trace is now, or why it is not (in a batch)."""
         assert job.report_to is not None
         files = [e for e in res.errors if e["where"] not in ("summary", "publish")]
-        with contextlib.suppress(Exception):
-            await self._call(
-                job.report_to,
-                "trace_stored",
-                job.rank,
-                job.window,
-                res.trace_path,
-                files[-1] if files else None,
-                local_path=res.local_path,
-                node=self._node,
-            )
+        report: dict[str, Any] = {"rank": job.rank, "window": job.window, "node": self._node}
+        report.update(path=res.trace_path, local_path=res.local_path)
+        self._traces.add(job.report_to, {**report, "error": files[-1] if files else None})
+
+    async def _send_traces(self, report_to: dict[str, str], reports: list[dict[str, Any]]) -> None:
+        await self._call(report_to, "traces_stored", reports)
 
     async def _notify(self, job: TraceJob, why: Reason) -> None:
         """Tell the coordinator at once that this summary is lost."""
