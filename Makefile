@@ -59,6 +59,7 @@ bench: venv
 	RAY_AUTH_MODE=disabled $(PY) bench/upload_cost.py
 	RAY_AUTH_MODE=disabled $(PY) bench/stack_cost.py
 	$(PY) bench/status_cost.py
+	$(PY) bench/relay_cost.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -77,3 +77,7 @@ class SimNodeAgents(RankFanOut):
 
     def ping(self) -> int:
         return 0
+
+    def held(self) -> list[tuple[str, int]]:
+        """The ranks whose handles this actor's agents keep."""
+        return sorted((t, r) for _, t, r in self.handles)

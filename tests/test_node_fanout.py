@@ -38,6 +38,18 @@ def sim(ray_session, ray_actors, tmp_path):
     return ray, coord, agents, ranks
 
 
+def test_the_agents_keep_the_handles_from_the_registration_on(sim):
+    """The first window's command need not carry every rank's handle: the registration
+    handed them to the agents (an ``adopt`` command, which calls no rank)."""
+    ray, coord, agents, ranks = sim
+    held = sorted(k for keys in ray.get([a.held.remote() for a in agents]) for k in keys)
+    assert held == [("t", r) for r in range(NODES * PER_NODE)]
+    told = {c[0] for calls in commands(ray, ranks) for c in calls}
+    assert told <= {"start_profile", "profile_step"}  # no rank was called for it
+    st = ray.get(coord.status.remote())
+    assert st["counters"].get("worker_rpcs_adopt", 0) == 0
+
+
 def commands(ray, ranks):
     return [
         [c for c in calls if c[0] != "configure_profiler"]

@@ -43,3 +43,19 @@ async def test_a_full_batch_goes_at_once_and_a_failing_send_loses_only_its_batch
     assert sent == [MAX_BATCH]  # not 30 s later
     for task in list(traces._tasks):  # (the linger of the first batch, still asleep)
         task.cancel()
+
+
+async def test_send_now_sends_what_is_queued_without_waiting_for_the_linger():
+    sent: list[int] = []
+
+    async def send(report_to, reports):
+        sent.append(len(reports))
+
+    traces = TraceReports(send, linger_s=30.0)
+    for rank in range(3):
+        traces.add(RUN_A, {"rank": rank})
+    traces.send_now()  # the agent finished its last trace job
+    await asyncio.sleep(0.01)
+    assert sent == [3]
+    for task in list(traces._tasks):
+        task.cancel()

@@ -16,6 +16,9 @@ from coordinator.protocol.stack_replies import ProcessStack, StackRequest
 
 NODE_COMMANDS = ("start_profile", "profile_step", "stop_profile", "dump_profiler_summary")
 """The rank RPCs that may travel through node agents (``configure_profiler`` goes direct)."""
+ADOPT = "adopt"
+"""A node command that calls no rank: the agents keep the handles it carries (a trainer
+registered), so that the first window's command need not carry them."""
 
 CONTROL_LANE = "control"
 """The agent's concurrency group (its own thread and event loop) for window commands, pings and

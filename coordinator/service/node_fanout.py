@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from coordinator.core.run import Run
-from coordinator.protocol.agent_rpc import NodeAnswer, NodeCommand, NodeCommandReply, NodeOrder
+from coordinator.protocol.agent_rpc import (
+    ADOPT,
+    NodeAnswer,
+    NodeCommand,
+    NodeCommandReply,
+    NodeOrder,
+)
 from coordinator.protocol.reasons import reason
 from coordinator.protocol.replies import NodeEntry, NodePath, Reason
 from coordinator.raylink.agents import AgentHandles
@@ -62,6 +68,13 @@ class NodeRoute:
         }
 
 
+def _groups(by_node: dict[str, list[Key]]) -> list[list[str]]:
+    """The nodes in relay groups of ``group_size``, in name order."""
+    nodes = sorted(by_node)
+    size = group_size(len(nodes))
+    return [nodes[i : i + size] for i in range(0, len(nodes), size)]
+
+
 def group_size(nodes: int) -> int:
     """Nodes per relay: about sqrt(nodes), at least 8 and at most 64."""
     return max(8, min(64, math.ceil(math.sqrt(max(1, nodes)))))
@@ -86,21 +99,10 @@ class NodeFanOut:
         """Send ``method(*args)`` to ``keys`` through their nodes' agents and fold the answers
         into the run; returns the keys that must be told directly."""
         by_node, direct = await self._route(run, keys)
-        nodes = sorted(by_node)
-        size = group_size(len(nodes))
-        groups = [nodes[i : i + size] for i in range(0, len(nodes), size)]
+        groups = _groups(by_node)
         sends = []
         for group in groups:
-            cmd: NodeCommand = {
-                "owner": self.owner,
-                "run": run.name,
-                "relay": "",  # (set by _send: the agent it goes to)
-                "method": method,
-                "args": list(args),
-                "timeout_s": timeout,
-                "nodes": {n: self._order(run, n, by_node[n]) for n in group},
-                "idle_exit_s": run.config.agent_idle_exit_s,
-            }
+            cmd = self._command(run, by_node, group, method, args, timeout)
             sends.append(self._send(cmd, group, timeout))
             run.state.counters["node_commands"] += 1
         for group, (reply, why) in zip(groups, await asyncio.gather(*sends), strict=True):
@@ -114,6 +116,49 @@ class NodeFanOut:
         if direct and by_node:
             run.state.counters["node_fallback_ranks"] += len(direct)
         return direct
+
+    async def adopt(self, run: Run, keys: Sequence[Key], timeout: float) -> None:
+        """Hand each node's agent the handles of its ranks now (a trainer registered), so
+        that the first window's commands cost what later ones do. Best effort: a node whose
+        agent did not take them gets them with its first command, as before."""
+        by_node, _ = await self._route(run, keys)
+        groups = _groups(by_node)
+        sends = [
+            self._send(self._command(run, by_node, g, ADOPT, [], timeout), g, timeout)
+            for g in groups
+        ]
+        replies = await asyncio.gather(*sends)
+        taken: set[str] = set()
+        for reply, _ in replies:
+            for answer in reply["nodes"] if reply is not None else []:
+                if (
+                    isinstance(answer, dict)
+                    and not answer.get("error")
+                    and not answer.get("unknown")
+                ):
+                    taken.add(answer.get("node"))
+        for node in set(by_node) - taken:
+            self.routes[node].sent.difference_update(by_node[node])
+
+    def _command(
+        self,
+        run: Run,
+        by_node: dict[str, list[Key]],
+        group: list[str],
+        method: str,
+        args: Sequence[Any],
+        timeout: float,
+    ) -> NodeCommand:
+        return {
+            "owner": self.owner,
+            "run": run.name,
+            "relay": "",  # (set by _send: the agent it goes to)
+            "method": method,
+            "args": list(args),
+            "timeout_s": timeout,
+            "nodes": {n: self._order(run, n, by_node[n]) for n in group},
+            "idle_exit_s": run.config.agent_idle_exit_s,
+        }
 
     async def _route(self, run: Run, keys: Sequence[Key]) -> tuple[dict[str, list[Key]], list[Key]]:
         by_node: dict[str, list[Key]] = {}

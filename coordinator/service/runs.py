@@ -180,6 +180,9 @@ class RunCalls:
             lambda key: (key[1], cfg_dict, run_dir, True, report_to, role),
             timeout=max(CONFIGURE_TIMEOUT_S, cfg.worker_timeout_s),
         )
+        if cfg.fanout == "node":  # the agents keep the handles now, not at the first window
+            active = [k for k in keys if st.ranks[k].active]
+            await self.shell.nodes.adopt(run, active, cfg.worker_timeout_s)
         await self._join_open_window(keys)
         return {
             "trainer_id": trainer_id,

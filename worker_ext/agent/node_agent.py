@@ -90,6 +90,7 @@ class NodeAgent(AgentRPC):
         )
         self._idle = IdleExit(idle_exit_s, self._owners_live)
         self._traces = TraceReports(self._send_traces)
+        self._in_flight = 0  # trace jobs being processed
         self._owners: set[tuple[str, str]] = set()
 
     @control_lane
@@ -175,8 +176,14 @@ class NodeAgent(AgentRPC):
     async def process(self, job: TraceJob) -> JobResult:
         """Summarise and push (in its node partial), then finish and upload the trace file;
         never raises."""
-        with self._idle.busy():
-            return await self._process(job)
+        self._in_flight += 1
+        try:
+            with self._idle.busy():
+                return await self._process(job)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:  # the node's traces are done: report them together
+                self._traces.send_now()
 
     async def _process(self, job: TraceJob) -> JobResult:
         loop = asyncio.get_running_loop()

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from coordinator.protocol.agent_rpc import (
+    ADOPT,
     NODE_COMMANDS,
     NodeAnswer,
     NodeCommand,
@@ -81,6 +82,8 @@ class RankFanOut:
         keys = [(str(t), int(r)) for t, r in order["ranks"]]
         unknown = [k for k in keys if (owner, *k) not in self.handles]
         known = [k for k in keys if (owner, *k) in self.handles]
+        if cmd["method"] == ADOPT:  # the handles are kept: no rank is called
+            return _adopted(node, self.name, known, unknown)
         replies, failed = await self.call_ranks(cmd, known)
         if cmd["method"] == "start_profile" and self.on_start is not None and replies:
             self.on_start(cmd, node, list(replies))
@@ -169,9 +172,9 @@ def command_problem(cmd: Any) -> str | None:
     """What is wrong with a ``NodeCommand`` (from the coordinator), or None."""
     if not isinstance(cmd, dict) or not isinstance(cmd.get("nodes"), dict):
         return "a node command is a dict with a 'nodes' dict"
-    if cmd.get("method") not in NODE_COMMANDS:
-        method = cmd.get("method")
-        return f"a node command's method must be one of {NODE_COMMANDS}, not {method!r:.80}"
+    if cmd.get("method") not in (*NODE_COMMANDS, ADOPT):
+        method, known = cmd.get("method"), (*NODE_COMMANDS, ADOPT)
+        return f"a node command's method must be one of {known}, not {method!r:.80}"
     if not isinstance(cmd.get("args"), list) or not isinstance(cmd.get("owner"), str):
         return "a node command names its owner (a str) and its args (a list)"
     timeout = cmd.get("timeout_s")
@@ -188,6 +191,18 @@ def command_problem(cmd: Any) -> str | None:
 
 def _failure(key: Key, state: Any, why: Any) -> RankFailure:
     return {"trainer_id": key[0], "rank": key[1], "state": state, "reason": why}
+
+
+def _adopted(node: str, agent: str, known: list[Key], unknown: list[Key]) -> NodeAnswer:
+    return {
+        "node": node,
+        "agent": agent,
+        "answered": known,
+        "replies": [],
+        "failed": [],
+        "unknown": unknown,
+        "error": None,
+    }
 
 
 def _unreached(node: str, agent: str, why: Any) -> NodeAnswer:
