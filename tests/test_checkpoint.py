@@ -65,3 +65,39 @@ def test_a_window_dropped_from_the_history_is_deleted_from_the_store(ray_session
     windows = [k for k in stored(ckpt) if b"/window/" in k]
     assert windows == [f"tests/ckpt-drop/window/{run.name}/1".encode()]
     checkpoint.delete("tests", "ckpt-drop")
+
+
+async def test_rank_records_go_in_chunks_in_later_turns_and_come_back(ray_session):
+    """A rank record that changed is written in chunks of ``RANK_CHUNK`` records, one per turn
+    of the event loop, after the call that saved; a registration writes its records at once
+    (they must match the trainers on a load)."""
+    import asyncio
+
+    ckpt = checkpoint.Checkpointer("tests", "ckpt-chunks")
+    run = new_run(ProfilerConfig(max_windows=4), set())
+    st = run.state
+    n = 2 * checkpoint.RANK_CHUNK + 5
+    keys = st.register(TrainerRecord("t", "policy", list(range(n)), {}, None), None, bool)
+    ckpt.save_runs(run, [], {})  # a registration: the records now
+    assert not ckpt._ranks_due and ckpt.rank_chunks[run.name] == 3
+    st.rank_failed(keys[-1], "lost", {"where": "ray", "type": "Died", "message": "gone"})
+    ckpt.save_runs(run, [], {})  # a changed record: in later turns
+    assert run.name in ckpt._ranks_due
+    turns = 0
+    while ckpt._ranks_due and turns < 100:
+        await asyncio.sleep(0)
+        turns += 1
+    assert 3 <= turns < 100
+    ckpt.flush()
+    (back,), _ = checkpoint.load_runs("tests", "ckpt-chunks")
+    assert len(back.state.ranks) == n and back.state.ranks[keys[-1]].state == "lost"
+    # Fewer ranks (a trainer registered again, smaller): the chunks beyond are deleted.
+    st.register(TrainerRecord("t", "policy", list(range(10)), {}, None), None, bool)
+    ckpt.save_runs(run, [], {})
+    ckpt.flush()
+    chunks = [k for k in stored(ckpt) if f"/ranks/{run.name}/".encode() in k]
+    assert chunks == [f"tests/ckpt-chunks/ranks/{run.name}/0".encode()]
+    (back,), _ = checkpoint.load_runs("tests", "ckpt-chunks")
+    assert sorted(back.state.ranks) == [("t", r) for r in range(10)]
+    checkpoint.delete("tests", "ckpt-chunks")
+    assert stored(ckpt) == []

@@ -10,9 +10,12 @@ The checkpoint is incremental, so no write grows with the run's history:
 
 - ``<namespace>/<name>``: the runs (config, window plan, counters) with only the windows that
   can still change, without their ranks and the trainers' actor handles;
-- ``<namespace>/<name>/ranks/<run>``: a run's rank records, written only when one may have
-  changed: a step whose ranks all answered as before (the per-node path folds them away)
-  writes none;
+- ``<namespace>/<name>/ranks/<run>``: an index of a run's rank records, in chunks of
+  ``RANK_CHUNK`` under ``.../ranks/<run>/<n>``, written only when one may have changed: a step
+  whose ranks all answered as before (the per-node path folds them away) writes none. The
+  chunks are pickled one per turn of the event loop after the save that found them changed
+  (10,000 records took 12 ms of one turn), except when a trainer registered: then at once,
+  with its registration, which they must match on a load;
 - ``<namespace>/<name>/trainers/<run>``: its trainers' registrations with their actor handles
   (slow to pickle: Ray counts each handle's references), written when a trainer registers;
 - ``<namespace>/<name>/window/<run>/<index>``: a settled window (stopped, with no summary or
@@ -26,6 +29,7 @@ write to the KV, a blocking call to the GCS, happens on one background thread, i
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import copy
@@ -38,12 +42,14 @@ from typing import Any
 
 from coordinator.core.records import WindowRecord
 from coordinator.core.run import Run
+from coordinator.core.steps import Steps, run_steps
 
 log = logging.getLogger(__name__)
 
 KV_NAMESPACE = "ray_profiler"
 VERSION = 2
 STATE, PROGRESS = "", "progress"  # the parts of a checkpoint
+RANK_CHUNK = 2048  # rank records pickled in one turn of the event loop (about 2.5 ms)
 WindowKey = tuple[str, int]  # (run name, window index)
 
 
@@ -57,6 +63,10 @@ def _window_part(key: WindowKey) -> str:
 
 def _ranks_part(run: str) -> str:
     return f"ranks/{run}"
+
+
+def _ranks_chunk_part(run: str, n: int) -> str:
+    return f"ranks/{run}/{n}"
 
 
 def _trainers_part(run: str) -> str:
@@ -157,6 +167,11 @@ class Checkpointer:
     saved_windows: set[WindowKey] = field(default_factory=set)
     saved_ranks: dict[str, tuple[int, int]] = field(default_factory=dict)
     """run -> (ranks_version, registrations) last written."""
+    rank_chunks: dict[str, int] = field(default_factory=dict)
+    """run -> the chunks of rank records last written."""
+    _ranks_due: dict[str, tuple[Any, int]] = field(default_factory=dict)
+    """run -> (its state, ranks_version): rank records still to write."""
+    _ranks_task: asyncio.Task[None] | None = None
     stats: dict[str, Any] = field(
         default_factory=lambda: {"bytes": 0, "seconds": 0.0, "at": None, "error": None}
     )
@@ -178,11 +193,15 @@ class Checkpointer:
         self.saved_windows = keep
         names = {r.name for r in [current, *previous]}
         dropped = [run for run in self.saved_ranks if run not in names]  # runs no longer kept
+        chunks = []
         for run in dropped:
             del self.saved_ranks[run]
+            self._ranks_due.pop(run, None)
+            chunks += [_ranks_chunk_part(run, n) for n in range(self.rank_chunks.pop(run, 0))]
         size = len(blob) + sum(len(b) for _, b in writes)
         self.stats.update(bytes=size, seconds=time.perf_counter() - t0, at=time.time())
-        self._writer.submit(self._write, [*writes, (STATE, blob)], sorted(gone), dropped)
+        self._writer.submit(self._write, [*writes, (STATE, blob)], sorted(gone), dropped, chunks)
+        self._write_ranks_soon()
 
     def save_progress(self, progress: dict[str, Any]) -> None:
         """Queue a write of the step counters only."""
@@ -195,7 +214,52 @@ class Checkpointer:
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until every queued write is done (tests, and a clean shutdown)."""
+        self._write_ranks_now()
         self._writer.submit(lambda: None).result(timeout=timeout_s)
+
+    def _write_ranks_soon(self) -> None:
+        """The rank records of the runs whose records changed, ``RANK_CHUNK`` records per turn
+        of the event loop (10,000 of them took 12 ms of one turn), or at once without a loop."""
+        if not self._ranks_due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._write_ranks_now()
+            return
+        if self._ranks_task is None or self._ranks_task.done():
+            self._ranks_task = loop.create_task(self._write_ranks())
+
+    async def _write_ranks(self) -> None:
+        while self._ranks_due:
+            run = next(iter(self._ranks_due))
+            for _ in self._ranks_steps(run):
+                await asyncio.sleep(0)
+
+    def _write_ranks_now(self) -> None:
+        while self._ranks_due:
+            run_steps(self._ranks_steps(next(iter(self._ranks_due))))
+
+    def _ranks_steps(self, run: str) -> Steps[None]:
+        """Pickle ``run``'s rank records in chunks, one per step, then queue their writes:
+        the chunks, then the index that names how many there are."""
+        due = self._ranks_due.get(run)
+        if due is None:
+            return
+        st, version = due
+        keys, writes = list(st.ranks), []
+        for n, i in enumerate(range(0, len(keys), RANK_CHUNK)):
+            chunk = {k: st.ranks[k] for k in keys[i : i + RANK_CHUNK] if k in st.ranks}
+            blob = _dumps({"version": VERSION, "ranks": chunk})
+            writes.append((_ranks_chunk_part(run, n), blob))
+            yield
+        if self._ranks_due.get(run, (None, None))[1] == version:  # (not changed since)
+            del self._ranks_due[run]
+        count, before = len(writes), self.rank_chunks.get(run, 0)
+        writes.append((_ranks_part(run), _dumps({"version": VERSION, "chunks": count})))
+        self.rank_chunks[run] = count
+        stale = [_ranks_chunk_part(run, n) for n in range(count, before)]
+        self._writer.submit(self._write, writes, [], (), stale)
 
     def _snapshot(
         self, runs: list[Run]
@@ -208,10 +272,10 @@ class Checkpointer:
             st = run.state
             was = self.saved_ranks.get(run.name, (-1, -1))
             now = (st.ranks_version, st.counters["registrations"])
-            if was[0] != now[0]:
-                ranks = {"version": VERSION, "ranks": st.ranks}
-                writes.append((_ranks_part(run.name), _dumps(ranks)))
-            if was[1] != now[1]:
+            if was[0] != now[0]:  # (in later turns, unless a trainer registered: see below)
+                self._ranks_due[run.name] = (st, st.ranks_version)
+            if was[1] != now[1]:  # its rank records go with it, now: they must match on a load
+                run_steps(self._ranks_steps(run.name))
                 trainers = {"version": VERSION, "trainers": st.trainers}
                 writes.append((_trainers_part(run.name), _dumps(trainers)))
             self.saved_ranks[run.name] = now
@@ -226,7 +290,11 @@ class Checkpointer:
         return writes, snapshot, keep
 
     def _write(
-        self, writes: list[tuple[str, bytes]], gone: list[WindowKey], dropped: Sequence[str] = ()
+        self,
+        writes: list[tuple[str, bytes]],
+        gone: list[WindowKey],
+        dropped: Sequence[str] = (),
+        parts_gone: Sequence[str] = (),
     ) -> None:
         try:
             for part, blob in writes:
@@ -236,6 +304,8 @@ class Checkpointer:
             for run in dropped:
                 _delete(self.namespace, self.name, _ranks_part(run))
                 _delete(self.namespace, self.name, _trainers_part(run))
+            for part in parts_gone:
+                _delete(self.namespace, self.name, part)
             self.stats["error"] = None
         except Exception as exc:
             self._failed(exc)
@@ -253,7 +323,7 @@ def load_runs(namespace: str, name: str) -> tuple[list[Run], dict[str, Any]] | N
         return None
     runs = []
     for light, indices in saved.pop("runs"):
-        ranks = load(namespace, name, _ranks_part(light.name))
+        ranks = _load_ranks(namespace, name, light.name)
         trainers = load(namespace, name, _trainers_part(light.name))
         if ranks is not None and trainers is not None:
             light.state.ranks, light.state.trainers = ranks["ranks"], trainers["trainers"]
@@ -264,6 +334,21 @@ def load_runs(namespace: str, name: str) -> tuple[list[Run], dict[str, Any]] | N
         light.state.windows = collections.OrderedDict(sorted(light.state.windows.items()))
         runs.append(light)
     return runs, saved
+
+
+def _load_ranks(namespace: str, name: str, run: str) -> dict[str, Any] | None:
+    """A run's rank records: its chunks put together (or one part, as written before), or
+    None if any is missing."""
+    index = load(namespace, name, _ranks_part(run))
+    if index is None or "chunks" not in index:
+        return index
+    ranks: dict[Any, Any] = {}
+    for n in range(int(index["chunks"])):
+        chunk = load(namespace, name, _ranks_chunk_part(run, n))
+        if chunk is None:
+            return None
+        ranks.update(chunk["ranks"])
+    return {"ranks": ranks}
 
 
 def load_window(namespace: str, name: str, key: WindowKey) -> WindowRecord | None:
