@@ -7,6 +7,7 @@ generators, so that the coordinator's event loop can let other calls go between 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Generator
 from typing import TypeVar
 
@@ -21,3 +22,13 @@ def run_steps(steps: Steps[T]) -> T:
             next(steps)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
+
+
+async def run_steps_yielding(steps: Steps[T]) -> T:
+    """Every step of ``steps``, letting the event loop go between two; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        await asyncio.sleep(0)

@@ -205,7 +205,7 @@ class _Coordinator(OperatorRPCs):
         """Several ranks' ``trace_stored`` at once, as a node agent batches its node's: each
         report a dict with ``rank``, ``window``, ``path`` and optionally ``error``,
         ``local_path`` and ``node``, judged by itself; one bool per report."""
-        return await self._reports.traces_stored(trainer_id, reports, run)  # type: ignore[no-any-return]
+        return await self._reports.traces_stored(trainer_id, reports, run)
 
     # ------------------------------------------------------------ readers
 

@@ -123,7 +123,9 @@ class AgentReports:
             self.shell.save(force=False)
         return ok
 
-    async def traces_stored(self, trainer_id: str, reports: Any, run: str | None = None) -> Any:
+    async def traces_stored(
+        self, trainer_id: str, reports: Any, run: str | None = None
+    ) -> list[bool]:
         """Several ranks' ``trace_stored`` in one call (a node agent's batch): a list of at most
         ``MAX_TRACE_REPORTS`` dicts with ``rank``, ``window``, ``path`` and optionally ``error``,
         ``local_path`` and ``node``; each judged by itself. Returns one bool per report."""
@@ -133,7 +135,7 @@ class AgentReports:
                 "traces_stored", f"reports must be a list of at most {MAX_TRACE_REPORTS}; {what}"
             )
             return []
-        out = []
+        out: list[bool] = []
         for n, r in enumerate(reports):
             if n % YIELD_EVERY == YIELD_EVERY - 1:
                 await asyncio.sleep(0)

@@ -42,7 +42,7 @@ from typing import Any
 
 from coordinator.core.records import WindowRecord
 from coordinator.core.run import Run
-from coordinator.core.steps import Steps, run_steps
+from coordinator.core.steps import Steps, run_steps, run_steps_yielding
 
 log = logging.getLogger(__name__)
 
@@ -232,9 +232,7 @@ class Checkpointer:
 
     async def _write_ranks(self) -> None:
         while self._ranks_due:
-            run = next(iter(self._ranks_due))
-            for _ in self._ranks_steps(run):
-                await asyncio.sleep(0)
+            await run_steps_yielding(self._ranks_steps(next(iter(self._ranks_due))))
 
     def _write_ranks_now(self) -> None:
         while self._ranks_due:

@@ -14,7 +14,7 @@ import collections
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from coordinator.core.steps import Steps
+from coordinator.core.steps import Steps, run_steps_yielding
 
 T = TypeVar("T")
 
@@ -51,7 +51,7 @@ class FoldQueue:
             try:
                 result = fold()
                 if steps:
-                    result = await _steps(result)
+                    result = await run_steps_yielding(result)
             except Exception as exc:
                 if not done.done():
                     done.set_exception(exc)
@@ -59,13 +59,3 @@ class FoldQueue:
                 if not done.done():
                     done.set_result(result)
             await asyncio.sleep(0)  # a step report that arrived meanwhile goes next
-
-
-async def _steps(steps: Steps[T]) -> T:
-    """Run ``steps`` (``core.steps``) to its result, letting the event loop go between two."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        await asyncio.sleep(0)

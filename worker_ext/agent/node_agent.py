@@ -239,9 +239,15 @@ class NodeAgent(AgentRPC):
         """Tell the coordinator where the trace is now, or why it is not (in a batch)."""
         assert job.report_to is not None
         files = [e for e in res.errors if e["where"] not in ("summary", "publish")]
-        report: dict[str, Any] = {"rank": job.rank, "window": job.window, "node": self._node}
-        report.update(path=res.trace_path, local_path=res.local_path)
-        self._traces.add(job.report_to, {**report, "error": files[-1] if files else None})
+        report: dict[str, Any] = {
+            "rank": job.rank,
+            "window": job.window,
+            "path": res.trace_path,
+            "error": files[-1] if files else None,
+            "local_path": res.local_path,
+            "node": self._node,
+        }
+        self._traces.add(job.report_to, report)
 
     async def _send_traces(self, report_to: dict[str, str], reports: list[dict[str, Any]]) -> None:
         await self._call(report_to, "traces_stored", reports)
