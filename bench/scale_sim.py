@@ -184,6 +184,33 @@ def template(rank: int, seed: int = 0) -> RankSummary:
     )
 
 
+class GroupRoutes(PartialRoutes):
+    """A real relay relays one group, so its ``Gather`` (keyed without the group) holds one
+    group's node partials; an actor here plays the relays of several groups: one set of routes
+    per group it relays, so that each group's partial is merged and pushed by itself (about
+    sqrt(nodes) ranks each, as the coordinator gets them from real relays)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.args = args
+        self.by_group: dict[str, PartialRoutes] = {}
+        self.group_of: dict[str, str] = {}  # node -> the group (its first node) it is in
+
+    def lead(self, cmd: NodeCommand) -> None:
+        if cmd.get("relay") != self.name:
+            return
+        group = min(cmd["nodes"])
+        for node in cmd["nodes"]:
+            self.group_of[node] = group
+        self.by_group.setdefault(group, PartialRoutes(*self.args)).lead(cmd)
+
+    async def collect(self, report_to: dict[str, str], window: int, node: str, blob: bytes) -> bool:
+        routes = self.by_group.get(self.group_of.get(node, ""))
+        if routes is None:
+            return await super().collect(report_to, window, node, blob)
+        return await routes.collect(report_to, window, node, blob)
+
+
 @ray.remote(num_cpus=0, concurrency_groups={CONTROL_LANE: CONTROL_CALLS})
 class SimAgents(RankFanOut):
     """Plays the node agents of the simulated nodes with ``host_of(node, hosts) == index``."""
@@ -206,7 +233,7 @@ class SimAgents(RankFanOut):
         )
         # The real agents' partial routes: each node's partial to its group's relay, which
         # merges the group's and pushes one partial to the coordinator.
-        self.routes = PartialRoutes(self.name, self._call_agent, self._to_coordinator)
+        self.routes = GroupRoutes(self.name, self._call_agent, self._to_coordinator)
         self.report_to = {"namespace": namespace, "name": coordinator, "trainer_id": "sim"}
         self.nodes = nodes
         if NICE_AGENTS:  # real agents run on their own nodes, not on the coordinator's cores
@@ -326,11 +353,11 @@ def _log_slow_turns(_self: Any) -> None:
     turn: dict[str, Any] = {"tid": None}
     samples: collections.deque[tuple[float, str]] = collections.deque(maxlen=4096)
 
-    def on_gc(phase: str, _info: Any) -> None:
+    def on_gc(phase: str, _info: Any) -> None:  # (in the thread's CPU, as the turns are)
         if phase == "start":
-            gc_ms[1] = time.perf_counter()
+            gc_ms[1] = time.thread_time()
         else:
-            gc_ms[0] += (time.perf_counter() - gc_ms[1]) * 1e3
+            gc_ms[0] += (time.thread_time() - gc_ms[1]) * 1e3
 
     def where(frame: Any) -> str:
         """The innermost three frames of the coordinator's own code."""

@@ -33,3 +33,27 @@ def test_a_stall_is_kept_with_the_loop_s_own_cpu():
     entry = watch.entry()
     assert entry["max_stall_ms"] >= 100, entry
     assert any(ms >= 100 and busy >= 100 for _, ms, busy in entry["recent_stalls"]), entry
+
+
+def test_freeze_live_keeps_the_live_objects_out_of_the_collectors_passes():
+    """After a large registration the rank records are frozen: no full pass walks them again,
+    and they still go when nothing refers to them. In a subprocess: a freeze is for good."""
+    import subprocess
+    import sys
+
+    code = """
+import gc, weakref
+from coordinator.service.loop_watch import LoopWatch
+class Rec:
+    pass
+records = [Rec() for _ in range(1000)]
+garbage = Rec(); garbage.me = garbage  # a cycle nobody refers to: collected, not frozen
+gone = weakref.ref(garbage); del garbage
+LoopWatch().freeze_live()
+walked = {id(o) for o in gc.get_objects()}
+print(gone() is None, gc.get_freeze_count() >= 1000, not any(id(r) in walked for r in records))
+last = weakref.ref(records[-1]); del records
+print(last() is None)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True"] * 4, out.stderr

@@ -235,6 +235,31 @@ def test_decoded_rows_are_not_tracked_by_the_garbage_collector():
     assert not any(gc.is_tracked(k) for k in decode_summary(encode_summary(s[0])).kernels)
 
 
+def test_what_a_window_keeps_per_rank_leaves_the_garbage_collectors_lists():
+    """At 10,000 ranks a window keeps a few objects per rank; as lists and objects, every full
+    pass of the collector walked them (tens of ms on the coordinator's loop)."""
+    import gc
+
+    from coordinator.protocol.summary_codec import StreamRow
+
+    s = [summary(r, [(f"k{i}", 1.0 + i) for i in range(20)]) for r in range(16)]
+    for x in s:
+        x.step_us, x.streams = [(0, 5.0), (1, 6.0)], [StreamRow(0, 7, 1.0, 2.0)]
+    agg = WindowAggregate(0)
+    for node in chunks(s, 8):
+        agg.add_partial(decode_partial(encode_partial(fold_summaries("n", node))))
+    agg.add(summary(99, [("k1", 3.0)]))
+    gc.collect()  # (a tuple leaves at the first pass that finds its items untracked: a
+    gc.collect()  # block's inner tuples at one, the block at the next)
+    kept = [*agg._detail, *agg.streams.values(), *agg.breakdowns.values()]
+    kept += agg.rank_dropped.values()
+    assert len(kept) == 1 + 2 + 16 + 17 + 17
+    assert [x for x in kept if gc.is_tracked(x)] == []
+    assert agg.per_rank(["k1"]) == {"k1": {**{r: 2.0 for r in range(16)}, 99: 3.0}}
+    part = decode_partial(encode_partial(fold_summaries("n", s[:8]))).ranks[0]
+    assert part.step_us == ((0, 5.0), (1, 6.0)) and len(part.streams) == 1
+
+
 def big_partial(ranks: int, kernels: int = 30):
     rnd = random.Random(ranks)
     s = [summary(r, [(f"k{i}", rnd.random() * 100) for i in range(kernels)]) for r in range(ranks)]

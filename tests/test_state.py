@@ -242,7 +242,7 @@ def test_rank_counts_are_kept_until_a_rank_changes_and_never_checkpointed():
     from coordinator.core.config import ProfilerConfig
     from coordinator.core.run import new_run
     from coordinator.core.state import rank_counts
-    from coordinator.service.checkpoint import without_settled
+    from coordinator.service.checkpoint import without_windows
 
     st, keys = state(world=4, selected=(0, 1, 2))
     assert rank_counts(st) == {"ok": 3, "not_selected": 1}
@@ -255,5 +255,5 @@ def test_rank_counts_are_kept_until_a_rank_changes_and_never_checkpointed():
     assert rank_counts(st)["ok"] == 1
     run = new_run(ProfilerConfig.from_dict({"enable": True, "save_path": "/r"}, False), set())
     run.state = st
-    light, _ = without_settled(run)
+    light = without_windows(run)
     assert "_rank_counts" not in light.state.__dict__ and "_rank_counts" in st.__dict__

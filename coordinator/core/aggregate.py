@@ -10,11 +10,11 @@ blocks until ``drop_detail``; the coordinator keeps them for recent windows.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import heapq
 import math
 import statistics
 from array import array
+from collections.abc import Sequence
 from typing import Any, cast
 
 import msgspec
@@ -168,27 +168,34 @@ class _Table:
         return rows
 
 
-@dataclasses.dataclass
-class _Block:
-    """Per-rank values of some kernels for some ranks: a rank's own summary (every kernel it
-    ran, ``ids`` None: ``values`` by kernel id), or a node's block of a partial (its largest
-    kernels, ``ids`` naming the columns; a kernel outside them is not known per rank)."""
+_Block = tuple[tuple[int, ...], "tuple[int, ...] | None", bytes]
+"""Per-rank values of some kernels for some ranks, ``(ranks, ids, values)``: a rank's own
+summary (every kernel it ran, ``ids`` None: ``values`` by kernel id), or a node's block of a
+partial (its largest kernels, ``ids`` naming the columns; a kernel outside them is not known
+per rank). ``values`` is float32, rank-major: ``values[n * len(ids) + column]``.
 
-    ranks: list[int]
-    ids: list[int] | None
-    values: array[float]  # rank-major: values[n * len(ids) + column]
+A plain tuple of tuples and bytes: the garbage collector stops tracking it by its second pass (a
+window at 10,000 ranks keeps over a thousand blocks; as objects, every full pass walked three
+objects for each)."""
 
-    def fill(self, out: dict[int, float], kernel: int | None) -> None:
-        """Put each of the block's ranks' value of ``kernel`` into ``out``, where it is known."""
-        if self.ids is None:
-            known = kernel is not None and kernel < len(self.values)
-            out[self.ranks[0]] = float(self.values[kernel]) if known else 0.0  # type: ignore[index]
-            return
-        if kernel not in self.ids:
-            return
-        col, width = self.ids.index(kernel), len(self.ids)
-        for n, rank in enumerate(self.ranks):
-            out[rank] = float(self.values[n * width + col])
+
+def _block(ranks: Sequence[int], ids: Sequence[int] | None, values: array[float]) -> _Block:
+    return (tuple(ranks), None if ids is None else tuple(ids), values.tobytes())
+
+
+def _fill(block: _Block, out: dict[int, float], kernel: int | None) -> None:
+    """Put each of the block's ranks' value of ``kernel`` into ``out``, where it is known."""
+    ranks, ids, data = block
+    values = memoryview(data).cast("f")
+    if ids is None:
+        known = kernel is not None and kernel < len(values)
+        out[ranks[0]] = float(values[kernel]) if known else 0.0  # type: ignore[index]
+        return
+    if kernel not in ids:
+        return
+    col, width = ids.index(kernel), len(ids)
+    for n, rank in enumerate(ranks):
+        out[rank] = float(values[n * width + col])
 
 
 class WindowAggregate:
@@ -208,7 +215,7 @@ class WindowAggregate:
         self.bad_ranks: dict[int, str] = {}
         self.duplicates = 0
         self.breakdowns: dict[int, tuple[float, ...]] = {}  # Breakdown's fields (pickled fast)
-        self.streams: dict[int, list[StreamRow]] = {}
+        self.streams: dict[int, tuple[StreamRow, ...]] = {}
         self.peak_bytes: dict[int, int] = {}
         self._kernels = _Table(NS)
         self._memory = _Table(1)
@@ -245,7 +252,7 @@ class WindowAggregate:
             rows = ((m.name, float(m.bytes), m.count) for m in summary.memory)
             self._memory.add_rank(summary.rank, rows)
         if self._detail is not None:
-            self._detail.append(_Block([summary.rank], None, values))
+            self._detail.append(_block([summary.rank], None, values))
         return True
 
     def add_partial(self, p: NodePartial) -> list[int] | None:
@@ -276,7 +283,7 @@ class WindowAggregate:
         self.rank_dropped[rank] = part.dropped
         self.breakdowns[rank] = tuple(part.breakdown)
         if part.streams:
-            self.streams[rank] = list(part.streams)
+            self.streams[rank] = tuple(part.streams)
         if part.peak_bytes is not None:
             self.peak_bytes[rank] = part.peak_bytes
 
@@ -320,7 +327,7 @@ class WindowAggregate:
         wanted = [(name, self._kernels.ids.get(name)) for name in names]
         for block in self._detail:
             for name, i in wanted:
-                block.fill(out[name], i)
+                _fill(block, out[name], i)
         return {name: dict(sorted(by_rank.items())) for name, by_rank in out.items()}
 
     def stragglers(self, threshold: float) -> Stragglers:
@@ -501,7 +508,7 @@ def _partial_steps(agg: WindowAggregate, p: NodePartial) -> Steps[list[int] | No
     if agg._detail is not None:
         for n, block in enumerate(p.detail):
             names = [agg._kernels.id_of(name) for name in block.names]
-            agg._detail.append(_Block(block.ranks, names, array("f", block.values)))
+            agg._detail.append(_block(block.ranks, names, array("f", block.values)))
             if n % STEP_BLOCKS == STEP_BLOCKS - 1:
                 yield
     for n, part in enumerate(p.ranks):

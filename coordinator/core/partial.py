@@ -176,9 +176,9 @@ def rank_part(s: RankSummary) -> RankPart:
         device=s.device,  # type: ignore[arg-type]
         total_us=s.total_us,
         dropped=(s.dropped_rows, s.dropped_us),
-        step_us=list(s.step_us),
+        step_us=tuple(s.step_us),
         breakdown=(b.compute_us, b.comm_us, b.memcpy_us, b.other_us, b.window_us),
-        streams=list(s.streams),
+        streams=tuple(s.streams),
         peak_bytes=s.peak_bytes,
     )
 

@@ -76,10 +76,12 @@ class RankPart(msgspec.Struct, array_like=True, frozen=True, gc=False):
     device: Literal["cpu", "cuda"]
     total_us: Micros
     dropped: tuple[Count, Micros]
-    step_us: Annotated[list[tuple[Count, Micros]], msgspec.Meta(max_length=MAX_STEPS)]
+    step_us: Annotated[tuple[tuple[Count, Micros], ...], msgspec.Meta(max_length=MAX_STEPS)]
     breakdown: tuple[Micros, Micros, Micros, Micros, Micros]
-    streams: Annotated[list[StreamRow], msgspec.Meta(max_length=MAX_STREAMS)]
+    streams: Annotated[tuple[StreamRow, ...], msgspec.Meta(max_length=MAX_STREAMS)]
     peak_bytes: Count | None
+    # (Tuples, not lists: a tuple of numbers or untracked rows leaves the garbage collector's
+    # lists at its first pass, and the coordinator keeps these for every rank of a window.)
 
 
 class DetailBlock(msgspec.Struct, array_like=True, frozen=True):

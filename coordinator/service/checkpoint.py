@@ -8,8 +8,8 @@ GCS, and neither does the detached coordinator it serves.
 
 The checkpoint is incremental, so no write grows with the run's history:
 
-- ``<namespace>/<name>``: the runs (config, window plan, counters) with only the windows that
-  can still change, without their ranks and the trainers' actor handles;
+- ``<namespace>/<name>``: the runs (config, window plan, counters, the indices of their
+  windows), without their windows, ranks and the trainers' actor handles;
 - ``<namespace>/<name>/ranks/<run>``: an index of a run's rank records, in chunks of
   ``RANK_CHUNK`` under ``.../ranks/<run>/<n>``, written only when one may have changed: a step
   whose ranks all answered as before (the per-node path folds them away) writes none. The
@@ -18,12 +18,17 @@ The checkpoint is incremental, so no write grows with the run's history:
   with its registration, which they must match on a load;
 - ``<namespace>/<name>/trainers/<run>``: its trainers' registrations with their actor handles
   (slow to pickle: Ray counts each handle's references), written when a trainer registers;
-- ``<namespace>/<name>/window/<run>/<index>``: a settled window (stopped, with no summary or
-  trace still to come), written once when it settles and deleted when the history drops it;
+- ``<namespace>/<name>/window/<run>/<index>``: a window, written at each save while it can
+  still change and once more when it settles (stopped, with no summary or trace still to
+  come), then never again; deleted when the history drops it. A save copies the windows it
+  writes in its own turn and pickles them from the copies in pieces in the next turns
+  (``window_pieces``: a window of 10,000 ranks at once was 40-80 ms of one turn in the
+  10,000-rank simulation), then queues its writes, the windows before the runs' record that
+  names them;
 - ``<namespace>/<name>/progress``: the step counters, a few bytes, written by steps outside
   windows instead of the whole run.
 
-Pickling happens on the caller's thread (a consistent snapshot, small by construction); the
+Pickling happens on the event loop's thread, from a consistent snapshot, in bounded steps; the
 write to the KV, a blocking call to the GCS, happens on one background thread, in order.
 """
 
@@ -42,7 +47,8 @@ from typing import Any
 
 from coordinator.core.records import WindowRecord
 from coordinator.core.run import Run
-from coordinator.core.steps import Steps, run_steps, run_steps_yielding
+from coordinator.core.steps import Steps, T, run_steps, run_steps_yielding
+from coordinator.service import window_pieces
 
 log = logging.getLogger(__name__)
 
@@ -142,19 +148,29 @@ def settled(rec: WindowRecord) -> bool:
     return rec.closed and not rec.summaries_pending and not rec.traces_pending
 
 
-def without_settled(run: Run) -> tuple[Run, list[int]]:
-    """A shallow copy of ``run`` whose state holds only the windows that can still change, no
-    ranks and no trainers (stored apart), and the indices of the settled windows."""
+def without_windows(run: Run) -> Run:
+    """A shallow copy of ``run`` whose state holds no windows, no ranks and no trainers
+    (stored apart)."""
     state = copy.copy(run.state)
-    state.windows = collections.OrderedDict(
-        (i, w) for i, w in run.state.windows.items() if not settled(w)
-    )
+    state.windows = collections.OrderedDict()
     state.ranks, state.trainers = {}, {}
     state.__dict__.pop("_rank_counts", None)  # (a cache of counts over the ranks)
-    kept = [i for i, w in run.state.windows.items() if settled(w)]
     light = copy.copy(run)
     light.state = state
-    return light, kept
+    return light
+
+
+def _timed(steps: Steps[T], spent: list[float]) -> Steps[T]:
+    """``steps``, each one's time added to ``spent[0]``."""
+    while True:
+        t0 = time.perf_counter()
+        try:
+            next(steps)
+        except StopIteration as done:
+            spent[0] += time.perf_counter() - t0
+            return done.value  # type: ignore[no-any-return]
+        spent[0] += time.perf_counter() - t0
+        yield
 
 
 @dataclass
@@ -165,6 +181,9 @@ class Checkpointer:
     namespace: str
     name: str
     saved_windows: set[WindowKey] = field(default_factory=set)
+    """Settled windows written (never again)."""
+    window_parts: set[WindowKey] = field(default_factory=set)
+    """Every window part stored, or queued to be."""
     saved_ranks: dict[str, tuple[int, int]] = field(default_factory=dict)
     """run -> (ranks_version, registrations) last written."""
     rank_chunks: dict[str, int] = field(default_factory=dict)
@@ -172,6 +191,9 @@ class Checkpointer:
     _ranks_due: dict[str, tuple[Any, int]] = field(default_factory=dict)
     """run -> (its state, ranks_version): rank records still to write."""
     _ranks_task: asyncio.Task[None] | None = None
+    _saves: collections.deque[Steps[None]] = field(default_factory=collections.deque)
+    """Saves whose windows are still being pickled, in order (``_save_steps``)."""
+    _saves_task: asyncio.Task[None] | None = None
     stats: dict[str, Any] = field(
         default_factory=lambda: {"bytes": 0, "seconds": 0.0, "at": None, "error": None}
     )
@@ -180,28 +202,58 @@ class Checkpointer:
     )
 
     def save_runs(self, current: Run, previous: list[Run], extra: dict[str, Any]) -> None:
-        """Snapshot the runs now (windows that settled since the last save are written once)
-        and queue the writes."""
+        """Snapshot the runs now and queue the writes: the windows that can still change (and
+        those that settled since the last save) are pickled in pieces from copies taken now,
+        in the next turns of the event loop, and written before the runs' record."""
         t0 = time.perf_counter()
+        runs = [current, *previous]
         try:
-            writes, snapshot, keep = self._snapshot([current, *previous])
+            writes, snapshot, windows = self._snapshot(runs)
             blob = _dumps({"version": VERSION, "runs": snapshot, **extra})
         except Exception as exc:  # a checkpoint that fails costs the restart, never the run
             self._failed(exc)
             return
-        gone = self.saved_windows - keep
-        self.saved_windows = keep
-        names = {r.name for r in [current, *previous]}
+        keep = {(run.name, i) for run in runs for i in run.state.windows}
+        gone = self.window_parts - keep
+        self.window_parts, self.saved_windows = keep, self.saved_windows & keep
+        names = {r.name for r in runs}
         dropped = [run for run in self.saved_ranks if run not in names]  # runs no longer kept
         chunks = []
         for run in dropped:
             del self.saved_ranks[run]
             self._ranks_due.pop(run, None)
             chunks += [_ranks_chunk_part(run, n) for n in range(self.rank_chunks.pop(run, 0))]
-        size = len(blob) + sum(len(b) for _, b in writes)
-        self.stats.update(bytes=size, seconds=time.perf_counter() - t0, at=time.time())
-        self._writer.submit(self._write, [*writes, (STATE, blob)], sorted(gone), dropped, chunks)
+        spent = [time.perf_counter() - t0]
+        writes.append((STATE, blob))
+        self._queue(self._save_steps(windows, writes, (sorted(gone), dropped, chunks), spent))
         self._write_ranks_soon()
+
+    def _save_steps(
+        self,
+        windows: list[tuple[WindowKey, WindowRecord]],
+        writes: list[tuple[str, bytes]],
+        deletes: tuple[list[WindowKey], list[str], list[str]],
+        spent: list[float],
+    ) -> Steps[None]:
+        """Pickle ``windows`` (snapshots) in steps, then queue every write of the save: the
+        windows first, so that a stored record never names a window not stored yet."""
+        parts = []
+        for key, snap in windows:
+            parted = yield from _timed(window_pieces.pickle_steps(snap, _dumps), spent)
+            t0 = time.perf_counter()
+            parts.append((_window_part(key), _dumps({"version": VERSION, "window": parted})))
+            spent[0] += time.perf_counter() - t0
+        size = sum(len(b) for _, b in [*parts, *writes])
+        self.stats.update(bytes=size, seconds=spent[0], at=time.time())
+        self._writer.submit(self._write, [*parts, *writes], *deletes)
+
+    def loaded(self, runs: list[Run]) -> None:
+        """The runs ``load_runs`` put back are stored: their settled windows are not written
+        again."""
+        self.window_parts = {(r.name, i) for r in runs for i in r.state.windows}
+        self.saved_windows = {
+            (r.name, i) for r in runs for i, w in r.state.windows.items() if settled(w)
+        }
 
     def save_progress(self, progress: dict[str, Any]) -> None:
         """Queue a write of the step counters only."""
@@ -214,8 +266,48 @@ class Checkpointer:
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until every queued write is done (tests, and a clean shutdown)."""
+        self._saves_now()
         self._write_ranks_now()
         self._writer.submit(lambda: None).result(timeout=timeout_s)
+
+    def _queue(self, save: Steps[None]) -> None:
+        """Run ``save``'s steps: its first now (a small run's save has no other), the rest in
+        later turns of the event loop after the saves queued before it (at once without a
+        loop)."""
+        if not self._saves:
+            try:
+                next(save)
+            except StopIteration:
+                return
+            except Exception as exc:
+                self._failed(exc)
+                return
+        self._saves.append(save)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._saves_now()
+            return
+        if self._saves_task is None or self._saves_task.done():
+            self._saves_task = loop.create_task(self._run_saves())
+
+    async def _run_saves(self) -> None:
+        while self._saves:
+            save = self._saves[0]
+            try:  # (a flush meanwhile may finish it: its steps then end at once)
+                await run_steps_yielding(save)
+            except Exception as exc:
+                self._failed(exc)
+            if self._saves and self._saves[0] is save:
+                self._saves.popleft()
+
+    def _saves_now(self) -> None:
+        while self._saves:
+            try:
+                run_steps(self._saves[0])
+            except Exception as exc:
+                self._failed(exc)
+            self._saves.popleft()
 
     def _write_ranks_soon(self) -> None:
         """The rank records of the runs whose records changed, ``RANK_CHUNK`` records per turn
@@ -261,12 +353,13 @@ class Checkpointer:
 
     def _snapshot(
         self, runs: list[Run]
-    ) -> tuple[list[tuple[str, bytes]], list[tuple[Run, list[int]]], set[WindowKey]]:
+    ) -> tuple[list[tuple[str, bytes]], list[tuple[Run, list[int]]], list[Any]]:
+        """The writes to make now, the runs' record, and the windows to pickle in steps
+        (snapshots): those that can still change, and those settled since the last save."""
         writes: list[tuple[str, bytes]] = []
-        snapshot, keep = [], set()
+        snapshot, windows = [], []
         for run in runs:
-            light, indices = without_settled(run)
-            snapshot.append((light, indices))
+            snapshot.append((without_windows(run), list(run.state.windows)))
             st = run.state
             was = self.saved_ranks.get(run.name, (-1, -1))
             now = (st.ranks_version, st.counters["registrations"])
@@ -277,15 +370,14 @@ class Checkpointer:
                 trainers = {"version": VERSION, "trainers": st.trainers}
                 writes.append((_trainers_part(run.name), _dumps(trainers)))
             self.saved_ranks[run.name] = now
-            for i in indices:
+            for i, rec in st.windows.items():
                 key = (run.name, i)
-                keep.add(key)
-                if key not in self.saved_windows:
-                    window = run.state.windows[i]
-                    writes.append(
-                        (_window_part(key), _dumps({"version": VERSION, "window": window}))
-                    )
-        return writes, snapshot, keep
+                if key in self.saved_windows:
+                    continue
+                if settled(rec):
+                    self.saved_windows.add(key)
+                windows.append((key, window_pieces.snapshot(rec)))
+        return writes, snapshot, windows
 
     def _write(
         self,
@@ -328,7 +420,7 @@ def load_runs(namespace: str, name: str) -> tuple[list[Run], dict[str, Any]] | N
         for i in indices:
             part = load(namespace, name, _window_part((light.name, i)))
             if part is not None:
-                light.state.windows[i] = part["window"]
+                light.state.windows[i] = window_pieces.restore(part["window"])
         light.state.windows = collections.OrderedDict(sorted(light.state.windows.items()))
         runs.append(light)
     return runs, saved
@@ -352,4 +444,4 @@ def _load_ranks(namespace: str, name: str, run: str) -> dict[str, Any] | None:
 def load_window(namespace: str, name: str, key: WindowKey) -> WindowRecord | None:
     """One settled window as stored, or None."""
     part = load(namespace, name, _window_part(key))
-    return None if part is None else part["window"]
+    return None if part is None else window_pieces.restore(part["window"])

@@ -34,6 +34,8 @@ from coordinator.service.rank_calls import any_alive, fan_out, run_commands
 from coordinator.service.shell import CONFIGURE_TIMEOUT_S, CoordinatorShell, Key
 
 log = logging.getLogger(__name__)
+FREEZE_RANKS = 1024
+"""From this many ranks, a registration freezes what is alive (``LoopWatch.freeze_live``)."""
 
 
 class RunCalls:
@@ -146,6 +148,8 @@ class RunCalls:
                 trainer_id, workers, role, advances_step, driver=driver
             )
             sh.save()
+            if len(sh.run.state.ranks) >= FREEZE_RANKS:
+                sh.loop_watch.freeze_live()
             return reply
 
     async def register_locked(

@@ -148,9 +148,7 @@ class CoordinatorShell:
         runs, saved = loaded
         self.run = runs[0]
         self.previous = collections.deque(runs[1:], maxlen=PREVIOUS_RUNS)
-        self.checkpoint.saved_windows = {
-            (r.name, i) for r in runs for i, w in r.state.windows.items() if checkpoint.settled(w)
-        }
+        self.checkpoint.loaded(runs)
         self._restore_progress(checkpoint.load(self.namespace, self.name, checkpoint.PROGRESS))
         self.throttled = saved["throttled"]
         if self.run.detector is not None:
