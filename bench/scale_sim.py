@@ -56,6 +56,9 @@ from worker_ext.agent.trace_reports import TraceReports
 
 # A py-spy binary: record the coordinator for 10 s after each close (where its time goes).
 SPY = os.environ.get("SCALE_SIM_SPY")
+# SCALE_SIM_SPY_STEPS=<s>: also record the coordinator (py-spy, not idle) for <s> seconds from
+# each window's first step on, to see what its in-window steps cost.
+SPY_STEPS = int(os.environ.get("SCALE_SIM_SPY_STEPS") or 0)
 # SCALE_SIM_NICE_AGENTS=1: the simulated agents at the lowest CPU priority, so that they do not
 # take the coordinator's (and the driver's) cores, as real agents on their own nodes would not.
 NICE_AGENTS = os.environ.get("SCALE_SIM_NICE_AGENTS") == "1"
@@ -341,6 +344,7 @@ class SimAgents(RankFanOut):
 def _log_slow_turns(_self: Any) -> None:
     """Runs in the coordinator: time every callback of its event loop in thread CPU, and sample
     the loop thread's stack every 3 ms from another thread, to say what a slow turn ran."""
+    import asyncio.base_events as base_events
     import asyncio.events as events
     import collections
     import gc
@@ -377,6 +381,28 @@ def _log_slow_turns(_self: Any) -> None:
             if frame is not None:
                 samples.append((time.perf_counter(), where(frame)))
 
+    once = base_events.BaseEventLoop._run_once
+    rounds: list[tuple[float, str]] = []  # loop iterations over 30 ms: what ran in them
+    in_round: list[tuple[float, str]] = []
+
+    def label(handle: Any) -> str:
+        task = getattr(handle._callback, "__self__", None)
+        if isinstance(task, asyncio.Task):
+            return str(task.get_coro().__qualname__)
+        return str(getattr(handle._callback, "__qualname__", "?"))
+
+    def timed_once(loop: Any) -> None:
+        c0 = time.thread_time()
+        in_round.clear()
+        once(loop)
+        ms = (time.thread_time() - c0) * 1e3
+        if ms >= 30:
+            ran = collections.Counter[str]()
+            for cb_ms, name in in_round:
+                ran[name] += cb_ms
+            top = "; ".join(f"{n} {v:.0f}" for n, v in ran.most_common(4))
+            rounds.append((round(ms, 1), f"{len(in_round)} callbacks: {top}"[:300]))
+
     def timed_run(handle: Any) -> None:
         c0, g0, t0 = time.thread_time(), gc_ms[0], time.perf_counter()
         turn["tid"] = threading.get_ident()
@@ -385,6 +411,7 @@ def _log_slow_turns(_self: Any) -> None:
         finally:
             turn["tid"] = None
         ms = (time.thread_time() - c0) * 1e3
+        in_round.append((ms, label(handle)))
         if ms >= 20:
             seen = collections.Counter(w for t, w in list(samples) if t >= t0)
             what = "; ".join(f"{w} x{n}" for w, n in seen.most_common(2))
@@ -393,13 +420,21 @@ def _log_slow_turns(_self: Any) -> None:
     gc.callbacks.append(on_gc)
     threading.Thread(target=sample, daemon=True, name="scale-sim-sampler").start()
     events.Handle._run = timed_run  # type: ignore[method-assign]
+    base_events.BaseEventLoop._run_once = timed_once  # type: ignore[method-assign]
     events._scale_sim_slow = slow  # type: ignore[attr-defined]
+    events._scale_sim_rounds = rounds  # type: ignore[attr-defined]
 
 
 def _slow_turns(_self: Any) -> list[tuple[float, float, str]]:
     import asyncio.events as events
 
     return sorted(getattr(events, "_scale_sim_slow", []), reverse=True)[:12]
+
+
+def _slow_rounds(_self: Any) -> list[tuple[float, str]]:
+    import asyncio.events as events
+
+    return sorted(getattr(events, "_scale_sim_rounds", []), reverse=True)[:8]
 
 
 def _census(_self: Any) -> list[tuple[str, int]]:
@@ -410,10 +445,38 @@ def _census(_self: Any) -> list[tuple[str, int]]:
     return [("frozen", gc.get_freeze_count()), *kinds.most_common(12)]
 
 
-def spy(pid: int, out: str) -> None:
+def watch_table(coord: Any, window: int, n: int, since: float) -> dict[str, Any]:
+    """Watch from a thread of its own for ``window``'s table to list all ``n`` ranks, and note
+    when it first does (``["at"]``): the driver's loop, which steps, pings and waits for the
+    opening report, would see it up to seconds late. Every 0.5 s it asks ``status()`` (about
+    20 ms of the coordinator at 10,000 ranks) whether summaries are pending, and only then the
+    table (O(ranks) to build: asked every 50 ms, it was a second of coordinator CPU a window)."""
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def watch() -> None:
+        while time.perf_counter() - since < 900:
+            windows = ray.get(coord.status.remote())["windows"]
+            entry = next((w for w in windows if w["index"] == window), None)
+            if entry is not None and not entry["summaries_pending"]:
+                ks = ray.get(coord.kernel_summary.remote(window=window, top_k=20))
+                out["ranks"] = len(ks["ranks"])
+                if out["ranks"] == n:
+                    out["at"] = time.perf_counter()
+                    return
+            time.sleep(0.5)
+
+    out["watching"] = threading.Thread(target=watch, daemon=True, name="table-watch")
+    out["watching"].start()
+    return out
+
+
+def spy(pid: int, out: str, seconds: int = 10, idle: bool = True) -> None:
     import subprocess
 
-    cmd = [SPY or "py-spy", "record", "-p", str(pid), "-d", "10", "-r", "100", "--idle"]
+    cmd = [SPY or "py-spy", "record", "-p", str(pid), "-d", str(seconds), "-r", "100"]
+    cmd += ["--idle"] if idle else []
     cmd += ["--threads", "-f", "raw", "-o", out, "--nonblocking"]
     subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -497,6 +560,8 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
     k, phase = 0, "idle"
     for _ in range(windows):
         mem0 = rss_mb(pid)
+        if SPY_STEPS:  # the coordinator through the window's steps
+            spy(pid, f"/tmp/spy-steps-{n}-{len(res['close'])}.txt", seconds=SPY_STEPS, idle=False)
         while True:  # step up to and through the next window
             c0 = cpu(pid)
             rep, dt = timed(lambda k=k: coord.step.remote("sim", k))
@@ -521,6 +586,7 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
             spy(ray.get(agents[0].pid.remote()), f"/tmp/spy-agent-{n}-{len(res['close'])}.txt")
         stall_from = time.time()
         lat, stat_s, stat_kb, pings, agent_pings = [], [], [], [], []
+        table = watch_table(coord, index, n, closed_at)
         while True:  # the trainer steps on while the summaries arrive
             rep, dt = timed(lambda k=k: coord.step.remote("sim", k))
             k += 1
@@ -536,13 +602,12 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
             st, ds = timed(lambda: coord.status.remote())
             stat_s.append(ds)
             stat_kb.append(len(json.dumps(st)) / 1024)
-            ks = ray.get(coord.kernel_summary.remote(window=index, top_k=20))
-            if len(ks["ranks"]) == n:
+            if "at" in table or not table["watching"].is_alive():
                 break
-            if time.perf_counter() - closed_at > 900:
-                raise RuntimeError(f"only {len(ks['ranks'])} of {n} ranks after 900 s")
             time.sleep(0.05)
-        res["table_after_close"].append(time.perf_counter() - closed_at)
+        if "at" not in table:
+            raise RuntimeError(f"only {table.get('ranks')} of {n} ranks after 900 s")
+        res["table_after_close"].append(table["at"] - closed_at)
         ray.get(pushes)
         res.setdefault("traces_done", []).append(time.perf_counter() - closed_at)
         res["cpu_summaries"].append(cpu(pid) - c0)
@@ -567,6 +632,7 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
     res["top20_s"] = timed(lambda: coord.kernel_summary.remote(top_k=20))[1]
     if SLOW_LOG:
         res["slow_turns"] = ray.get(coord.__ray_call__.remote(_slow_turns))
+        res["slow_rounds"] = ray.get(coord.__ray_call__.remote(_slow_rounds))
     if GC_CENSUS:  # what the coordinator's garbage collector walks, by type
         res["gc_census"] = ray.get(coord.__ray_call__.remote(_census))
     ray.get(coord.stop.remote("sim"))
@@ -619,6 +685,10 @@ def show(res: dict[str, Any]) -> None:
             "the loop's slowest turns (ms of its CPU, ms of it collecting garbage, where it was "
             "when sampled every 3 ms): "
             f"{r['slow_turns']}"
+        )
+        lines.append(
+            "the loop's slowest iterations (ms of its CPU; the callbacks that ran in one, the "
+            f"CPU of the largest by coroutine or function): {r['slow_rounds']}"
         )
     if "gc_census" in r:
         lines.append(f"objects the collector walks, by type: {r['gc_census']}")

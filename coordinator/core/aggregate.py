@@ -41,7 +41,7 @@ from coordinator.protocol.summary_codec import (
 
 CHEAP_RANKS = 256
 """Up to this many ranks, a window's stragglers are computed wherever they are asked for."""
-STEP_ROWS, STEP_BLOCKS, STEP_RANKS = 4096, 64, 512
+STEP_ROWS, STEP_BLOCKS, STEP_RANKS = 1024, 32, 256
 """A partial's rows, detail blocks and ranks folded in one step (each a few ms)."""
 _SNAPSHOT_COPIES = (
     *("_folding", "_torn", "devices", "rank_totals", "rank_step_ms", "step_ms_sum"),

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 KV_NAMESPACE = "ray_profiler"
 VERSION = 2
 STATE, PROGRESS = "", "progress"  # the parts of a checkpoint
-RANK_CHUNK = 2048  # rank records pickled in one turn of the event loop (about 2.5 ms)
+RANK_CHUNK = 1024  # rank records pickled in one turn of the event loop (about 1.2 ms)
 WindowKey = tuple[str, int]  # (run name, window index)
 
 

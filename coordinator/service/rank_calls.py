@@ -17,7 +17,7 @@ from coordinator.raylink.failures import LOST, call_failure, no_answer
 from coordinator.service.node_fanout import YIELD_EVERY, NodeFanOut
 
 Key = tuple[str, int]
-SUBMIT_EVERY = 32  # Ray calls submitted between two yields (each costs about 0.5 ms of CPU)
+SUBMIT_EVERY = 16  # Ray calls submitted between two yields (each costs about 0.5 ms of CPU)
 
 
 async def fan_out(

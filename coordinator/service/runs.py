@@ -148,8 +148,8 @@ class RunCalls:
                 trainer_id, workers, role, advances_step, driver=driver
             )
             sh.save()
-            if len(sh.run.state.ranks) >= FREEZE_RANKS:
-                sh.loop_watch.freeze_live()
+            if len(sh.run.state.ranks) >= FREEZE_RANKS:  # and what the fan-out and the save
+                sh.loop_watch.freeze_live()  # made to stay (the records' dicts, the routes)
             return reply
 
     async def register_locked(
@@ -175,6 +175,8 @@ class RunCalls:
         run_dir = _trainer_run_dir(run.run_dir, st.trainers, trainer_id, role)
         trainer = TrainerRecord(trainer_id, role, world, handles, run_dir, driver)
         keys = st.register(trainer, advances_step, lambda r: cfg.enable and cfg.selects(r, role))
+        if len(keys) >= FREEZE_RANKS:  # its records stay: out of the collector's full passes
+            self.shell.loop_watch.freeze_live()
         self.shell.nodes.forget([(trainer_id, r) for r in world])  # new handles for the agents
         cfg_dict, report_to = cfg.to_dict(), self.shell.report_to(trainer_id)
         await fan_out(
