@@ -442,7 +442,8 @@ def _census(_self: Any) -> list[tuple[str, int]]:
     import gc
 
     kinds = collections.Counter(type(o).__name__ for o in gc.get_objects())
-    return [("frozen", gc.get_freeze_count()), *kinds.most_common(12)]
+    runs = [("collections by generation", [g["collections"] for g in gc.get_stats()])]
+    return [*runs, ("frozen", gc.get_freeze_count()), *kinds.most_common(12)]
 
 
 def watch_table(coord: Any, window: int, n: int, since: float) -> dict[str, Any]:

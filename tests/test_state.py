@@ -257,3 +257,28 @@ def test_rank_counts_are_kept_until_a_rank_changes_and_never_checkpointed():
     run.state = st
     light = without_windows(run)
     assert "_rank_counts" not in light.state.__dict__ and "_rank_counts" in st.__dict__
+
+
+def test_a_window_s_parts_made_from_a_snapshot_are_kept_only_while_nothing_changed():
+    """``status()`` makes a large window's parts from a snapshot off the event loop: the same
+    parts as on the loop, kept for later calls unless the window changed meanwhile."""
+    from coordinator.service import window_pieces
+
+    st, keys = state(world=12, selected=tuple(range(12)))
+    rec = st.open_window(W0, keys)
+    for k in keys[:6]:
+        st.ingest_summary(k, blob(k[1], us=5.0 + k[1]))
+    st.close_window(rec)
+    for complete in (True, False):
+        rec.__dict__.pop("_parts_cache", None)
+        snap = window_pieces.snapshot(rec)
+        made = snap._role_parts(complete)
+        assert not rec.parts_kept(complete)
+        rec.keep_parts_of(snap)
+        assert rec.parts_kept(complete) and rec.to_dict(complete, made) == _fresh(rec, complete)
+    rec.__dict__.pop("_parts_cache", None)
+    snap = window_pieces.snapshot(rec)
+    stale = snap._role_parts(True)
+    st.ingest_summary(keys[7], blob(7, us=3.0))  # the window changes meanwhile
+    rec.keep_parts_of(snap)
+    assert not rec.parts_kept(True) and rec.to_dict(True)["roles"] != stale

@@ -157,12 +157,15 @@ class WindowRecord:
             f"the trainer skipped past the planned steps: recorded {got} instead of {want}",
         )
 
-    def to_dict(self, complete: bool = True) -> WindowEntry:
+    def to_dict(
+        self, complete: bool = True, parts: dict[str, RoleWindow] | None = None
+    ) -> WindowEntry:
         """The window's entry; ``complete=False`` (a large run's default ``status()``) cuts
-        each per-rank list to its first ``LISTED`` ranks and lists only the failed traces."""
+        each per-rank list to its first ``LISTED`` ranks and lists only the failed traces.
+        ``parts``: its trainers' parts as made off the event loop (``Readers.status``)."""
         plan = self.planned or self.window
         kept, why = self.promise()
-        roles = self._role_parts(complete)
+        roles = dict(parts) if parts is not None else self._role_parts(complete)
         main = roles.get(getattr(self, "primary", None) or "") or next(iter(roles.values()), None)
         captured = main["ranks"] if main else []
         return {
@@ -201,6 +204,18 @@ class WindowRecord:
         parts = {tid: self._role_part(tid, complete) for tid in self._trainer_ids()}
         self.__dict__["_parts_cache"] = (key, parts)
         return dict(parts)
+
+    def parts_kept(self, complete: bool) -> bool:
+        """Whether the trainers' parts kept are those of the window as it is now."""
+        cached = self.__dict__.get("_parts_cache")
+        return cached is not None and cached[0] == (complete, self._fingerprint())
+
+    def keep_parts_of(self, snap: WindowRecord) -> None:
+        """Keep the parts a snapshot of this window made (``_role_parts``), if nothing they
+        read has changed here since."""
+        cached = snap.__dict__.get("_parts_cache")
+        if cached is not None and cached[0][1] == self._fingerprint():
+            self.__dict__["_parts_cache"] = cached
 
     def _fingerprint(self) -> tuple[Any, ...]:
         """What changes whenever something a role part reads changes: every set and dict a

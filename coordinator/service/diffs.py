@@ -32,6 +32,7 @@ class Diffs:
     def __init__(self, shell: CoordinatorShell, readers: Readers) -> None:
         self.shell, self.readers = shell, readers
         self._cannot: set[tuple[str, int, int]] = set()  # (run, baseline, window) not comparable
+        self._marking: tuple[Run, asyncio.Future[None]] | None = None
 
     async def kernel_diff(
         self, a: Any, b: Any, run_a: Any, run_b: Any, trainer_id: Any, top_k: Any
@@ -62,6 +63,8 @@ class Diffs:
             if rec is None or not rec.closed:
                 known = [w.window.index for w in run.state.closed_windows()]
                 raise ValueError(f"no closed window {window} in run {run.name}: closed {known}")
+        if self._marking is not None:  # (a marking under way against the old baseline ends
+            await asyncio.shield(self._marking[1])  # before the marks are cleared)
         async with self.shell.lock:
             run.baseline = window
             for rec in run.state.windows.values():  # marked again, against the new baseline
@@ -71,7 +74,15 @@ class Diffs:
         return {"run": run.name, "baseline": baseline(run), "pinned": window is not None}
 
     async def mark(self, run: Run) -> None:
-        """Mark every settled window of ``run`` not marked yet (status() calls it)."""
+        """Mark every settled window of ``run`` not marked yet (status() calls it). Calls that
+        come while a marking of the same run is under way wait for it, not make their own (a
+        mark of a large window builds two full tables off the loop)."""
+        marking = self._marking
+        if marking is None or marking[0] is not run or marking[1].done():
+            marking = self._marking = (run, asyncio.ensure_future(self._mark(run)))
+        await asyncio.shield(marking[1])
+
+    async def _mark(self, run: Run) -> None:
         base = baseline(run)
         if base is None:
             return

@@ -100,6 +100,8 @@ class CoordinatorShell:
         self.loop_watch = LoopWatch()
         # Reads that walk every rank of a large window run here, on a snapshot.
         self.reads = concurrent.futures.ThreadPoolExecutor(1, "profiler-reads")
+        # status()'s parts of large windows: never queued behind a table a read is building
+        self.status_parts = concurrent.futures.ThreadPoolExecutor(1, "profiler-status")
         self.stalls: collections.deque[StallEntry] = collections.deque(maxlen=STALL_HISTORY)
         self._watch: tuple[str, StallWatch] | None = None
         self.phases = PhaseStore(self.refuse, self.metrics.phases)

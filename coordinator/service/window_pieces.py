@@ -31,15 +31,16 @@ PIECE = 1024
 
 @dataclass
 class _Pieces:
-    """A set or dict pickled ``PIECE`` entries at a time."""
+    """A set or dict pickled ``PIECE`` entries at a time: each blob a set or dict of them."""
 
     is_dict: bool
     blobs: list[bytes]
 
     def restore(self) -> Any:
-        parts = (pickle.loads(b) for b in self.blobs)
-        items = itertools.chain.from_iterable(parts)
-        return dict(items) if self.is_dict else set(items)
+        out: Any = {} if self.is_dict else set()
+        for blob in self.blobs:
+            out.update(pickle.loads(blob))
+        return out
 
 
 @dataclass
@@ -53,14 +54,18 @@ class _Parted:
 
 
 def snapshot(rec: WindowRecord) -> WindowRecord:
-    """A copy of ``rec`` that later changes to it do not reach, for ``pickle_steps``: its sets
-    and dicts copied, its aggregates snapshot (the values they hold are replaced, never changed
-    in place)."""
+    """A copy of ``rec`` that later changes to it do not reach, for ``pickle_steps`` and for
+    ``status()``'s parts of a large window: its sets and dicts copied, its aggregates snapshot
+    (the values they hold are replaced, never changed in place), with the stragglers they found
+    (a tuple, replaced when found again)."""
     snap = copy.copy(rec)
     for name, value in vars(snap).items():
         if isinstance(value, (set, dict)):
             setattr(snap, name, value.copy())
-    snap.aggregates = {tid: agg.snapshot() for tid, agg in rec.aggregates.items()}
+    snap.aggregates = {}
+    for tid, agg in rec.aggregates.items():
+        snap.aggregates[tid] = agg.snapshot()
+        snap.aggregates[tid]._stragglers = agg._stragglers
     return snap
 
 
@@ -81,12 +86,15 @@ def _parted(state: dict[str, Any], dumps: Callable[[Any], bytes]) -> Steps[_Part
     state = dict(state)
     for name, value in state.items():
         if isinstance(value, (set, dict)) and len(value) > PIECE:
-            items = list(value.items()) if isinstance(value, dict) else list(value)
-            blobs = []
-            for i in range(0, len(items), PIECE):
-                blobs.append(dumps(items[i : i + PIECE]))
+            # (a snapshot's: nothing changes it between two steps. Each piece a dict or set,
+            # not a list of items: no tuple made per entry for the collector to walk.)
+            is_dict, blobs = isinstance(value, dict), []
+            entries = iter(value.items()) if isinstance(value, dict) else iter(value)
+            for _ in range(0, len(value), PIECE):
+                piece = itertools.islice(entries, PIECE)
+                blobs.append(dumps(dict(piece) if is_dict else set(piece)))
                 yield
-            state[name] = _Pieces(isinstance(value, dict), blobs)
+            state[name] = _Pieces(is_dict, blobs)
     return _Parted(state)
 
 
