@@ -1,5 +1,5 @@
 """Window diffs and regression marks: pure on kernel_summary() replies, then on a real run whose
-second window does eight times the work."""
+second window does sixteen times the work."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_regression_marks_kernels_past_the_threshold_but_not_tiny_ones():
     assert calm["kernels"] == [] and not calm["step_regressed"] and regression_text(calm) == ""
 
 
-def test_a_window_doing_eight_times_the_work_is_marked_and_the_diff_says_where(
+def test_a_window_doing_sixteen_times_the_work_is_marked_and_the_diff_says_where(
     ray_session, ray_actors, toy_workers, tmp_path, capsys
 ):
     ray = ray_session
@@ -65,11 +65,11 @@ def test_a_window_doing_eight_times_the_work_is_marked_and_the_diff_says_where(
     ray.get([w.train_step.remote(4) for w in workers])  # warm, so window 0 is a fair baseline
     ray.get(coord.register.remote("t", workers))
     ray.get(coord.start.remote("t", 0))
-    # windows: record 2-3 | 6-7 (8x the work) | 10-11. The ops are microseconds each, and a CPU
+    # windows: record 2-3 | 6-7 (16x the work) | 10-11. The ops are microseconds each, and a CPU
     # trace's self times include preemption on a busy 2-core host (CI measured a calm window at
     # half its baseline), so the slow window does far more than the threshold needs.
     for k in range(12):
-        repeat = 8 if 4 <= k < 8 else 1
+        repeat = 16 if 4 <= k < 8 else 1
         ray.get([w.train_step.remote(repeat) for w in workers])
         ray.get(coord.step.remote("t", k))
     ray.get(coord.stop.remote("t"))
