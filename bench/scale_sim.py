@@ -4,10 +4,16 @@ A few Ray actors answer the rank RPCs for many ranks each (``SimRanks``, for the
 registration); a few others play the node agents of many simulated nodes each (``SimAgents``,
 4 by default, ``--agent-hosts``): they run the real agent fan-out code
 (``worker_ext.agent.rank_fanout``: relay, forwarding by agent name, reply folding; window
-commands in the agents' control lane) with ranks answered in process, and push realistic
-summaries (2,000 kernels, the current wire format with breakdown and step times) over the real
-agents' path: one node partial per node per window (``ingest_partial``), or with
-``--fanout direct`` one summary per rank (``ingest_summary``), the path before node partials.
+commands in the agents' control lane) with ranks answered in process. As many others play the
+same agents' summaries (``SimAgents`` in role "summaries", at the lowest CPU priority): they
+push realistic summaries (2,000 kernels, the current wire format with breakdown and step times)
+over the real agents' path: one node partial per node to its group's relay, whose merge goes to
+the coordinator (``ingest_partial``), or with ``--fanout direct`` one summary per rank
+(``ingest_summary``), the path before node partials. One process here plays 312 agents and 9
+relays at 10,000 ranks: in the process of their command lane, that summary work (a real relay
+merges one group) starved the lane of the GIL, and the window commands waited for it (the report
+opening a window while summaries arrive took 2.7-3.5 s; the same agents' commands pinged in
+0.7-1.7 s). ``SCALE_SIM_SHARED_AGENTS=1`` plays both in one process again.
 
 It prints, for each size: the trainer's step report latency in windows (open, step, close); the
 coordinator's own CPU per in-window step (psutil on its pid); its CPU per window of summaries;
@@ -16,7 +22,8 @@ while summaries arrive; ``status()`` latency and size; the coordinator's memory 
 its event loop's longest stall (``status()["process"]["loop"]``). ``SCALE_SIM_GC=1`` also prints
 what the coordinator's garbage collector walks at the end, by type; ``SCALE_SIM_SLOW=1`` the
 slowest turns of its event loop (its CPU, the garbage collection in it, where it was);
-``SCALE_SIM_SPY=<py-spy>`` records the coordinator and one agent actor for 10 s after each close.
+``SCALE_SIM_SPY=<py-spy>`` records the coordinator and one agent actor for 10 s after each close;
+``SCALE_SIM_FANOUT_LOG=1`` prints the timeline of each window's opening command.
 
 Run: RAY_AUTH_MODE=disabled .venv/bin/python bench/scale_sim.py --ranks 1024 10000
 """
@@ -29,6 +36,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
@@ -62,15 +70,30 @@ SPY_STEPS = int(os.environ.get("SCALE_SIM_SPY_STEPS") or 0)
 # SCALE_SIM_NICE_AGENTS=1: the simulated agents at the lowest CPU priority, so that they do not
 # take the coordinator's (and the driver's) cores, as real agents on their own nodes would not.
 NICE_AGENTS = os.environ.get("SCALE_SIM_NICE_AGENTS") == "1"
+# SCALE_SIM_NICE_SUMMARIES=0: the actors that play the agents' summaries (built, pushed, relayed
+# and merged for 1,250 nodes at 10,000 ranks: the work of other machines) at normal priority;
+# by default at the lowest, so that they take the CPU the coordinator and the command path
+# leave, not theirs.
+NICE_SUMMARIES = os.environ.get("SCALE_SIM_NICE_SUMMARIES", "1") == "1"
 GC_CENSUS = os.environ.get("SCALE_SIM_GC") == "1"  # print what the coordinator's GC walks
 # SCALE_SIM_SLOW=1: log every turn of the coordinator's event loop that takes over 20 ms of the
 # loop thread's CPU, with the coroutine it ran (what a stall is made of).
 SLOW_LOG = os.environ.get("SCALE_SIM_SLOW") == "1"
+# SCALE_SIM_FANOUT_LOG=1: each window's opening command through the agents, in ms from its
+# start: the relays' replies (first, median, last), the replies folded, the end; its CPU.
+FANOUT_LOG = os.environ.get("SCALE_SIM_FANOUT_LOG") == "1"
 # SCALE_SIM_TRACES=<s>: the agents also report every rank's trace as the real agents do (batched
 # per node: ``traces_stored``), the nodes starting over <s> seconds after the close; windows then
 # settle. SCALE_SIM_TRACES_EACH=1: one ``trace_stored`` call per rank instead (the path before).
 TRACES_S = float(os.environ["SCALE_SIM_TRACES"]) if os.environ.get("SCALE_SIM_TRACES") else None
 TRACES_EACH = os.environ.get("SCALE_SIM_TRACES_EACH") == "1"
+# SCALE_SIM_SHARED_AGENTS=1: each simulated agent actor also pushes its nodes' summaries and
+# relays their groups, in the process whose control lane takes the window commands (as a real
+# agent does). By default they are apart: one actor here plays 312 agents and 9 relays at
+# 10,000 ranks, whose summary work (a real relay's is one group's) would starve that actor's
+# control lane of the GIL, and the report that opens a window meanwhile waits for it.
+SHARED_AGENTS = os.environ.get("SCALE_SIM_SHARED_AGENTS") == "1"
+STEPS_TO_WINDOW = 100  # the schedule below opens a window every 7 steps
 TRACE_EVERY_S = 0.25  # a node's file lane finishes one trace this often
 PER_NODE = 8
 RANK_HOSTS = 4  # Ray actors that answer the rank RPCs for the registration and the direct path
@@ -99,6 +122,15 @@ def agent_hosts(nodes: int, choice: str) -> int:
     if choice == "groups":
         return max(1, -(-nodes // group_size(nodes)))
     return max(1, int(choice))
+
+
+def agent_roles() -> str:
+    """How the agents are played, for the printout."""
+    if SHARED_AGENTS:
+        nice = ", nice 19" if NICE_AGENTS else ""
+        return f" (commands and summaries in one process each{nice})"
+    nice = "nice 19" if NICE_AGENTS or NICE_SUMMARIES else "not niced"
+    return f" (their commands; as many play their summaries, {nice})"
 
 
 def host_of(node: str, hosts: int) -> int:
@@ -213,10 +245,32 @@ class GroupRoutes(PartialRoutes):
             return await super().collect(report_to, window, node, blob)
         return await routes.collect(report_to, window, node, blob)
 
+    def state(self) -> dict[str, Any]:
+        """What the control lane learned from the windows' commands: each node's relay, each
+        group it relays and the nodes each group waits for."""
+        expected = {g: r.group.expected for g, r in self.by_group.items()}
+        return {"relays": self.relays, "group_of": self.group_of, "expected": expected}
+
+    def adopt(self, state: dict[str, Any]) -> None:
+        """Take what another process's routes learned (``state()``), for the pushes."""
+        self.relays.update(state["relays"])
+        self.group_of.update(state["group_of"])
+        for group, expected in state["expected"].items():
+            self.by_group.setdefault(group, PartialRoutes(*self.args)).group.expected.update(
+                expected
+            )
+
 
 @ray.remote(num_cpus=0, concurrency_groups={CONTROL_LANE: CONTROL_CALLS})
 class SimAgents(RankFanOut):
-    """Plays the node agents of the simulated nodes with ``host_of(node, hosts) == index``."""
+    """Plays the node agents of the simulated nodes with ``host_of(node, hosts) == index``.
+
+    ``role`` "commands": their control lane (window commands, relaying them, learning the
+    partials' routes); "summaries": their summaries (node partials pushed to the groups' relays,
+    the relays' merges and pushes, trace reports), in a process of its own, which takes the
+    routes from the "commands" actor of the same index before each push; "both": one process
+    for both, as a real agent (``SCALE_SIM_SHARED_AGENTS=1``; see ``SHARED_AGENTS``).
+    """
 
     def __init__(
         self,
@@ -227,6 +281,7 @@ class SimAgents(RankFanOut):
         namespace: str,
         per_rank: bool,
         windows: int,
+        role: str = "both",
     ) -> None:
         super().__init__(
             f"sim-agents-{index}",
@@ -239,26 +294,30 @@ class SimAgents(RankFanOut):
         self.routes = GroupRoutes(self.name, self._call_agent, self._to_coordinator)
         self.report_to = {"namespace": namespace, "name": coordinator, "trainer_id": "sim"}
         self.nodes = nodes
-        if NICE_AGENTS:  # real agents run on their own nodes, not on the coordinator's cores
-            os.nice(19)
-        self.per_rank, self.host_count = per_rank, hosts
+        if NICE_AGENTS or (role == "summaries" and NICE_SUMMARIES):
+            os.nice(19)  # real agents run on their own nodes, not on the coordinator's cores
+        self.per_rank, self.host_count, self.role, self.index = per_rank, hosts, role, index
         self.coordinator = ray.get_actor(coordinator, namespace=namespace)
+        self.blobs: dict[tuple[str, int], list[bytes]] = {}
+        if role != "commands":
+            self._build(windows)
+        self.window: dict[str, Any] | None = None
+        self.trainer = "sim"
+
+    def _build(self, windows: int) -> None:
         # Every window's summaries built before the run: building them (parsing traces) is the
         # real agents' cost, on their own nodes, not the coordinator's, and here it would take
         # the coordinator's cores.
-        self.blobs: dict[tuple[str, int], list[bytes]] = {}
-        for node in nodes:
+        for node in self.nodes:
             first = int(node.rsplit("-", 1)[1]) * PER_NODE
             summaries = [template(r) for r in range(first, first + PER_NODE)]
             for w in range(windows):
                 for s in summaries:
                     s.window = w
-                if per_rank:
+                if self.per_rank:
                     self.blobs[(node, w)] = [encode_summary(s) for s in summaries]
                 else:
                     self.blobs[(node, w)] = [encode_partial(fold_summaries(node, summaries))]
-        self.window: dict[str, Any] | None = None
-        self.trainer = "sim"
 
     def ready(self) -> int:
         return sum(len(b) for b in self.blobs.values())
@@ -290,7 +349,19 @@ class SimAgents(RankFanOut):
     async def collect_partial(self, report_to, window, node, blob) -> bool:
         return await self.routes.collect(report_to, window, node, blob)
 
+    def routes_state(self) -> dict[str, Any]:
+        return self.routes.state()
+
+    async def take_routes(self) -> int:
+        """(role "summaries") The routes the "commands" actor of this index learned."""
+        if self.role == "summaries":
+            commands = ray.get_actor(f"sim-agents-{self.index}", namespace=AGENT_NAMESPACE)
+            self.routes.adopt(await commands.routes_state.remote())
+        return len(self.routes.relays)
+
     async def _call_agent(self, name: str, method: str, *args: Any) -> Any:
+        if self.role == "summaries":  # another node's relay: its summaries' process
+            name = name.replace("sim-agents-", "sim-summaries-")
         return await getattr(await self.agent(name), method).remote(*args)
 
     async def _to_coordinator(self, key: Any, report_to: dict[str, str], blob: bytes) -> bool:
@@ -425,6 +496,57 @@ def _log_slow_turns(_self: Any) -> None:
     events._scale_sim_rounds = rounds  # type: ignore[attr-defined]
 
 
+def _log_fanouts(_self: Any) -> None:
+    """Runs in the coordinator: note each node fan-out's timeline (its command's routing, each
+    relay's reply as it arrives, the replies folded), in ms from its start."""
+    import time as _time
+
+    nodes = _self._shell.nodes
+    log = nodes._scale_sim_log = []
+    nodes._scale_sim_now = {"method": "", "t0": _time.perf_counter(), "replies": []}
+    send, apply_ = nodes._send, nodes._apply
+
+    async def timed_send(cmd, group, timeout):  # type: ignore[no-untyped-def]
+        out = await send(cmd, group, timeout)
+        nodes._scale_sim_now["replies"].append(round(1e3 * (_time.perf_counter() - t0()), 1))
+        return out
+
+    async def timed_apply(run, reply, by_node, method):  # type: ignore[no-untyped-def]
+        out = await apply_(run, reply, by_node, method)
+        nodes._scale_sim_now["applied"] = round(1e3 * (_time.perf_counter() - t0()), 1)
+        return out
+
+    def t0() -> float:
+        return nodes._scale_sim_now["t0"]
+
+    fan_out = nodes.fan_out
+
+    async def timed_fan_out(run, keys, method, args, timeout):  # type: ignore[no-untyped-def]
+        nodes._scale_sim_now = {"method": method, "t0": _time.perf_counter(), "replies": []}
+        c0 = _time.thread_time()
+        out = await fan_out(run, keys, method, args, timeout)
+        now = nodes._scale_sim_now
+        now["end"] = round(1e3 * (_time.perf_counter() - now["t0"]), 1)
+        now["cpu"] = round(1e3 * (_time.thread_time() - c0), 1)  # (the loop's, others' too)
+        now["replies"] = (
+            [
+                now["replies"][0],
+                sorted(now["replies"])[len(now["replies"]) // 2],
+                now["replies"][-1],
+            ]
+            if now["replies"]
+            else []
+        )
+        log.append({k: v for k, v in now.items() if k != "t0"})
+        return out
+
+    nodes._send, nodes._apply, nodes.fan_out = timed_send, timed_apply, timed_fan_out
+
+
+def _fanouts(_self: Any) -> list[dict[str, Any]]:
+    return [x for x in _self._shell.nodes._scale_sim_log if x["method"] == "start_profile"]
+
+
 def _slow_turns(_self: Any) -> list[tuple[float, float, str]]:
     import asyncio.events as events
 
@@ -476,7 +598,8 @@ def watch_table(coord: Any, window: int, n: int, since: float) -> dict[str, Any]
 def spy(pid: int, out: str, seconds: int = 10, idle: bool = True) -> None:
     import subprocess
 
-    cmd = [SPY or "py-spy", "record", "-p", str(pid), "-d", str(seconds), "-r", "100"]
+    spy_bin = SPY or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    cmd = [spy_bin, "record", "-p", str(pid), "-d", str(seconds), "-r", "100"]
     cmd += ["--idle"] if idle else []
     cmd += ["--threads", "-f", "raw", "-o", out, "--nonblocking"]
     subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -519,17 +642,34 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
     pid = ray.get(coord.status.remote())["process"]["pid"]
     if SLOW_LOG:
         ray.get(coord.__ray_call__.remote(_log_slow_turns))
+    if FANOUT_LOG:
+        ray.get(coord.__ray_call__.remote(_log_fanouts))
     nodes = sorted({node_of(r) for r in range(n)})
     direct = fanout == "direct"
     hosts = agent_hosts(len(nodes), hosts_choice)
     rank_actors = [SimRanks.remote(hosts) for _ in range(RANK_HOSTS)]
-    agents = [
-        SimAgents.options(name=f"sim-agents-{i}", namespace=AGENT_NAMESPACE).remote(
-            i, hosts, [x for x in nodes if host_of(x, hosts) == i], name, ns, direct, windows
-        )
-        for i in range(hosts)
-    ]
-    ray.get([a.ready.remote() for a in agents])
+    roles = ["both"] if SHARED_AGENTS else ["commands", "summaries"]
+    by_role = {
+        role: [
+            SimAgents.options(
+                name=f"sim-{'agents' if role != 'summaries' else 'summaries'}-{i}",
+                namespace=AGENT_NAMESPACE,
+            ).remote(
+                i,
+                hosts,
+                [x for x in nodes if host_of(x, hosts) == i],
+                name,
+                ns,
+                direct,
+                windows,
+                role,
+            )
+            for i in range(hosts)
+        ]
+        for role in roles
+    }
+    agents, pushers = by_role[roles[0]], by_role[roles[-1]]
+    ray.get([a.ready.remote() for a in agents + pushers])
     workers = [rank_actors[r % RANK_HOSTS] for r in range(n)]
     t0 = time.perf_counter()
     ray.get(coord.register.remote("sim", workers))
@@ -539,6 +679,7 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
         "ranks": n,
         "nodes": len(nodes),
         "agent_hosts": hosts,
+        "agent_roles": agent_roles(),
         "fanout": fanout,
         "register_s": register_s,
         "open": [],
@@ -563,7 +704,7 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
         mem0 = rss_mb(pid)
         if SPY_STEPS:  # the coordinator through the window's steps
             spy(pid, f"/tmp/spy-steps-{n}-{len(res['close'])}.txt", seconds=SPY_STEPS, idle=False)
-        while True:  # step up to and through the next window
+        for _ in range(STEPS_TO_WINDOW):  # step up to and through the next window
             c0 = cpu(pid)
             rep, dt = timed(lambda k=k: coord.step.remote("sim", k))
             c1 = cpu(pid)
@@ -577,25 +718,32 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
                 res[f"cpu_{kind}"].append(c1 - c0)
             if kind == "close":
                 break
+        else:
+            raise RuntimeError(f"no window closed within {STEPS_TO_WINDOW} steps of step {k}")
         closed_at, c0 = time.perf_counter(), cpu(pid)
         index = ray.get(coord.status.remote())["windows"][-1]["index"]
-        pushes = [a.push_window.remote(index, run) for a in agents]
+        ray.get([p.take_routes.remote() for p in pushers])
+        pushes = [p.push_window.remote(index, run) for p in pushers]
         if TRACES_S is not None:  # the agents' per-rank trace reports, spread over TRACES_S
-            pushes += [a.report_traces.remote(index, run, TRACES_S) for a in agents]
+            pushes += [p.report_traces.remote(index, run, TRACES_S) for p in pushers]
         if SPY:  # the coordinator and the first agent actor, 10 s from the close
             spy(pid, f"/tmp/spy-{n}-{len(res['close'])}.txt")
             spy(ray.get(agents[0].pid.remote()), f"/tmp/spy-agent-{n}-{len(res['close'])}.txt")
+            if pushers is not agents:
+                spy(ray.get(pushers[0].pid.remote()), f"/tmp/spy-push-{n}-{len(res['close'])}.txt")
         stall_from = time.time()
         lat, stat_s, stat_kb, pings, agent_pings = [], [], [], [], []
         table = watch_table(coord, index, n, closed_at)
         while True:  # the trainer steps on while the summaries arrive
-            rep, dt = timed(lambda k=k: coord.step.remote("sim", k))
-            k += 1
-            if rep["phase"] != "idle":  # this report opened the next window: it waited for
-                res["open_while"].append(dt)  # the agents, who were relaying summaries
-                phase = rep["phase"]
-            else:
-                lat.append(dt)
+            if phase == "idle":  # up to the report that opens the next window; its in-window
+                # steps are the outer loop's (stepping on could pass the whole window here)
+                rep, dt = timed(lambda k=k: coord.step.remote("sim", k))
+                k += 1
+                if rep["phase"] != "idle":  # this report opened the next window: it waited
+                    res["open_while"].append(dt)  # for the agents relaying summaries
+                    phase = rep["phase"]
+                else:
+                    lat.append(dt)
             pings.append(timed(lambda: coord.ping.remote())[1])  # takes no lock: Ray alone
             t0 = time.perf_counter()  # the agents' control lane, as the next window's start
             ray.get([a.ping.remote() for a in agents])
@@ -634,10 +782,12 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
     if SLOW_LOG:
         res["slow_turns"] = ray.get(coord.__ray_call__.remote(_slow_turns))
         res["slow_rounds"] = ray.get(coord.__ray_call__.remote(_slow_rounds))
+    if FANOUT_LOG:
+        res["fanouts"] = ray.get(coord.__ray_call__.remote(_fanouts))
     if GC_CENSUS:  # what the coordinator's garbage collector walks, by type
         res["gc_census"] = ray.get(coord.__ray_call__.remote(_census))
     ray.get(coord.stop.remote("sim"))
-    for a in [coord, *agents, *rank_actors]:
+    for a in {*[coord, *agents, *rank_actors], *pushers}:
         ray.kill(a)
     return res
 
@@ -657,7 +807,8 @@ def show(res: dict[str, Any]) -> None:
     r = res
     lines = [
         f"\n== {r['ranks']} ranks on {r['nodes']} nodes, fanout {r['fanout']}, "
-        f"{r['agent_hosts']} actors play the agents (register {r['register_s']:.1f} s) ==",
+        f"{r['agent_hosts']} actors play the agents{r['agent_roles']} "
+        f"(register {r['register_s']:.1f} s) ==",
         f"step report in windows: open {ms(r['open'])}, step {ms(r['step'])}, "
         f"close {ms(r['close'])}",
         f"coordinator CPU per in-window step (mean): open {mean_ms(r['cpu_open'])}, "
@@ -681,6 +832,8 @@ def show(res: dict[str, Any]) -> None:
     ]
     if r["direct_nodes"]:
         lines.append(f"nodes told directly, e.g.: {r['direct_nodes']}")
+    if "fanouts" in r:
+        print(f"opening fan-outs: {r['fanouts']}")
     if "slow_turns" in r:
         lines.append(
             "the loop's slowest turns (ms of its CPU, ms of it collecting garbage, where it was "

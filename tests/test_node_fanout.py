@@ -175,3 +175,52 @@ async def test_a_large_node_answer_is_folded_with_the_event_loop_let_go_between_
     assert turns - before >= n // YIELD_EVERY - 1
     assert st.windows[0].acked == set(keys)
     assert st.windows[0].summaries_pending == set(keys)
+
+
+async def test_a_relay_s_answer_is_folded_while_a_slower_relay_s_is_on_its_way():
+    """Each group's answer goes into the run as it comes: the replies of a fast relay's group
+    are in the rank records while another relay has not answered yet."""
+    import asyncio
+
+    from coordinator.core.config import ProfilerConfig
+    from coordinator.core.records import TrainerRecord
+    from coordinator.core.run import new_run
+    from coordinator.core.schedule import Window
+    from coordinator.protocol.replies import rank_reply
+    from coordinator.service.node_fanout import NodeFanOut
+
+    n = 24  # 24 nodes of one rank: three relay groups of 8 (group_size)
+    cfg = {"enable": True, "save_path": "/run"}
+    run = new_run(ProfilerConfig.from_dict(cfg, check_paths=False), set())
+    st = run.state
+    handles = {r: f"handle-{r}" for r in range(n)}
+    st.register(TrainerRecord("t", "policy", list(range(n)), handles, "/run"), True, lambda r: 1)
+    for r in range(n):
+        agent = {"kind": "node_agent", "pid": 1, "name": f"agent-{r:02d}"}
+        st.apply_reply(("t", r), rank_reply(rank=r, node_id=f"node-{r:02d}", agent=agent))
+    keys = [("t", r) for r in range(n)]
+    st.open_window(Window(0, 0, 1, 2), keys)
+    slow = asyncio.Event()
+
+    class Relays(NodeFanOut):
+        async def _send(self, cmd, group, timeout):
+            if "node-23" in cmd["nodes"]:
+                await slow.wait()  # the last group's relay answers when told to
+            nodes = []
+            for node, order in cmd["nodes"].items():
+                ranks = order["ranks"]
+                replies = [(t, r, rank_reply(rank=r, windows_captured=3)) for t, r in ranks]
+                nodes.append({"node": node, "agent": order["agent"], "answered": []})
+                nodes[-1] |= {"replies": replies, "failed": [], "unknown": [], "error": None}
+            return {"relay": cmd["relay"], "nodes": nodes}, None
+
+    fanout = Relays("owner")
+    task = asyncio.ensure_future(fanout.fan_out(run, keys, "start_profile", [{}, 0], 5.0))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    told = [k for k in keys if st.ranks[k].windows_captured == 3]
+    assert told == keys[:16] and not task.done()  # two groups of eight in, one on its way
+    assert st.counters["worker_rpcs_start_profile"] == 16
+    slow.set()
+    assert await task == []
+    assert all(st.ranks[k].windows_captured == 3 for k in keys)

@@ -99,22 +99,33 @@ class NodeFanOut:
         """Send ``method(*args)`` to ``keys`` through their nodes' agents and fold the answers
         into the run; returns the keys that must be told directly."""
         by_node, direct = await self._route(run, keys)
-        groups = _groups(by_node)
-        sends = []
-        for group in groups:
+        relays = []
+        for group in _groups(by_node):
             cmd = self._command(run, by_node, group, method, args, timeout)
-            sends.append(self._send(cmd, group, timeout))
+            relays.append(self._relay(run, cmd, {node: by_node[node] for node in group}))
             run.state.counters["node_commands"] += 1
-        for group, (reply, why) in zip(groups, await asyncio.gather(*sends), strict=True):
-            if reply is not None:
-                mine = {node: by_node[node] for node in group}
-                direct.extend(await self._apply(run, reply, mine, method))
-                continue
-            for node in group:  # the relay failed: its nodes are told directly
-                self.routes[node].failed(why or reason("relay", RuntimeError("no reply")))
-                direct.extend(by_node[node])
+        for told_directly in await asyncio.gather(*relays):
+            direct.extend(told_directly)
         if direct and by_node:
             run.state.counters["node_fallback_ranks"] += len(direct)
+        return direct
+
+    async def _relay(
+        self,
+        run: Run,
+        cmd: NodeCommand,
+        by_node: dict[str, list[Key]],
+    ) -> list[Key]:
+        """Send ``cmd`` to its group's relay and fold the answer in as soon as it is back (the
+        other groups' answers still on their way); the keys to tell directly."""
+        group = list(by_node)
+        reply, why = await self._send(cmd, group, cmd["timeout_s"])
+        if reply is not None:
+            return await self._apply(run, reply, by_node, cmd["method"])
+        direct: list[Key] = []
+        for node in group:  # the relay failed: its nodes are told directly
+            self.routes[node].failed(why or reason("relay", RuntimeError("no reply")))
+            direct.extend(by_node[node])
         return direct
 
     async def adopt(self, run: Run, keys: Sequence[Key], timeout: float) -> None:
