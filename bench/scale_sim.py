@@ -67,6 +67,8 @@ SPY = os.environ.get("SCALE_SIM_SPY")
 # SCALE_SIM_SPY_STEPS=<s>: also record the coordinator (py-spy, not idle) for <s> seconds from
 # each window's first step on, to see what its in-window steps cost.
 SPY_STEPS = int(os.environ.get("SCALE_SIM_SPY_STEPS") or 0)
+# SCALE_SIM_SPY_GIL=1: record only the samples of threads holding the GIL (who takes it).
+SPY_GIL = os.environ.get("SCALE_SIM_SPY_GIL") == "1"
 # SCALE_SIM_NICE_AGENTS=1: the simulated agents at the lowest CPU priority, so that they do not
 # take the coordinator's (and the driver's) cores, as real agents on their own nodes would not.
 NICE_AGENTS = os.environ.get("SCALE_SIM_NICE_AGENTS") == "1"
@@ -600,7 +602,7 @@ def spy(pid: int, out: str, seconds: int = 10, idle: bool = True) -> None:
 
     spy_bin = SPY or os.path.join(os.path.dirname(sys.executable), "py-spy")
     cmd = [spy_bin, "record", "-p", str(pid), "-d", str(seconds), "-r", "100"]
-    cmd += ["--idle"] if idle else []
+    cmd += ["--gil"] if SPY_GIL else ["--idle"] if idle else []
     cmd += ["--threads", "-f", "raw", "-o", out, "--nonblocking"]
     subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
