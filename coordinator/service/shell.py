@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,7 +20,6 @@ from typing import Any
 
 import ray
 
-from coordinator.core.aggregate import CHEAP_RANKS, WindowAggregate
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.run import Run, new_run
 from coordinator.core.stall_watch import StallWatch
@@ -40,6 +38,7 @@ from coordinator.service.metrics import CoordinatorMetrics
 from coordinator.service.node_fanout import NodeFanOut
 from coordinator.service.phase_store import PhaseStore
 from coordinator.service.rank_calls import run_commands
+from coordinator.service.straggler_refresh import StragglerRefresh
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +64,6 @@ class CaptureRequest:
     answer: asyncio.Future[CaptureReply] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
-
-
-def _keep_stragglers(agg: WindowAggregate, snap: WindowAggregate, fut: Any) -> None:
-    if not fut.cancelled() and fut.exception() is None:
-        agg.keep_stragglers(snap)
 
 
 class CoordinatorShell:
@@ -100,6 +94,7 @@ class CoordinatorShell:
         self.loop_watch = LoopWatch()
         # Reads that walk every rank of a large window run here, on a snapshot.
         self.reads = concurrent.futures.ThreadPoolExecutor(1, "profiler-reads")
+        self.straggler_refresh = StragglerRefresh(self.reads)
         # status()'s parts of large windows: never queued behind a table a read is building
         self.status_parts = concurrent.futures.ThreadPoolExecutor(1, "profiler-status")
         self.stalls: collections.deque[StallEntry] = collections.deque(maxlen=STALL_HISTORY)
@@ -240,13 +235,7 @@ class CoordinatorShell:
         if rec is None or rec.summaries_pending:
             return
         for agg in rec.aggregates.values():
-            if len(agg.rank_totals) <= CHEAP_RANKS:
-                continue
-            snap = agg.snapshot()
-            fut = asyncio.get_running_loop().run_in_executor(
-                self.reads, snap.stragglers, run.state.straggler_threshold
-            )
-            fut.add_done_callback(functools.partial(_keep_stragglers, agg, snap))
+            self.straggler_refresh.request(agg, run.state.straggler_threshold)
 
     def find_run(self, name: str | None) -> Run | None:
         if name is None or name == self.run.name:
