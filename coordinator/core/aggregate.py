@@ -360,10 +360,11 @@ class WindowAggregate:
 
     def snapshot(self) -> WindowAggregate:
         """A copy that later folds do not change, to read off the event loop (O(ranks) of
-        C-speed copies, the per-rank values shared: they are only ever appended to)."""
+        C-speed copies, the per-rank values shared: they are only ever appended to), with the
+        stragglers found so far (a tuple keyed by the rank count, replaced when found again)."""
         self.step_sums()  # (a checkpoint from before has none)
         snap = WindowAggregate.__new__(WindowAggregate)  # (copy.copy would go through
-        snap.__dict__.update(self.__dict__, _stragglers=None)  # __setstate__: a restore)
+        snap.__dict__.update(self.__dict__)  # __setstate__: a restore)
         for name in _SNAPSHOT_COPIES:
             setattr(snap, name, copy.copy(getattr(self, name)))
         snap._kernels, snap._memory = self._kernels.copy(), self._memory.copy()

@@ -56,16 +56,12 @@ class _Parted:
 def snapshot(rec: WindowRecord) -> WindowRecord:
     """A copy of ``rec`` that later changes to it do not reach, for ``pickle_steps`` and for
     ``status()``'s parts of a large window: its sets and dicts copied, its aggregates snapshot
-    (the values they hold are replaced, never changed in place), with the stragglers they found
-    (a tuple, replaced when found again)."""
+    (the values they hold are replaced, never changed in place)."""
     snap = copy.copy(rec)
     for name, value in vars(snap).items():
         if isinstance(value, (set, dict)):
             setattr(snap, name, value.copy())
-    snap.aggregates = {}
-    for tid, agg in rec.aggregates.items():
-        snap.aggregates[tid] = agg.snapshot()
-        snap.aggregates[tid]._stragglers = agg._stragglers
+    snap.aggregates = {tid: agg.snapshot() for tid, agg in rec.aggregates.items()}
     return snap
 
 
