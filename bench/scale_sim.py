@@ -135,6 +135,12 @@ def agent_roles() -> str:
     return f" (their commands; as many play their summaries, {nice})"
 
 
+def agent_name(index: int, role: str = "commands") -> str:
+    """The Ray name of the actor that plays agent actor ``index``'s ``role`` (the ranks' replies
+    name the "commands" one: window commands go there)."""
+    return f"sim-{'summaries' if role == 'summaries' else 'agents'}-{index}"
+
+
 def host_of(node: str, hosts: int) -> int:
     return int(node.rsplit("-", 1)[1]) % hosts
 
@@ -149,9 +155,7 @@ def reply(
     it cannot say which node: the coordinator keeps what the registration told it)."""
     node = node_of(rank) if rank is not None else None
     agent = (
-        {"kind": "node_agent", "pid": 1, "name": f"sim-agents-{host_of(node, hosts)}"}
-        if node
-        else None
+        {"kind": "node_agent", "pid": 1, "name": agent_name(host_of(node, hosts))} if node else None
     )
     return dict(
         rank_reply(
@@ -286,7 +290,7 @@ class SimAgents(RankFanOut):
         role: str = "both",
     ) -> None:
         super().__init__(
-            f"sim-agents-{index}",
+            agent_name(index),
             nodes[0] if nodes else "",
             hosts=lambda n: host_of(n, hosts) == index,
             on_start=lambda cmd, node, keys: self.routes.learn(cmd, node, keys),
@@ -357,13 +361,13 @@ class SimAgents(RankFanOut):
     async def take_routes(self) -> int:
         """(role "summaries") The routes the "commands" actor of this index learned."""
         if self.role == "summaries":
-            commands = ray.get_actor(f"sim-agents-{self.index}", namespace=AGENT_NAMESPACE)
+            commands = ray.get_actor(agent_name(self.index), namespace=AGENT_NAMESPACE)
             self.routes.adopt(await commands.routes_state.remote())
         return len(self.routes.relays)
 
     async def _call_agent(self, name: str, method: str, *args: Any) -> Any:
         if self.role == "summaries":  # another node's relay: its summaries' process
-            name = name.replace("sim-agents-", "sim-summaries-")
+            name = agent_name(int(name.rsplit("-", 1)[1]), "summaries")
         return await getattr(await self.agent(name), method).remote(*args)
 
     async def _to_coordinator(self, key: Any, report_to: dict[str, str], blob: bytes) -> bool:
@@ -653,10 +657,7 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
     roles = ["both"] if SHARED_AGENTS else ["commands", "summaries"]
     by_role = {
         role: [
-            SimAgents.options(
-                name=f"sim-{'agents' if role != 'summaries' else 'summaries'}-{i}",
-                namespace=AGENT_NAMESPACE,
-            ).remote(
+            SimAgents.options(name=agent_name(i, role), namespace=AGENT_NAMESPACE).remote(
                 i,
                 hosts,
                 [x for x in nodes if host_of(x, hosts) == i],
@@ -789,7 +790,7 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
     if GC_CENSUS:  # what the coordinator's garbage collector walks, by type
         res["gc_census"] = ray.get(coord.__ray_call__.remote(_census))
     ray.get(coord.stop.remote("sim"))
-    for a in {*[coord, *agents, *rank_actors], *pushers}:
+    for a in [coord, *agents, *rank_actors, *([] if pushers is agents else pushers)]:
         ray.kill(a)
     return res
 
@@ -835,7 +836,7 @@ def show(res: dict[str, Any]) -> None:
     if r["direct_nodes"]:
         lines.append(f"nodes told directly, e.g.: {r['direct_nodes']}")
     if "fanouts" in r:
-        print(f"opening fan-outs: {r['fanouts']}")
+        lines.append(f"opening fan-outs (ms from their start): {r['fanouts']}")
     if "slow_turns" in r:
         lines.append(
             "the loop's slowest turns (ms of its CPU, ms of it collecting garbage, where it was "

@@ -24,7 +24,7 @@ class StragglerRefresh:
 
     def __init__(self, executor: concurrent.futures.Executor) -> None:
         self.executor = executor
-        self.runs = 0  # computations started (for tests and the harness)
+        self.runs = 0  # computations started (what the tests count)
         self._busy: dict[int, tuple[WindowAggregate, float, bool]] = {}
 
     def request(self, agg: WindowAggregate, threshold: float) -> None:
