@@ -55,6 +55,7 @@ bench: venv
 	$(PY) bench/rank_profiler_overhead.py
 	RAY_AUTH_MODE=disabled $(PY) bench/coordinator_overhead.py
 	RAY_AUTH_MODE=disabled $(PY) bench/summary_cost.py
+	RAY_AUTH_MODE=disabled $(PY) bench/window_cost.py
 	$(PY) bench/summary_memory.py
 	RAY_AUTH_MODE=disabled $(PY) bench/upload_cost.py
 	RAY_AUTH_MODE=disabled $(PY) bench/stack_cost.py

@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.workloads import DispatchBound, start_local_ray  # noqa: E402
 from coordinator import ProfilerConfig, get_or_create_coordinator  # noqa: E402
 from coordinator.core.schedule import Schedule  # noqa: E402
 from worker_ext import ProfilerWorkerMixin  # noqa: E402
@@ -38,24 +39,6 @@ from worker_ext.agent.trace_reader import read_trace  # noqa: E402
 from worker_ext.agent.trace_summary import summarise_trace  # noqa: E402
 
 WARMUP, ACTIVE = 1, 40
-
-
-class DispatchBound:
-    """12 Linear(64, 64) layers; one training step is 4 forward/backward/optimizer steps."""
-
-    def __init__(self) -> None:
-        torch.manual_seed(0)
-        torch.set_num_threads(1)
-        self.model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
-        self.x = torch.randn(8, 64)
-
-    def train_step(self) -> None:
-        for _ in range(4):
-            loss = self.model(self.x).pow(2).mean()
-            self.opt.zero_grad()
-            loss.backward()
-            self.opt.step()
 
 
 class BenchWorker(DispatchBound, ProfilerWorkerMixin):
@@ -92,16 +75,7 @@ class BenchWorker(DispatchBound, ProfilerWorkerMixin):
 
     def torch_window(self, path: str) -> dict:
         """The same window with torch.profiler alone: stop + export, then key_averages()."""
-        action = torch.profiler.ProfilerAction
-        prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU],
-            record_shapes=True,
-            schedule=lambda k: action.WARMUP if k < WARMUP else action.RECORD,
-        )
-        prof.start()
-        for _ in range(WARMUP + ACTIVE):
-            self.train_step()
-            prof.step()
+        prof = self.plain_window(WARMUP, ACTIVE)
         stop_export = timed(lambda: (prof.stop(), prof.export_chrome_trace(path)))
         out = {"stop_export": stop_export, "key_averages": timed(prof.key_averages)}
         prof = None
@@ -256,14 +230,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="part 2's rank counts")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-summary-")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ray.init(
-        num_cpus=8,
-        include_dashboard=False,
-        log_to_driver=False,
-        namespace="profiler",
-        runtime_env={"env_vars": {"PYTHONPATH": root}},
-    )
+    start_local_ray()
     p1 = part1(tmp, args.rounds)
     p2 = {(n, t): part2(tmp, n, args.rounds, t) for n in args.ranks for t in (True, False)}
     med = statistics.median

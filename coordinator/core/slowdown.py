@@ -5,8 +5,8 @@ Between two reports, ``(t1 - t0) / (k1 - k0)`` is the mean step time of the step
 nothing is added to the trainer's step path. A run is slow when that estimate exceeds
 ``slowdown_ratio`` times its own rolling baseline (the median of the recent estimates, one per
 step) for ``after_steps`` consecutive steps. Steps in a profiled window, the step after one
-stops (it pays torch's stop and export), and the first ``ignore_first`` steps of a run are
-neither measured against the baseline nor added to it.
+stops (it pays torch's stop, export and the free of its results), and the first
+``ignore_first`` steps of a run are neither measured against the baseline nor added to it.
 """
 
 from __future__ import annotations

@@ -8,9 +8,11 @@ Every guard from torch-profiler-facts.md lives here:
 Any fault disables profiling on this rank for the rest of the run and is reported in
 ``status()``; it is never raised to the caller.
 
-Stopping a window costs the training process torch's ``stop()`` and the raw chrome trace export,
-nothing else: the summary, compression, folded stacks and the push to the coordinator run in the
-node's agent process (``worker_ext.agent.node_agent``), which reads the trace from disk.
+Stopping a window costs the training process torch's ``stop()``, the raw chrome trace export and
+the free of torch's results (in that closing step, not in whichever later step a garbage
+collection reaches them), nothing else: the summary, compression, folded stacks and the push to
+the coordinator run in the node's agent process (``worker_ext.agent.node_agent``), which reads
+the trace from disk.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from coordinator.core.schedule import Window
 from coordinator.core.storage import is_remote
 from coordinator.protocol.reasons import is_exit
 from coordinator.protocol.replies import ClosedWindow, Phase, RankReply, Reason
+from worker_ext.agent.trace_jobs import TraceJob
 from worker_ext.rank.agent_link import AgentLink, node_id
 from worker_ext.rank.hand_off import HandOff
 from worker_ext.rank.stack_dump import enable_stack_dump
@@ -37,6 +40,7 @@ from worker_ext.rank.torch_session import (
     activities,
     claim,
     export_trace,
+    free_results,
     other_profiler_reason,
     pick_device,
     release,
@@ -55,6 +59,7 @@ class _Closing:
     steps: tuple[int, int] | None
     partial: bool
     trace_path: str | None = None
+    job: TraceJob | None = None  # the written trace's job, handed to the agent after the stop
     exit: BaseException | None = None  # an interpreter exit caught in the trace handler
 
 
@@ -249,6 +254,7 @@ class RankProfiler:
             prof.start()
             prof._rank_profiler_stopped = True
             prof.stop()
+            free_results(prof)
             self._abandoned.remove(prof)
         finally:
             release(self)
@@ -304,12 +310,17 @@ class RankProfiler:
         try:
             prof._rank_profiler_stopped = True
             prof.stop()  # runs _on_trace_ready while recording
+            free_results(prof)  # in this closing step, not in whichever step a collection hits
         finally:
             self._prof = None
             self._window = None
             self._recorded_first = None
             release(self)
-        closing, self._closing = self._closing, None
+            closing, self._closing = self._closing, None
+            if closing is not None and closing.job is not None:
+                # Only now, and even if stop() raised once the trace was written: the agent's
+                # parse never competes with torch's stop, export or free for the node's cores.
+                self.hand_off.submit(closing.job)
         self._closed = ClosedWindow(
             window=w.index,
             steps=list(steps) if steps else None,
@@ -324,9 +335,9 @@ class RankProfiler:
             raise closing.exit  # caught in the trace handler; torch's stop() has returned
 
     def _on_trace_ready(self, prof: Any) -> None:
-        """Runs inside torch's stop(): write the raw trace, hand it off. Never raises: an
-        exception escaping here segfaults the next stop(), so even an interpreter exit (Ctrl-C)
-        is kept and raised by ``_stop`` once torch's stop() has returned."""
+        """Runs inside torch's stop(): write the raw trace (``_stop`` hands it off). Never
+        raises: an exception escaping here segfaults the next stop(), so even an interpreter exit
+        (Ctrl-C) is kept and raised by ``_stop`` once torch's stop() has returned."""
         try:
             closing = self._closing
             if closing is None or closing.steps is None or self.fault is not None:
@@ -344,7 +355,7 @@ class RankProfiler:
                 self.report_to,
             )
             closing.trace_path = job.upload_to or job.final_path
-            self.hand_off.submit(job)
+            closing.job = job
         except BaseException as exc:  # noqa: BLE001 - re-raised by _stop when an exit
             self._disable("export", exc)
             if is_exit(exc) and self._closing is not None:
