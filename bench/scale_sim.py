@@ -16,7 +16,8 @@ opening a window while summaries arrive took 2.7-3.5 s; the same agents' command
 0.7-1.7 s). ``SCALE_SIM_SHARED_AGENTS=1`` plays both in one process again.
 
 It prints, for each size: the trainer's step report latency in windows (open, step, close); the
-coordinator's own CPU per in-window step (psutil on its pid); its CPU per window of summaries;
+coordinator's own CPU per in-window step (psutil on its pid); its CPU from a close until every
+trace is reported (the summaries, with the harness's polls and steps meanwhile);
 the time from the close until the cross-rank table lists every rank; a step report's latency
 while summaries arrive; ``status()`` latency and size; the coordinator's memory per window; and
 its event loop's longest stall (``status()["process"]["loop"]``). ``SCALE_SIM_GC=1`` also prints
@@ -816,7 +817,9 @@ def show(res: dict[str, Any]) -> None:
         f"close {ms(r['close'])}",
         f"coordinator CPU per in-window step (mean): open {mean_ms(r['cpu_open'])}, "
         f"step {mean_ms(r['cpu_step'])}, close {mean_ms(r['cpu_close'])}",
-        f"coordinator CPU per window of summaries{' and trace reports' if TRACES_S else ''}: "
+        "coordinator CPU from a close until its traces are reported (summaries"
+        f"{', trace reports' if TRACES_S else ''}, and the harness's polls, idle step reports "
+        "and the next window's opening meanwhile: an upper bound on the summaries' own): "
         f"{s(r['cpu_summaries'])} (all in {s(r['traces_done'])} after the close)",
         f"table lists every rank, after the close: {s(r['table_after_close'])}",
         f"a step report while summaries arrive (slowest per window): {ms(r['step_while'])}; "

@@ -65,6 +65,32 @@ RULES = (
 )
 
 
+ROOMS = (
+    "coordinator.core",
+    "coordinator.protocol",
+    "coordinator.raylink",
+    "coordinator.service",
+    "coordinator.client",
+    "coordinator.ops",
+    "worker_ext.rank",
+    "worker_ext.agent",
+    "trainers",
+)
+"""The rooms of docs/architecture.md, each a package whose modules run in one kind of process."""
+FACADES = ("coordinator", "coordinator.__main__", "worker_ext")
+"""The packages' public faces: re-exports and ``python -m coordinator``, in no room."""
+
+
+def outside_rooms(root: Path) -> list[str]:
+    """Every module in no room (``ROOMS``) that is not a package's face (``FACADES``): a module
+    added beside the rooms, whose process, and so its rules, nobody has said."""
+    return [
+        name
+        for name in modules(root)
+        if name not in FACADES and not any(_within(name, room) for room in ROOMS)
+    ]
+
+
 def modules(root: Path) -> dict[str, Path]:
     """Every module of the project's packages under ``root``, by dotted name."""
     out = {}
@@ -131,6 +157,29 @@ def long_parts(root: Path) -> list[str]:
                 n = (node.end_lineno or node.lineno) - node.lineno + 1
                 if n > MAX_CLASS_LINES:
                     out.append(f"{name}.{node.name}: a class of {n} lines")
+    return out
+
+
+PROFILER_APIS = ("torch.profiler", "torch.autograd.profiler")
+
+
+def profiler_users(root: Path) -> list[str]:
+    """Every module that imports or calls ``torch.profiler`` (or the autograd profiler)."""
+    out = []
+    for name, path in modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            used = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [ast.unparse(node)]
+                if isinstance(node, ast.Attribute)
+                else []
+            )
+            if any(_within(u, api) for u in used for api in PROFILER_APIS):
+                out.append(name)
+                break
     return out
 
 

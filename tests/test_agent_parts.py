@@ -3,6 +3,7 @@ idle. (The agent itself is exercised in a real cluster by tests/test_node_fanout
 tests/test_cluster.py.)"""
 
 import asyncio
+import logging
 
 import pytest
 
@@ -151,7 +152,7 @@ async def test_node_partials_meet_at_their_relay_and_reach_the_coordinator_merge
     assert coordinator == [("agent-a", [0, 1, 2, 3])]
 
 
-async def test_a_node_whose_relay_is_gone_pushes_its_partial_itself():
+async def test_a_node_whose_relay_is_gone_pushes_its_partial_itself(caplog):
     coordinator = []
 
     async def to_coordinator(key, report_to, data):
@@ -164,8 +165,73 @@ async def test_a_node_whose_relay_is_gone_pushes_its_partial_itself():
     b = PartialRoutes("agent-b", call_agent, to_coordinator)
     b.learn(start_cmd("agent-a", {"b": [("t", 2)]}), "b", [("t", 2)])
     blob = encode_partial(fold_summaries("b", [summary(2)]))
-    assert await b.push(KEY, REPORT_TO, "b", blob) is True
+    with caplog.at_level(logging.WARNING, logger="worker_ext.agent.partials"):
+        assert await b.push(KEY, REPORT_TO, "b", blob) is True
     assert coordinator == [[2]]
+    # not in silence: the agent's log, and what the ranks' jobs report (next test)
+    why = b.relay_failures[KEY]
+    assert why["where"] == "relay" and why["type"] == "ConnectionError"
+    assert why["message"].startswith("the relay agent-a did not take node b's partial of window")
+    assert [r.getMessage() for r in caplog.records] == [why["message"]]
+
+
+async def test_a_rank_whose_relay_failed_says_so_and_its_trace_report_does_not(tmp_path):
+    """The agent's own glue (``NodeAgent._publish``, ``_stored``) on the real routes and
+    node gather, the relay refusing: the rank's job says why, the push still succeeded."""
+    from types import SimpleNamespace
+
+    from coordinator.protocol.summary_codec import encode_summary
+    from worker_ext.agent.node_agent import NodeAgent
+    from worker_ext.agent.partials import group_key
+    from worker_ext.agent.trace_jobs import JobResult, TraceJob
+
+    async def to_coordinator(key, report_to, data):
+        return True
+
+    async def call_agent(name, method, *args):
+        raise ConnectionError(f"{name} is gone")
+
+    routes = PartialRoutes("agent-b", call_agent, to_coordinator)
+    routes.learn(start_cmd("agent-a", {"b": [("t", 2)]}), "b", [("t", 2)])
+    agent = SimpleNamespace(
+        _routes=routes, _partials=Gather(node_blob("b"), routes.to_relay("b"), 0.05)
+    )
+    job = TraceJob(
+        2, 0, (1, 2), False, "cpu", 20, False, "chrome_trace", "raw", "final", report_to=REPORT_TO
+    )
+    res = JobResult(window=0, pid=1)
+    assert await NodeAgent._publish(agent, job, encode_summary(summary(2)), res) is True
+    assert [e["where"] for e in res.errors] == ["relay"]
+    assert res.errors[0] is routes.relay_failures[group_key(REPORT_TO, 0)]
+    reports = []
+    stored = SimpleNamespace(
+        _traces=SimpleNamespace(add=lambda to, r: reports.append(r)), _node="b"
+    )
+    NodeAgent._stored(stored, job, res)
+    assert reports[0]["error"] is None  # the trace itself is fine
+
+
+async def test_a_lost_summary_the_coordinator_cannot_be_told_of_says_so(caplog):
+    from types import SimpleNamespace
+
+    from worker_ext.agent.node_agent import NodeAgent
+    from worker_ext.agent.trace_jobs import TraceJob
+
+    async def unreachable(report_to, method, *args):
+        raise ConnectionError("the coordinator is gone")
+
+    job = TraceJob(
+        3, 4, (1, 2), False, "cpu", 20, False, "chrome_trace", "raw", "final", report_to=REPORT_TO
+    )
+    why = {"where": "summary", "type": "ValueError", "message": "not a trace"}
+    with caplog.at_level(logging.WARNING, logger="worker_ext.agent.node_agent"):
+        await NodeAgent._notify(SimpleNamespace(_call=unreachable), job, why)
+    assert why["message"] == (
+        "not a trace [the coordinator could not be told at once: ConnectionError: the "
+        "coordinator is gone]"
+    )  # the error the rank's next reply carries to the coordinator
+    (record,) = caplog.records
+    assert "rank 3's summary of window 4 is lost (not a trace)" in record.getMessage()
 
 
 async def test_an_idle_agent_leaves_only_once_no_run_is_live():
@@ -196,3 +262,34 @@ async def test_an_idle_time_of_zero_never_leaves():
     idle.touch(0)
     await asyncio.sleep(0.6)
     assert left == []
+
+
+async def test_a_restarted_coordinator_s_first_command_drops_what_its_earlier_incarnations_left():
+    """An agent outlives its coordinator's restarts: the handles and last replies kept for
+    ``ns/profiler#0`` go at ``ns/profiler#1``'s first command; another coordinator's stay."""
+    from coordinator.protocol.agent_rpc import ADOPT
+
+    fan = RankFanOut("agent-n1", "n1")
+
+    def adopt(owner, ranks):
+        order = {"agent": "agent-n1", "ranks": ranks, "handles": [object() for _ in ranks]}
+        cmd = {
+            "owner": owner,
+            "run": "r",
+            "relay": "agent-n1",
+            "method": ADOPT,
+            "args": [],
+            "timeout_s": 5.0,
+            "nodes": {"n1": order},
+        }
+        return fan.command(cmd)
+
+    await adopt("ns/profiler#0", [("t", 0), ("t", 1)])
+    await adopt("ns/other#0", [("u", 0)])
+    fan._routine("ns/profiler#0", ("t", 0), {"state": "ok"})  # a reply it forwarded
+    assert len(fan.handles) == 3 and len(fan._last) == 1
+    await adopt("ns/profiler#1", [("t", 0)])  # restarted: registered again
+    assert sorted(fan.handles) == [("ns/other#0", "u", 0), ("ns/profiler#1", "t", 0)]
+    assert fan._last == {}
+    await adopt("ns/profiler#1", [("t", 1)])  # its own entries stay
+    assert len(fan.handles) == 3

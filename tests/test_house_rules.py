@@ -6,7 +6,15 @@ import shutil
 from pathlib import Path
 
 from tests.conftest import ROOT
-from tests.house_rules import PACKAGES, RULES, import_violations, long_parts, modules
+from tests.house_rules import (
+    PACKAGES,
+    ROOMS,
+    RULES,
+    import_violations,
+    long_parts,
+    outside_rooms,
+    profiler_users,
+)
 
 ROOT_PATH = Path(ROOT)
 
@@ -19,10 +27,20 @@ def test_no_function_over_60_lines_and_no_class_over_300():
     assert long_parts(ROOT_PATH) == []
 
 
-def test_every_module_is_in_a_room_that_a_rule_names():
-    rooms = {r.room for r in RULES}
-    for name in modules(ROOT_PATH):
-        assert any(name == room or name.startswith(room + ".") for room in rooms), name
+def test_every_module_is_in_a_room():
+    assert outside_rooms(ROOT_PATH) == []
+    # Every room falls under a rule (its own or its package's).
+    for room in ROOMS:
+        assert any(room == r.room or room.startswith(r.room + ".") for r in RULES), room
+
+
+def test_the_room_check_sees_a_module_beside_the_rooms(tmp_path):
+    for package in PACKAGES:
+        shutil.copytree(ROOT_PATH / package, tmp_path / package)
+    (tmp_path / "coordinator" / "helpers.py").write_text("X = 1\n")
+    (tmp_path / "worker_ext" / "util").mkdir()
+    (tmp_path / "worker_ext" / "util" / "__init__.py").write_text("")
+    assert outside_rooms(tmp_path) == ["coordinator.helpers", "worker_ext.util"]
 
 
 def test_the_check_fails_when_a_pure_module_imports_the_service(tmp_path):
@@ -115,3 +133,22 @@ def test_the_blocking_check_sees_a_ray_get_in_an_async_method(tmp_path):
         "import ray\n\nasync def f(h):\n    return ray.get(h.ping.remote())\n"
     )
     assert blocking_calls_in_async(tmp_path) == ["worker_ext.agent.slow.f: ray.get"]
+
+
+def test_only_the_rank_s_torch_session_drives_torch_profiler():
+    # The product's one driver of torch.profiler, with every guard of torch-profiler-facts.md;
+    # the reference trainers' engine stands in for vLLM's and SGLang's, which run their own.
+    assert sorted(profiler_users(ROOT_PATH)) == [
+        "trainers.reference.engine",
+        "worker_ext.rank.rank_profiler",
+        "worker_ext.rank.torch_session",
+    ]
+
+
+def test_the_profiler_check_sees_a_new_user(tmp_path):
+    for package in PACKAGES:
+        shutil.copytree(ROOT_PATH / package, tmp_path / package)
+    (tmp_path / "coordinator" / "ops" / "peek.py").write_text(
+        "def f(torch):\n    return torch.profiler.profile()\n"
+    )
+    assert "coordinator.ops.peek" in profiler_users(tmp_path)

@@ -68,9 +68,12 @@ def test_every_rank_is_told_through_the_relays_of_its_group(sim):
     assert commands(ray, ranks) == [want] * len(ranks)
     st = ray.get(coord.status.remote())
     assert st["nodes"]["by_path"] == {"agent": NODES}
-    assert {n["agent"] for n in st["nodes"]["listed"]} == {
-        f"{a}" for a in {n["agent"] for n in st["nodes"]["listed"]}
+    serves = {
+        rep["node_id"]: rep["agent"]["name"] for rep in ray.get([r.reply.remote() for r in ranks])
     }
+    assert len(serves) == NODES and len(set(serves.values())) == AGENTS
+    # Every node listed once, with the agent that serves it.
+    assert {n["node"]: n["agent"] for n in st["nodes"]["listed"]} == serves
     c = st["counters"]
     assert c["node_commands"] == 2 * 8  # two groups, eight commands
     assert c.get("node_fallback_ranks", 0) == 0

@@ -111,9 +111,13 @@ def test_a_long_slowdown_becomes_the_new_baseline():
 def test_the_clock_of_an_earlier_process_is_never_compared():
     det = SlowdownDetector(AutoCapture(enable=True, after_steps=1))
     run(det, [0.02] * 300)
+    k, t = det.last
     det.forget_clock()
-    k, _ = (300, 0.0)
-    assert det.observe(k, 5.0, False) is None  # a new clock: no interval measured
+    # Measured against the old clock, one step in 10 s would be 500x the baseline, and one slow
+    # step is enough (after_steps=1): only a forgotten clock lets this report through quietly.
+    assert det.observe(k + 1, t + 10.0, False) is None
+    assert det.last == (k + 1, t + 10.0)  # the new clock: the next interval is measured from it
+    assert det.observe(k + 2, t + 10.02, False) is None
 
 
 @pytest.mark.parametrize(

@@ -106,11 +106,29 @@ def test_a_process_without_a_dump_and_without_py_spy_says_both(stuck, monkeypatc
     )
 
 
-def test_native_frames_fall_back_to_python_frames_when_py_spy_cannot_unwind(stuck):
+def test_native_frames_fall_back_to_python_frames_when_py_spy_cannot_unwind(
+    stuck, tmp_path, monkeypatch
+):
+    from worker_ext.agent.stack_reader import find_py_spy
+
+    real = find_py_spy()
+    assert real, "py-spy is a dependency"
+    # The fault, injected: a py-spy that cannot unwind native frames (as on some builds), and
+    # is the real one without --native.
+    shim = tmp_path / "py-spy"
+    shim.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do if [ "$a" = "--native" ]; then\n'
+        "  echo 'Error: Failed to unwind native stack (injected)' >&2; exit 1; fi; done\n"
+        f'exec "{real}" "$@"\n'
+    )
+    shim.chmod(0o755)
+    monkeypatch.setenv("RAY_PROFILER_PY_SPY", str(shim))
     proc, target = stuck
     got = read_stack(target, native=True, method="py-spy", timeout_s=20)
     assert got["method"] == "py-spy" and "slow_loader" in stack_of(got)
-    assert all(t.startswith("py-spy --native: ") for t in got["tried"])  # said, if it failed
+    assert len(got["tried"]) == 1 and got["tried"][0].startswith("py-spy --native: ")
+    assert "Failed to unwind native stack (injected)" in got["tried"][0]
 
 
 def test_a_cpu_process_has_no_flight_recorder_and_says_why(stuck, tmp_path):
@@ -134,3 +152,34 @@ def test_the_flight_recorder_pipe_brings_torch_s_own_dump_back(tmp_path, monkeyp
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_process_that_exits_leaves_no_stack_dump_behind(tmp_path, monkeypatch):
+    proc = start_stuck(tmp_path, monkeypatch, "--as-cuda", TORCH_NCCL_TRACE_BUFFER_SIZE="2000")
+    dump = json.loads(proc.stdout.readline())
+    assert os.path.exists(dump["path"]) and os.path.exists(dump["flight_recorder"])
+    proc.send_signal(2)  # Ctrl-C: the interpreter exits normally, its exit handlers run
+    proc.wait(30)
+    assert os.listdir(tmp_path / "stacks") == []
+
+
+def test_the_agent_sweeps_the_dumps_of_processes_killed_outright(tmp_path, monkeypatch):
+    from worker_ext.agent.stack_reader import sweep_dumps
+
+    killed = start_stuck(tmp_path, monkeypatch, "--as-cuda", TORCH_NCCL_TRACE_BUFFER_SIZE="2000")
+    alive = start_stuck(tmp_path, monkeypatch)
+    try:
+        dead = json.loads(killed.stdout.readline())
+        live = json.loads(alive.stdout.readline())
+        killed.kill()  # SIGKILL, as ray.kill: no exit handler runs
+        killed.wait(30)
+        (tmp_path / "stacks" / "notes.txt").write_text("not a dump")
+        folder = tmp_path / "stacks"
+        assert sorted(sweep_dumps(folder)) == [f"{killed.pid}.fr", f"{killed.pid}.txt"]
+        assert not os.path.exists(dead["path"]) and not os.path.exists(dead["flight_recorder"])
+        assert sorted(os.listdir(folder)) == [f"{alive.pid}.txt", "notes.txt"]
+        assert os.path.exists(live["path"]) and sweep_dumps(folder) == []
+    finally:
+        for p in (killed, alive):
+            p.kill()
+            p.wait()

@@ -95,6 +95,29 @@ def test_identical_stacks_group_and_the_rank_outside_the_collective_is_named():
     assert entries[0]["threads"] is None and reply["unreadable"] == []
 
 
+def test_culprits_in_two_trainers_each_get_their_own_count_of_waiting_ranks():
+    sft = [
+        stack_entry(
+            Whom("rank", "sft", "policy", r), got(r, HUNG if r == 0 else COLLECTIVE), None, False
+        )
+        for r in range(4)
+    ]
+    gen = [
+        stack_entry(
+            Whom("rank", "gen", "rollout", r),
+            got(10 + r, RAY_LOOP if r == 1 else COLLECTIVE),
+            None,
+            False,
+        )
+        for r in range(3)
+    ]
+    reply = stacks_reply(sft + gen, 0.0, 0.1, False, "auto")
+    assert reply["culprit"] == (  # the groups' order: smallest first
+        "likely culprit: rank 1 in main_loop (while 2 ranks of gen wait in a collective); "
+        "rank 0 in slow_loader (while 3 ranks of sft wait in a collective)"
+    )
+
+
 def test_no_culprit_without_a_collective_and_other_trainers_never_blamed():
     a = [stack_entry(Whom("rank", "sft", "policy", r), got(r, HUNG), None, False) for r in range(2)]
     b = [stack_entry(Whom("rank", "gen", "rollout", 0), got(9, RAY_LOOP), None, False)]
@@ -271,3 +294,28 @@ def test_a_bad_driver_is_refused_with_a_reason(driver):
 def test_a_malformed_stack_request_is_refused(req):
     with pytest.raises(ValueError):
         check_request(req)
+
+
+def test_stacks_of_nobody_are_refused_with_what_is_registered():
+    from types import SimpleNamespace
+
+    from coordinator.service.stacks import unknown_whom
+
+    trainers = {
+        "sft": SimpleNamespace(trainer_id="sft", handles={0: "h", 1: "h"}),
+        "gen": SimpleNamespace(trainer_id="gen", handles={0: "h", 5: "h"}),
+    }
+    assert unknown_whom(trainers, None, None) is None
+    assert unknown_whom(trainers, [0, 5], None) is None  # ranks of any trainer
+    assert unknown_whom(trainers, [1], "sft") is None
+    assert (
+        unknown_whom(trainers, None, "x")
+        == "no trainer 'x' is registered; registered: ['gen', 'sft']"
+    )
+    assert unknown_whom(trainers, [5], "sft") == (
+        "ranks [5] not registered by trainer 'sft' (registered ranks: [0, 1])"
+    )
+    assert unknown_whom(trainers, [], None) == (
+        "ranks is an empty list: give None for every rank (registered ranks: [0, 1, 5])"
+    )
+    assert unknown_whom({}, None, None) is None  # the watchdog before any registration

@@ -90,6 +90,11 @@ def test_a_hung_rank_is_named_on_demand_and_by_the_watchdog(ray_session, hanging
         grouped = capsys.readouterr().out
         assert cli_main(["stacks", "--rank", "2", *where]) == 0
         raw = capsys.readouterr().out
+        # Nobody to read is refused with what is registered, not answered with nothing.
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"no trainer 'nobody'.*\['sft'\]"):
+            ray.get(coord.stacks.remote(trainer_id="nobody"))
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"ranks \[7\] not registered"):
+            ray.get(coord.stacks.remote(ranks=[2, 7]))
         stall = wait_for(lambda: ray.get(coord.status.remote())["stalls"], 15)[0]
         trainer.join(timeout=120)
         assert not trainer.is_alive()
@@ -153,3 +158,22 @@ def _saved_resumed(path):
 def _at(ray, coord, step, trainer, result):
     assert trainer.is_alive(), f"the training loop ended early: {result!r:.2000}"
     return (ray.get(coord.status.remote())["global_step"] or 0) >= step
+
+
+async def test_a_stall_file_that_cannot_be_written_is_said_not_raised(tmp_path, caplog):
+    """Not only OSError: a reply that will not serialise (here a circular list) is reported in
+    the stall's ``error`` and the log, and leaves no half-written file."""
+    import logging
+    from types import SimpleNamespace
+
+    from coordinator.service.stall_watchdog import StallWatchdog
+
+    entry = {"index": 3, "path": None, "error": None, "lines": []}
+    entry["lines"].append(entry["lines"])  # json: "Circular reference detected"
+    run = SimpleNamespace(run_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="coordinator.service.stall_watchdog"):
+        await StallWatchdog._write(None, run, entry, None)
+    assert entry["path"] is None
+    assert entry["error"] == "stall file: ValueError: Circular reference detected"
+    assert "stall 3: no file written" in caplog.text
+    assert os.listdir(tmp_path / "stalls") == []  # no stall_3.json.tmp left behind

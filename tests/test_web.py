@@ -96,23 +96,36 @@ def test_api_inputs_are_checked_naming_the_parameter():
 
 
 class Served:
-    """A coordinator with two closed windows (the second doing 8x the work), a trainer that
-    is still running, and the web server on a free loopback port (in a thread)."""
+    """A coordinator with two closed windows (the second doing 8x the work), the phase times
+    of every step (``train`` and ``log`` regions, timed by the trainer's own clock), a trainer
+    that is still running but stopped stepping (a stall, with every rank's stack), and the web
+    server on a free loopback port (in a thread)."""
 
     def __init__(self, ray, tmp_path, workers):
+        from coordinator.client.phase_clock import PhaseClock, Region
+        from coordinator.client.step_client import wait_for_traces
         from coordinator.ops.web.server import CoordinatorLink
 
-        cfg = profiler_config(tmp_path, wait=1, warmup=1, active=2, repeat=2)
+        cfg = profiler_config(tmp_path, wait=1, warmup=1, active=2, repeat=2, stall_min_s=2.0)
         self.name = f"profiler-{uuid.uuid4().hex[:8]}"
         self.coord = get_or_create_coordinator(cfg, name=self.name, namespace="profiler-tests")
         ray.get(self.coord.register.remote("t", workers))
         ray.get(self.coord.start.remote("t", 0))
+        clock = PhaseClock()
+        self.phases = []
         for k in range(8):  # windows 0 (steps 2-3) and 1 (6-7); the run goes on
-            ray.get([w.train_step.remote(8 if k >= 4 else 1) for w in workers])
-            ray.get(self.coord.step.remote("t", k))
-        from coordinator.client.step_client import wait_for_traces
-
+            clock.begin_step()
+            with Region(clock, "train"):
+                ray.get([w.train_step.remote(8 if k >= 4 else 1) for w in workers])
+            with Region(clock, "log"):
+                time.sleep(0.01)
+            self.phases.append(clock.close_step(k))
+            ray.get(self.coord.step.remote("t", k, phases=[self.phases[-1]]))
         assert wait_for_traces(self.coord, timeout_s=60) == []
+        deadline = time.monotonic() + 60  # no step for stall_min_s: the watchdog's stall
+        while not ray.get(self.coord.status.remote())["stalls"]:
+            assert time.monotonic() < deadline, "no stall recorded"
+            time.sleep(0.2)
         self.web = ServerThread(CoordinatorLink(self.name, "profiler-tests", self.coord))
         self.url = self.web.url
 
@@ -192,7 +205,22 @@ def test_every_endpoint_answers_with_the_replies_shapes(served):
     status, d = served.http("GET", "/api/diff?a=0&b=1&top_k=3")
     assert status == 200 and d["a"]["window"] == 0 and len(d["kernels"]) == 3
     status, ph = served.http("GET", "/api/phases?last=5")
-    assert status == 200 and "steps" in ph
+    assert status == 200 and ph["steps_seen"] == 8
+    assert [s["step"] for s in ph["steps"]] == [3, 4, 5, 6, 7]  # the last five
+    sent = {k: (wall, regions) for k, wall, regions in served.phases}
+    for s in ph["steps"]:  # what the trainer's clock measured, in ms
+        wall, regions = sent[s["step"]]
+        assert s["wall_ms"] == pytest.approx(wall * 1e3, abs=0.01)
+        assert s["regions"] == pytest.approx({n: v * 1e3 for n, v in regions.items()}, abs=0.01)
+        assert s["regions"]["log"] >= 10.0 and s["other_ms"] >= 0.0
+    means = {r["region"]: r["mean_ms"] for r in ph["regions"]}
+    assert set(means) == {"train", "log"}
+    last5 = [sent[k][1]["train"] * 1e3 for k in range(3, 8)]
+    assert means["train"] == pytest.approx(sum(last5) / 5, rel=1e-3)
+    status, st = served.http("GET", "/api/status")
+    (stall,) = st["stalls"]
+    assert stall["trainer_id"] == "t" and stall["last_step"] == 7 and stall["resumed_step"] is None
+    assert stall["lines"], stall  # every rank's stack, grouped
     status, raw = served.http("GET", "/api/windows/1/traces.tar.gz")
     assert status == 200
     with tarfile.open(fileobj=io.BytesIO(raw), mode="r:gz") as tar:
@@ -210,6 +238,12 @@ def test_bad_input_gets_a_json_reason_and_the_right_status(served):
     assert served.http("GET", "/api/windows/x/kernels")[0] == 400
     assert served.http("GET", "/api/windows/1/kernels?top_k=-3")[0] == 400
     assert served.http("GET", "/api/diff?a=0")[0] == 400
+    # one limit for the steps of /api/phases: the coordinator's (it keeps 10,000 exactly)
+    assert served.http("GET", "/api/phases?last=10000")[0] == 200
+    status, none = served.http("GET", "/api/phases?last=0")
+    assert status == 200 and none["steps"] == [] and none["steps_seen"] == 8
+    status, body = served.http("GET", "/api/phases?last=10001")
+    assert status == 400 and body["error"] == "last must be an int in 0..10000, got 10001"
     assert served.http("GET", "/api/windows/1/kernels?role=nobody")[0] == 400
     assert served.http("GET", "/api/nothing")[0] == 404
     assert served.http("GET", "/static/../server.py")[0] == 404
@@ -308,6 +342,20 @@ def test_the_pages_in_a_real_browser(served, tmp_path):
             page.wait_for_selector("text=against window 0", timeout=30_000)
             assert page.locator("canvas").count() >= 1
             page.screenshot(path=str(tmp_path / "diff.png"), full_page=True)
+            # the phase times of the last steps: both regions, in the table and the chart
+            page.goto(served.url + "/#/phases")
+            page.wait_for_selector("text=Phase times: the last 8 steps (8 seen)", timeout=30_000)
+            rows = page.locator("table tr").all_inner_texts()
+            assert any(r.startswith("train") for r in rows) and any(
+                r.startswith("log") for r in rows
+            )
+            assert page.locator("canvas").count() == 1
+            # the stall: the run page points to it, the stalls page shows its stacks
+            page.goto(served.url + "/")
+            page.click("a[href='#/stalls']", timeout=30_000)
+            page.wait_for_selector("text=Stall 1: trainer t, after step 7, still stalled")
+            stall = served.http("GET", "/api/status")[1]["stalls"][0]
+            assert page.inner_text("pre").splitlines()[0] == stall["lines"][0]
         finally:
             browser.close()
     # the capture refused without a token is the one error the page is expected to log

@@ -10,7 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as hs
 
 from coordinator import get_or_create_coordinator
-from coordinator.core.window_diff import _summary, kernel_diff, per_step_us, regression
+from coordinator.core.window_diff import (
+    MARKED_KERNELS,
+    _summary,
+    kernel_diff,
+    per_step_us,
+    regression,
+)
 from coordinator.ops import notebook as nb
 from coordinator.ops.cli import main as cli_main
 from coordinator.ops.tables import regression_text, render_diff
@@ -49,7 +55,10 @@ def test_regression_marks_kernels_past_the_threshold_but_not_tiny_ones():
     assert [k["name"] for k in r["kernels"]] == ["mm"]  # "tiny" rose 9x but is under 1%
     assert r["step_regressed"] and r["step_ratio"] == 1.3 and r["baseline"] == 0
     assert regression_text(r) == "SLOWER than window 0: step x1.30, mm x1.30"
-    calm = regression(kernel_diff(a, a), 1.25)
+    # Another calm window, not the baseline itself: every kernel within +-10%, the tiny one
+    # up 50% (under 1% of the kernel time), the step 5% slower.
+    c = _summary(2, [2, 2], 1, {"mm": 1090.0, "tiny": 1.5, "add": 92.0}, step_ms=10.5)
+    calm = regression(kernel_diff(a, c, top_k=100), 1.25)
     assert calm["kernels"] == [] and not calm["step_regressed"] and regression_text(calm) == ""
 
 
@@ -78,9 +87,30 @@ def test_a_window_doing_sixteen_times_the_work_is_marked_and_the_diff_says_where
     assert marks[0] is None  # the baseline: the run's first complete scheduled window
     slow, calm = marks[1], marks[2]
     assert slow["baseline"] == 0 == calm["baseline"] and slow["kernels"], slow
-    assert all(k["ratio"] >= 1.5 for k in slow["kernels"]) and len(slow["kernels"]) >= 3
-    # Single ops are noisy on a busy 2-core machine (a calm window can have one or two marked
-    # by CPU contention); the work per step, every kernel summed, tells the windows apart.
+    # The marks, recomputed from the two windows' raw tables: self time per rank and step.
+    rate = {
+        w: per_rank_step_us(ray.get(coord.kernel_summary.remote(window=w, top_k=10_000)))
+        for w in (0, 1)
+    }
+    grown = {
+        n
+        for n, us in rate[1].items()
+        if n in rate[0]
+        and us >= 1.5 * rate[0][n]
+        and max(us, rate[0][n]) >= 0.01 * max(sum(rate[0].values()), sum(rate[1].values()))
+    }
+    assert len(slow["kernels"]) >= 3
+    for mark in slow["kernels"]:
+        want = rate[1][mark["name"]] / rate[0][mark["name"]]
+        assert mark["ratio"] == pytest.approx(want, rel=0.01) and mark["name"] in grown
+    if len(grown) <= MARKED_KERNELS:
+        assert {m["name"] for m in slow["kernels"]} == grown  # none missed
+    # The calm window's step is not marked (its ratio was 1.00-1.19 in five runs here). Its
+    # kernels are not asserted: single ops of microseconds are noise on a busy 2-core machine
+    # (a preemption inside one), and five runs marked 1-8 of them, up to 23x. Marks judged
+    # against the run's own spread (the results-and-marks issue) are what will fix that.
+    assert not calm["step_regressed"], calm
+    # The work per step, every kernel summed, tells the windows apart.
     totals = {w: ray.get(coord.kernel_diff.remote(0, w, top_k=0))["total_us"] for w in (1, 2)}
     grew = {w: b / a for w, (a, b) in totals.items()}
     assert grew[1] >= 2.0 and grew[1] > 2.0 * grew[2], totals
@@ -102,9 +132,21 @@ def test_a_window_doing_sixteen_times_the_work_is_marked_and_the_diff_says_where
         ray.get(coord.kernel_diff.remote(0, 9))
 
     # The operator pins window 1: the others are marked against it again.
+    counted = st["counters"]["regressions"]
     pinned = ray.get(coord.pin_baseline.remote(1))
     assert pinned == {"run": st["run"]["name"], "baseline": 1, "pinned": True}
     st = ray.get(coord.status.remote())
     marks = {w["index"]: w["regression"] for w in st["windows"]}
     assert marks[1] is None and marks[0]["baseline"] == 1 and not marks[0]["step_regressed"]
     assert ray.get(coord.pin_baseline.remote(None))["baseline"] == 0
+    # Back on window 0, window 1 is marked slower again: the same window, not counted again.
+    st = ray.get(coord.status.remote())
+    assert {w["index"]: w["regression"] for w in st["windows"]}[1]["kernels"]
+    assert st["counters"]["regressions"] == counted
+    assert st["metrics"]["values"]["profiler_regressions"] == counted
+
+
+def per_rank_step_us(ks: dict) -> dict[str, float]:
+    """Each kernel's self time per rank and per recorded step, from a raw table."""
+    n = len(ks["ranks"]) * (ks["steps"][1] - ks["steps"][0] + 1)
+    return {k["name"]: k["total_us"] / n for k in ks["kernels"]}

@@ -114,7 +114,8 @@ class ProfilerConfig:
     stall_watch: bool = True
     """Take every rank's stack when the stepping trainer's steps stop coming (a stall)."""
     stall_factor: float = 5.0
-    """A stall: no step for ``stall_factor`` x the median time of recent steps, ..."""
+    """A stall: no step for ``stall_factor`` x the median step time (over the last 32 step
+    reports, each the mean per step since the one before), ..."""
     stall_min_s: float = 60.0
     """... and for at least this many seconds."""
     regression_threshold: float = 1.25

@@ -116,6 +116,7 @@ class WindowRecord:
     cut: str | None = None  # why the window was cut short, when not by the trainer's stop()
     trigger: AutoTrigger | None = None  # why an auto capture was taken
     regression: RegressionEntry | None = None  # against the run's baseline (diffs.mark)
+    counted_slower: bool = False  # in the run's "regressions" count (once, whatever baseline)
     roles: dict[str, str] = field(default_factory=dict)  # trainer_id -> role, at the opening
     primary: str | None = None  # the stepping trainer: the per-rank fields are its ranks
     changes: int = 0  # bumped where a trace or a lost summary is recorded over another

@@ -262,18 +262,24 @@ def ranges(ranks: Sequence[int], shown: int = 24) -> str:
 
 def culprit_line(groups: Sequence[StackGroup]) -> str | None:
     """One line naming the likely culprit: the ranks not in a collective while their trainer's
-    other ranks wait in one; None when there is no such group."""
-    bad = [g for g in groups if g["culprit"]]
+    other ranks wait in one, each trainer with its own count of waiting ranks; None when there
+    is no such group."""
+    bad: dict[str, list[StackGroup]] = {}
+    for g in groups:
+        if g["culprit"]:
+            bad.setdefault(g["trainer_id"], []).append(g)
     if not bad:
         return None
-    tid = bad[0]["trainer_id"]
-    waiting = sum(
-        g["count"]
-        for g in groups
-        if g["kind"] == "collective" and g["who"] == "rank" and g["trainer_id"] == tid
-    )
-    names = "; ".join(f"{g['label']} in {g['stack'].split(' <- ')[0]}" for g in bad)
-    return f"likely culprit: {names} (while {waiting} ranks of {tid} wait in a collective)"
+    parts = []
+    for tid, culprits in bad.items():
+        waiting = sum(
+            g["count"]
+            for g in groups
+            if g["kind"] == "collective" and g["who"] == "rank" and g["trainer_id"] == tid
+        )
+        names = "; ".join(f"{g['label']} in {g['stack'].split(' <- ')[0]}" for g in culprits)
+        parts.append(f"{names} (while {waiting} ranks of {tid} wait in a collective)")
+    return "likely culprit: " + "; ".join(parts)
 
 
 def render_groups(groups: Sequence[StackGroup], unreadable: Sequence[StackEntry]) -> list[str]:

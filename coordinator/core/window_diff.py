@@ -28,7 +28,7 @@ from coordinator.protocol.replies import (
 
 BREAKDOWN = ("compute", "comm", "memcpy", "other")
 MARKED_KERNELS = 10
-MIN_SHARE = 0.01  # kernels under 1% of both windows' per-step time are never marked
+MIN_SHARE = 0.01  # kernels under 1% of the summed kernel time per step are never marked
 
 
 def per_step_us(summary: KernelSummaryReply) -> dict[str, float]:
@@ -110,7 +110,9 @@ def _steps(s: KernelSummaryReply) -> int:
 
 def regression(diff: KernelDiffReply, threshold: float) -> RegressionEntry:
     """The marks of window ``b`` against its baseline ``a``: kernels whose per-step time rose
-    beyond ``threshold`` (at least 1% of a window's per-step time), and the step time."""
+    by ``threshold`` or more and is at least ``MIN_SHARE`` of the larger window's kernel time
+    per step (every kernel's self time summed), and the step time. A kernel the baseline does
+    not have has no ratio and is never marked (``diff["new"]`` lists it)."""
     total = max(diff["total_us"]) or 1.0
     kernels = [
         {"name": k["name"], "baseline_us": k["a_us"], "us": k["b_us"], "ratio": k["ratio"]}

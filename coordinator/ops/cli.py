@@ -183,7 +183,9 @@ def _steering_commands(command: Command) -> None:
     diff.add_argument("--run-b", default=None, help="B's run (default: the current one)")
     diff.add_argument("--k", type=int, default=30, help="kernels listed (largest change first)")
     phases = command("phases", "per-step phase times: each region's share, the slowest steps")
-    phases.add_argument("--last", type=int, default=100, help="steps to list (default 100)")
+    phases.add_argument(
+        "--last", type=int, default=100, help="steps to list (default 100, at most 10000)"
+    )
     phases.add_argument("--run", default=None, help="an earlier run (status shows previous_runs)")
     stacks = command("stacks", "every rank's stack now, grouped; the likely culprit of a hang")
     stacks.add_argument("--rank", type=int, nargs="+", default=None, help="raw stacks of these")

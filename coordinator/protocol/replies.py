@@ -49,7 +49,9 @@ class Reason(TypedDict):
 
 
 class AgentError(TypedDict, total=False):
-    """The last summary, compression or clean-up of a trace that failed (``where`` says which)."""
+    """The last step of the agent's work on a trace that failed (``where`` says which: summary,
+    publish, relay, compress, stacks, cleanup, upload, agent). ``relay``: the node's relay did
+    not take its partial, which the node then pushed to the coordinator itself."""
 
     window: int | None
     where: str
@@ -544,7 +546,9 @@ class KernelSummaryReply(TypedDict):
 
 class PhaseStep(TypedDict):
     """One step's phase times: its wall time (the trainer's own work between two step reports)
-    and each named region's, in ms; ``other_ms`` is the time in no region."""
+    and each named region's, in ms; ``other_ms`` is the wall time minus the regions' sum, at
+    least 0: the time in no region when no region nests in or overlaps another (a nested
+    region's time is also in its parent's)."""
 
     step: int
     wall_ms: float

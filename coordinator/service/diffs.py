@@ -101,7 +101,11 @@ class Diffs:
                 self._cannot.add(key)
                 continue
             rec.regression = regression(diff, run.config.regression_threshold)
-            if rec.regression["kernels"] or rec.regression["step_regressed"]:
+            slower = bool(rec.regression["kernels"] or rec.regression["step_regressed"])
+            # A window is counted once: marked again against a newly pinned baseline, it is
+            # the same window ("regressions": windows marked slower).
+            if slower and not getattr(rec, "counted_slower", False):  # (older checkpoints)
+                rec.counted_slower = True
                 run.state.counters["regressions"] += 1
                 self.shell.metrics.export(run.state)
 

@@ -24,7 +24,9 @@ class CoordinatorMetrics:
         "profiler_worker_rpcs": "Calls the coordinator made to worker ranks",
         "profiler_auto_captures": "Auto captures planned because the run slowed down",
         "profiler_stalls": "Stalls the watchdog detected (no step for the stall threshold)",
-        "profiler_regressions": "Windows marked slower than the run's baseline window",
+        "profiler_regressions": (
+            "Windows marked slower than the run's baseline window, each counted once"
+        ),
     }
 
     def __init__(self, name: str) -> None:

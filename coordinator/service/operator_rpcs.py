@@ -38,6 +38,8 @@ class OperatorRPCs:
         ``auto`` (py-spy, else faulthandler), ``py-spy`` or ``faulthandler``; ``timeout_s``:
         per process (0..120). Returns a ``StacksReply``: ``groups`` (smallest first),
         ``culprit`` (one line), ``unreadable`` (with why), ``entries``, ``lines``.
+        ``ValueError``: a wrong argument, a ``trainer_id`` not registered, or ``ranks`` that no
+        trainer in scope registered (the message lists the registered ones).
 
         Example::
 

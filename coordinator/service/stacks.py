@@ -47,6 +47,29 @@ def check_stack_args(native: Any, ranks: Any, method: Any, timeout_s: Any) -> No
         raise ValueError(f"timeout_s must be a number in (0, {MAX_STACK_TIMEOUT_S:g}]")
 
 
+def unknown_whom(
+    trainers: dict[str, Any], ranks: list[int] | None, trainer_id: str | None
+) -> str | None:
+    """Why ``stacks(ranks, trainer_id)`` names nobody it could read, or None: an unknown
+    trainer, or ranks that no trainer in scope has registered (an empty answer would look like
+    a cluster with nothing to show)."""
+    if trainer_id is not None and trainer_id not in trainers:
+        return f"no trainer {trainer_id!r:.80} is registered; registered: {sorted(trainers)}"
+    if ranks is None:
+        return None
+    scope = [t for t in trainers.values() if trainer_id is None or t.trainer_id == trainer_id]
+    known = {r for t in scope for r in t.handles}
+    have = sorted(known)
+    listed = f"{have[:20]}{' ...' if len(have) > 20 else ''}"
+    if not ranks:
+        return f"ranks is an empty list: give None for every rank (registered ranks: {listed})"
+    missing = sorted(set(ranks) - known)
+    if missing:
+        whose = f"trainer {trainer_id!r}" if trainer_id is not None else "any trainer"
+        return f"ranks {missing[:20]} not registered by {whose} (registered ranks: {listed})"
+    return None
+
+
 class StackCalls:
     """Takes stacks through the node agents (see the module docstring)."""
 
@@ -67,6 +90,9 @@ class StackCalls:
         check_stack_args(native, ranks, method, timeout_s)
         if trainer_id is not None and not isinstance(trainer_id, str):
             raise ValueError(f"trainer_id must be a str or None, got {trainer_id!r:.80}")
+        unknown = unknown_whom(self.shell.run.state.trainers, ranks, trainer_id)
+        if unknown is not None:
+            raise ValueError(unknown)
         t0, taken_at = time.perf_counter(), time.time()
         whom = await self._whom(ranks, trainer_id)
         got = await self._read(whom, native, method, timeout_s, flight_recorder_dir)

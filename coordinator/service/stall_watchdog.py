@@ -138,8 +138,9 @@ class StallWatchdog:
         try:
             await loop.run_in_executor(None, _dump, path, entry, reply)
             entry["path"] = path
-        except OSError as exc:
+        except Exception as exc:  # a full disk, or a reply that will not serialise: said
             entry["error"] = f"stall file: {type(exc).__name__}: {exc}"[:300]
+            log.warning("stall %s: no file written at %s: %s", entry["index"], path, entry["error"])
 
 
 def _local(run: Run, sub: str) -> str | None:
@@ -164,6 +165,11 @@ def _dump(path: str, entry: StallEntry, reply: StacksReply | None) -> None:
         old = json.load(f)
     body = {"stall": entry, "stacks": reply if reply is not None else old.get("stacks")}
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(body, f, indent=1, default=str)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(body, f, indent=1, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import logging
 import os
 import re
 from collections.abc import Callable, Hashable
@@ -50,7 +51,7 @@ from worker_ext.agent.partials import (
     node_blob,
 )
 from worker_ext.agent.rank_fanout import RankFanOut, command_problem
-from worker_ext.agent.stack_reader import check_request, read_stacks
+from worker_ext.agent.stack_reader import check_request, read_stacks, sweep_dumps
 from worker_ext.agent.trace_jobs import (
     JobResult,
     TraceJob,
@@ -61,6 +62,7 @@ from worker_ext.agent.trace_jobs import (
 )
 from worker_ext.agent.trace_reports import TraceReports
 
+log = logging.getLogger(__name__)
 PUBLISH_TIMEOUT_S = 30.0
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -89,6 +91,7 @@ class NodeAgent(AgentRPC):
             node_blob(self._node), self._routes.to_relay(self._node), LINGER_S
         )
         self._idle = IdleExit(idle_exit_s, self._owners_live)
+        self._files.submit(sweep_dumps)  # what processes gone since the last agent left
         self._traces = TraceReports(self._send_traces)
         self._in_flight = 0  # trace jobs being processed
         self._owners: set[tuple[str, str]] = set()
@@ -117,6 +120,7 @@ class NodeAgent(AgentRPC):
         self._idle.touch()
         check_request(req)
         loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._files, sweep_dumps)
         return await loop.run_in_executor(None, read_stacks, req)
 
     async def collect_partial(
@@ -195,6 +199,7 @@ class NodeAgent(AgentRPC):
         elif job.report_to:
             await self._notify(job, res.errors[-1])
         await loop.run_in_executor(self._files, finish_trace, job, folded, res)
+        self._files.submit(sweep_dumps)  # the node's dead processes' stack dumps, now and then
         if job.upload_to is not None:
             await loop.run_in_executor(self._files, upload_trace, job, res)
         if job.report_to and job.final_path is not None:
@@ -230,7 +235,11 @@ class NodeAgent(AgentRPC):
         try:
             summary = decode_summary(blob)
             key = group_key(job.report_to, summary.window)
-            return await self._partials.add(key, job.report_to, summary.rank, summary)
+            pushed = await self._partials.add(key, job.report_to, summary.rank, summary)
+            relay_failed = self._routes.relay_failures.get(key)
+            if relay_failed is not None:  # pushed all the same; the rank's status says why
+                res.errors.append(relay_failed)
+            return pushed
         except Exception as exc:
             res.errors.append(reason("publish", exc))
             return False
@@ -238,7 +247,7 @@ class NodeAgent(AgentRPC):
     def _stored(self, job: TraceJob, res: JobResult) -> None:
         """Tell the coordinator where the trace is now, or why it is not (in a batch)."""
         assert job.report_to is not None
-        files = [e for e in res.errors if e["where"] not in ("summary", "publish")]
+        files = [e for e in res.errors if e["where"] not in ("summary", "publish", "relay")]
         report: dict[str, Any] = {
             "rank": job.rank,
             "window": job.window,
@@ -253,10 +262,26 @@ class NodeAgent(AgentRPC):
         await self._call(report_to, "traces_stored", reports)
 
     async def _notify(self, job: TraceJob, why: Reason) -> None:
-        """Tell the coordinator at once that this summary is lost."""
+        """Tell the coordinator at once that this summary is lost. If that fails too, say so
+        in the log and in the summary's own error: the coordinator then learns of the loss
+        from the rank's next reply, which carries that error."""
         assert job.report_to is not None
-        with contextlib.suppress(Exception):
+        try:
             await self._call(job.report_to, "summary_failed", job.rank, job.window, why)
+        except Exception as exc:
+            told = f"{type(exc).__name__}: {exc}"
+            log.warning(
+                "rank %d's summary of window %d is lost (%s), and the coordinator %s could not "
+                "be told at once (%s): it learns it from the rank's next reply",
+                job.rank,
+                job.window,
+                why["message"][:200],
+                job.report_to.get("name"),
+                told,
+            )
+            why["message"] = (
+                f"{why['message']} [the coordinator could not be told at once: {told}]"
+            )[:2000]
 
 
 MAX_CHUNK = 8 << 20

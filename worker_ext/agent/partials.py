@@ -14,7 +14,7 @@ reply, as a summary the agent could not push does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -22,7 +22,10 @@ from typing import Any, Generic, TypeVar
 from coordinator.core.partial import fold_summaries, merge_partials
 from coordinator.protocol.agent_rpc import NodeCommand
 from coordinator.protocol.partial_codec import NodePartial, decode_partial, encode_partial
+from coordinator.protocol.replies import Reason
 from coordinator.protocol.summary_codec import RankSummary
+
+log = logging.getLogger(__name__)
 
 LINGER_S = 1.0  # a node's summaries wait this long for its late ranks
 GROUP_LINGER_S = 2.0  # a relay waits this long for its group's late nodes
@@ -141,6 +144,8 @@ class PartialRoutes:
         self.relays: dict[tuple[GroupKey, str], str] = {}  # (key, node) -> its relay's name
         self.group: Gather[NodePartial] = Gather(group_blob(name), to_coordinator, linger_s)
         self.to_coordinator = to_coordinator
+        self.relay_failures: dict[GroupKey, Reason] = {}
+        """Why a relay did not take this agent's partial of a group, by group (bounded)."""
 
     def learn(self, cmd: NodeCommand, node: str, keys: Sequence[tuple[str, int]]) -> None:
         """A ``start_profile`` this agent ran on ``node``'s ``keys``: their partials go to
@@ -181,10 +186,22 @@ class PartialRoutes:
         if relay == self.name:
             return await self.collect(report_to, window, node, blob)
         if relay is not None:
-            with contextlib.suppress(Exception):  # the relay is gone: push it ourselves
+            try:
                 got = self.call_agent(relay, "collect_partial", report_to, window, node, blob)
                 return bool(await asyncio.wait_for(got, RELAY_TIMEOUT_S))
+            except Exception as exc:  # the relay is gone: push it ourselves, and say so
+                self._relay_failed(key, relay, node, exc)
         return await self.to_coordinator(key, report_to, blob)
+
+    def _relay_failed(self, key: GroupKey, relay: str, node: str, exc: BaseException) -> None:
+        message = (
+            f"the relay {relay} did not take node {node}'s partial of window {key[4]} "
+            f"({type(exc).__name__}: {exc}); the node pushed it to the coordinator itself"
+        )[:1000]
+        log.warning("%s", message)
+        self.relay_failures[key] = Reason(where="relay", type=type(exc).__name__, message=message)
+        while len(self.relay_failures) > 256:
+            del self.relay_failures[next(iter(self.relay_failures))]
 
     async def collect(self, report_to: dict[str, str], window: int, node: str, blob: bytes) -> bool:
         """The relay's side: one node's partial of its group."""

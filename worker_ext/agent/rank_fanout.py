@@ -1,8 +1,10 @@
 """A node agent's part of the per-node fan-out: call its node's ranks, forward other nodes' parts
 to their agents, and fold every reply into one answer (``protocol.agent_rpc``).
 
-It keeps, per coordinator (``owner``), the handles of the ranks it calls and the last reply it
-forwarded for each: a rank whose reply has not changed since is only listed as ``answered``.
+It keeps, per coordinator (``owner``: ``namespace/name#restarts``), the handles of the ranks it
+calls and the last reply it forwarded for each: a rank whose reply has not changed since is only
+listed as ``answered``. The first command of a restarted coordinator drops what its earlier
+incarnations left (the agent outlives them); a registration's new handles replace a rank's old.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class RankFanOut:
         self.on_start = on_start  # (command, node, ranks of the node that started a window)
         self.handles: dict[tuple[str, str, int], Any] = {}
         self._last: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self._owners: set[str] = set()
         self._agents = AgentHandles()
         self.commands = 0
 
@@ -57,6 +60,7 @@ class RankFanOut:
         problem = command_problem(cmd)
         if problem:
             raise ValueError(problem)
+        self._forget_older(cmd["owner"])
         self.commands += 1
         local = [n for n in cmd["nodes"] if self.hosts(n)]
         by_agent: dict[str, dict[str, NodeOrder]] = {}
@@ -128,11 +132,18 @@ class RankFanOut:
                     replies[key] = task.result()
         return replies, failed
 
-    def forget(self, owner: str, keys: Sequence[Key]) -> None:
-        """Drop the handles (and last replies) of ``keys``: their trainer registered again."""
-        for key in keys:
-            self.handles.pop((owner, *key), None)
-            self._last.pop((owner, *key), None)
+    def _forget_older(self, owner: str) -> None:
+        """``owner`` commands for the first time: drop what the earlier incarnations of the
+        same coordinator (its ``#restarts`` before) left; they will never command again."""
+        if owner in self._owners:
+            return
+        same = owner.rpartition("#")[0]
+        stale = {o for o in self._owners if o.rpartition("#")[0] == same}
+        self._owners = (self._owners - stale) | {owner}
+        if stale:
+            for kept in (self.handles, self._last):
+                for key in [k for k in kept if k[0] in stale]:
+                    del kept[key]
 
     def _routine(self, owner: str, key: Key, reply: Any) -> bool:
         """Whether ``reply`` tells the coordinator nothing new about ``key`` (then only listed)."""

@@ -50,6 +50,28 @@ def stacks_dir() -> Path:
     return Path(chosen) if chosen else Path(tempfile.gettempdir()) / "ray-profiler-stacks"
 
 
+def sweep_dumps(folder: Path | None = None) -> list[str]:
+    """Remove the faulthandler dumps (``<pid>.txt``) and Flight Recorder pipes (``<pid>.fr``)
+    of processes that are gone (a rank killed by ``ray.kill`` never runs its exit handler);
+    the names removed. Never raises."""
+    removed: list[str] = []
+    try:
+        entries = list((folder or stacks_dir()).iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        stem, dot, ext = path.name.partition(".")
+        if not dot or ext not in ("txt", "fr") or not stem.isdigit():
+            continue
+        if process_exited(int(stem)):
+            try:
+                path.unlink()
+                removed.append(path.name)
+            except OSError:
+                continue
+    return removed
+
+
 def find_py_spy() -> str | None:
     """The py-spy binary: ``$RAY_PROFILER_PY_SPY``, else next to this Python, else on PATH."""
     chosen = os.environ.get(PY_SPY_ENV)

@@ -65,7 +65,8 @@ class JobResult:
     local_path: str | None = None
     """The copy on this node that stays: kept on purpose, or because the upload failed."""
     errors: list[Reason] = field(default_factory=list)
-    """``where`` (summary, publish, compress, stacks, cleanup, upload), ``type``, ``message``."""
+    """``where`` (summary, publish, relay, compress, stacks, cleanup, upload), ``type``,
+    ``message``. A ``relay`` error lost nothing: the partial went to the coordinator directly."""
 
 
 def run_job(job: TraceJob) -> JobResult:

@@ -1,2 +1,3 @@
-"""What runs inside a training rank: the actor mixin, ``RankProfiler`` (the only code that
-touches ``torch.profiler``), the hand-off of closed traces and the link to the node agent."""
+"""What runs inside a training rank: the actor mixin, ``RankProfiler`` (with ``torch_session``,
+the project's only driver of ``torch.profiler``), the hand-off of closed traces and the link to
+the node agent."""

@@ -9,11 +9,14 @@ collective included, and takes no GIL. On a CUDA rank with the Flight Recorder o
 (``TORCH_NCCL_TRACE_BUFFER_SIZE`` > 0) it also makes a named pipe ``<dir>/<pid>.fr`` and opens
 it read-write before saying so, so the agent always finds a reader (no gap before the thread
 starts or between two requests); a thread blocked reading it (holding no GIL, costing nothing
-until asked) writes torch's own dump (``_dump_fr_trace``) to each path the agent sends.
+until asked) writes torch's own dump (``_dump_fr_trace``) to each path the agent sends. Both
+files go at the process's normal exit; the node agent removes those of processes killed
+outright (``stack_reader.sweep_dumps``).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import os
@@ -38,6 +41,7 @@ def enable_stack_dump(cuda: bool | None = None) -> StackDump:
     with _lock:
         if "dump" not in _state:
             _state["dump"] = _enable(cuda)
+            atexit.register(_remove_files)
         dump: StackDump = dict(_state["dump"])  # type: ignore[assignment]
         return dump
 
@@ -71,6 +75,23 @@ def _enable(cuda: bool | None) -> StackDump:
     fr, why = _flight_recorder(pid, cuda)
     dump["flight_recorder"], dump["flight_recorder_note"] = fr, why
     return dump
+
+
+def _remove_files() -> None:
+    """At a normal exit: stop the dump and remove this process's files (a process killed
+    outright leaves them to the node agent's sweep)."""
+    dump = _state.get("dump") or {}
+    if dump.get("signal") is not None:
+        with contextlib.suppress(Exception):
+            faulthandler.unregister(STACK_SIGNAL)
+    f = _state.pop("file", None)
+    if f is not None:
+        with contextlib.suppress(Exception):
+            f.close()
+    for key in ("path", "flight_recorder"):
+        if dump.get(key):
+            with contextlib.suppress(OSError):
+                os.unlink(dump[key])
 
 
 def flight_recorder_unavailable(cuda: bool | None) -> str | None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from coordinator.core.phases import EXACT_STEPS
 from coordinator.ops.web import auth
 from coordinator.ops.web.params import (
     MAX_BODY_BYTES,
@@ -226,7 +227,7 @@ class WebServer:
 
     async def phases(self, request: web.Request) -> web.StreamResponse:
         q = request.query
-        last = int_param(q, "last", 200, 1, 100_000)
+        last = int_param(q, "last", 200, 0, EXACT_STEPS)  # the coordinator keeps no more
         return reply(await self.link.call("phase_times", last=last, run=str_param(q, "run")))
 
     async def capture(self, request: web.Request) -> web.StreamResponse:
