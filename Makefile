@@ -8,6 +8,8 @@ TORCH_SPEC ?= torch==2.13.0
 # Extra pip arguments for torch, e.g. --index-url https://download.pytorch.org/whl/cpu
 TORCH_PIP_ARGS ?=
 DEMO_ARGS ?=
+# The GPU figures' oracle in the tests; without its notebook requirement (jupyterlab).
+HTA_SPEC ?= holistictraceanalysis==0.5.0
 
 .PHONY: venv browser test test-fast lint format demo bench fuzz clean
 
@@ -18,6 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps "$(HTA_SPEC)"
 	touch $(STAMP)
 
 lint: venv
@@ -56,6 +59,7 @@ bench: venv
 	RAY_AUTH_MODE=disabled $(PY) bench/coordinator_overhead.py
 	RAY_AUTH_MODE=disabled $(PY) bench/summary_cost.py
 	RAY_AUTH_MODE=disabled $(PY) bench/window_cost.py
+	$(PY) bench/summarise_cost.py
 	$(PY) bench/summary_memory.py
 	RAY_AUTH_MODE=disabled $(PY) bench/upload_cost.py
 	RAY_AUTH_MODE=disabled $(PY) bench/stack_cost.py

@@ -8,14 +8,29 @@ Rooms by the process the code runs in:
 - ``coordinator.client``: inside the trainer's process;
 - ``coordinator.ops``: for operators (CLI, tables, notebook, plots, collect).
 
-``ProfilerCoordinator``, ``attach_coordinator``, ``get_or_create_coordinator`` and ``connect``
-need Ray and are imported on first use.
+Every public name is imported on first use (``ProfilerCoordinator``, ``attach_coordinator``,
+``get_or_create_coordinator`` and ``connect`` need Ray): a tool that reads traces or replies
+loads only the modules it uses.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from coordinator.core.config import ProfilerConfig
-from coordinator.core.schedule import ProfilerAction, Schedule, Window
+if TYPE_CHECKING:
+    from coordinator.client.attach import (
+        attach_coordinator,
+        connect,
+        get_or_create_coordinator,
+    )
+    from coordinator.core.config import ProfilerConfig
+    from coordinator.core.schedule import ProfilerAction, Schedule, Window
+    from coordinator.service.actor import ProfilerCoordinator
+
+_CORE_NAMES = {
+    "ProfilerConfig": "coordinator.core.config",
+    "ProfilerAction": "coordinator.core.schedule",
+    "Schedule": "coordinator.core.schedule",
+    "Window": "coordinator.core.schedule",
+}
 
 _CLIENT_NAMES = ("attach_coordinator", "get_or_create_coordinator", "connect")
 
@@ -25,11 +40,17 @@ __all__ = [
     "ProfilerCoordinator",
     "Schedule",
     "Window",
-    *_CLIENT_NAMES,
+    "attach_coordinator",
+    "connect",
+    "get_or_create_coordinator",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _CORE_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(_CORE_NAMES[name]), name)
     if name == "ProfilerCoordinator":
         from coordinator.service.actor import ProfilerCoordinator
 

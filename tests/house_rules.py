@@ -30,7 +30,14 @@ PURE = "pure: runs anywhere, imports neither Ray nor torch"
 RULES = (
     Rule("coordinator.protocol", ("coordinator.protocol",), ("ray", "torch"), PURE),
     Rule("coordinator.core", ("coordinator.core", "coordinator.protocol"), ("ray", "torch"), PURE),
-    Rule("coordinator", ("coordinator",), ("torch",), "the coordinator never loads torch"),
+    Rule(
+        "coordinator",
+        ("coordinator", "worker_ext.agent"),
+        ("torch",),
+        "the coordinator never loads torch; of worker_ext only the operator's tools may read "
+        "traces with the node agent's reader (ray-profiler summarise), and every other room "
+        "of the coordinator has a rule of its own that refuses it",
+    ),
     Rule(
         "coordinator.raylink",
         ("coordinator.protocol", "coordinator.raylink"),

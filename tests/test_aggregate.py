@@ -100,3 +100,26 @@ def test_running_sums_equal_a_direct_computation(per_rank):
             statistics.pstdev(values), abs=1e-6 * max(values) + 1e-3
         )
         assert math.isclose(row["mean_us"], sum(values) / n, rel_tol=1e-9, abs_tol=ns / n)
+
+
+def test_cuda_ranks_are_judged_by_each_step_s_device_time_not_the_cpu_s():
+    """The CPUs of both ranks step alike (the launches return at once); rank 1's device takes
+    twice as long for each step, and is the straggler; rank 0's steps are launch-bound."""
+    from coordinator.protocol.summary_codec import Breakdown, LaunchRow
+
+    agg = WindowAggregate(0)
+    for rank, span in ((0, 10_000.0), (1, 20_000.0), (2, 10_500.0)):
+        s = summary(rank, [("gemm", span, 2)], steps_us=(30_000.0, 30_000.0))
+        s.step_device = [(4, span * 0.9, span), (5, span * 0.9, span)]
+        s.breakdown = Breakdown(compute_us=1.8 * span, window_us=2 * span)
+        if rank == 0:
+            s.launch, s.launch_bound = LaunchRow(40, 3.0, 9.0, 0.8), [5]
+        agg.add(s)
+    st = agg.stragglers(1.25)
+    assert st["median_step_ms"] == 10.5  # device spans, not the CPU's 30 ms steps
+    assert st["ranks"][1]["step_ms"] == 20.0 and st["flagged"] == [1]
+    assert st["launch_bound"] == [0] and st["ranks"][0]["launch_bound"] == [5]
+    d = agg.to_dict(5)
+    assert d["device_steps"][1] == [[4.0, 18_000.0, 20_000.0], [5.0, 18_000.0, 20_000.0]]
+    assert d["launch"][0]["launch_bound"] == [5] and d["launch"][0]["short_share"] == 0.8
+    assert list(d["launch"]) == [0]  # only rank 0 sent launch statistics

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from coordinator.core.schedule import Window
@@ -68,6 +69,7 @@ def run_window(actor, window, first_step=0):
     return replies
 
 
+@pytest.mark.subprocess  # the local agent: a process of its own
 def test_a_window_records_the_engine_from_its_first_recorded_step_to_its_last(tmp_path):
     actor = Generator(engine())
     assert configure(actor, tmp_path)["state"] == "ok"
@@ -85,6 +87,7 @@ def test_a_window_records_the_engine_from_its_first_recorded_step_to_its_last(tm
     assert "aten::multinomial" in {k.name for k in summary.kernels}
 
 
+@pytest.mark.subprocess  # the local agent: a process of its own
 def test_an_engine_writing_into_its_own_directory_is_read_from_there(tmp_path):
     fixed = tmp_path / "vllm"
     actor = Generator(engine(FixedDirEngine, trace_dir=str(fixed)))

@@ -6,6 +6,8 @@ import asyncio
 import gc
 import time
 
+import pytest
+
 from coordinator.service.loop_watch import LoopWatch
 
 
@@ -35,6 +37,7 @@ def test_a_stall_is_kept_with_the_loop_s_own_cpu():
     assert any(ms >= 100 and busy >= 100 for _, ms, busy in entry["recent_stalls"]), entry
 
 
+@pytest.mark.subprocess
 def test_freeze_live_keeps_the_live_objects_out_of_the_collectors_passes():
     """After a large registration the rank records are frozen: no full pass walks them again,
     and they still go when nothing refers to them. In a subprocess: a freeze is for good."""

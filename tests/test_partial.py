@@ -20,7 +20,9 @@ from coordinator.protocol.partial_codec import (
 from coordinator.protocol.summary_codec import (
     Breakdown,
     KernelRow,
+    LaunchRow,
     MemoryRow,
+    OpRow,
     RankSummary,
     StreamRow,
     SummaryDecodeError,
@@ -34,21 +36,47 @@ names = st.sampled_from([f"k{i}" for i in range(12)] + ["aten::mm", "nccl:all_re
 
 @st.composite
 def window_summaries(draw):
-    """Summaries of one window from 1-24 ranks, with repeated values (ties) likely."""
+    """Summaries of one window from 1-24 ranks, with repeated values (ties) likely; a CUDA
+    window's ranks carry ops, device step times and launches too."""
     n = draw(st.integers(1, 24))
     steps = (10, 10 + draw(st.integers(0, 5)))
     pool = draw(st.lists(times, min_size=1, max_size=6))
     value = st.sampled_from(pool) | times
+    device = draw(st.sampled_from(["cpu", "cuda"]))
     out = []
     for rank in draw(st.permutations(range(n * 2)))[:n]:
         peak = draw(st.none() | st.integers(0, 2**40))
+        cuda = device == "cuda"
+        ops = (
+            [
+                OpRow(
+                    op,
+                    draw(value),
+                    draw(times),
+                    draw(st.integers(0, 50)),
+                    [(k, draw(value)) for k in draw(st.lists(names, unique=True, max_size=5))],
+                )
+                for op in draw(st.lists(names, unique=True, max_size=6))
+            ]
+            if cuda
+            else []
+        )
         out.append(
             RankSummary(
                 rank=rank,
                 window=3,
                 steps=steps,
                 partial=draw(st.booleans()),
-                device="cpu",
+                device=device,
+                unattributed_us=draw(times) if cuda else 0.0,
+                step_device=[(s, draw(times), draw(times)) for s in range(steps[0], steps[1] + 1)]
+                if cuda
+                else [],
+                launch=LaunchRow(draw(st.integers(0, 99)), draw(times), draw(times), 0.5)
+                if cuda and draw(st.booleans())
+                else None,
+                launch_bound=[steps[0]] if cuda and draw(st.booleans()) else [],
+                ops=ops,
                 kernels=[
                     KernelRow(name, draw(value), draw(st.integers(0, 50)), 0)
                     for name in draw(st.lists(names, unique=True, max_size=10))
@@ -56,7 +84,7 @@ def window_summaries(draw):
                 dropped_rows=draw(st.integers(0, 5)),
                 dropped_us=draw(times),
                 step_us=[(s, draw(times)) for s in range(steps[0], steps[1] + 1)],
-                breakdown=Breakdown(*(draw(times) for _ in range(5))),
+                breakdown=Breakdown(*(draw(times) for _ in range(6))),
                 streams=[StreamRow(0, 7, draw(times), draw(times))] if draw(st.booleans()) else [],
                 peak_bytes=peak,
                 memory=[MemoryRow("aten::empty", draw(st.integers(0, 2**30)), 2)]
@@ -106,6 +134,9 @@ def test_a_table_from_node_and_group_partials_equals_the_one_from_rank_summaries
     a, b = table(by_rank), table(by_group)
     # Sums, counts, extremes with their ranks, shares, stragglers, breakdowns: exactly.
     assert without_std_and_detail(a) == without_std_and_detail(b)
+    # The op table and the CUDA figures (launches, device steps, unattributed time) too.
+    ops_a, ops_b = (t.to_dict(top_k=100, by="op") for t in (by_rank, by_group))
+    assert without_std_and_detail(ops_a) == without_std_and_detail(ops_b)
     for ra, rb in zip(a["kernels"], b["kernels"], strict=True):
         assert math.isclose(ra["std_us"], rb["std_us"], rel_tol=1e-9, abs_tol=1e-9)
     # Per-rank values: every one a partial carries is the rank's own; one it leaves out is a

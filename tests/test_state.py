@@ -282,3 +282,23 @@ def test_a_window_s_parts_made_from_a_snapshot_are_kept_only_while_nothing_chang
     st.ingest_summary(keys[7], blob(7, us=3.0))  # the window changes meanwhile
     rec.keep_parts_of(snap)
     assert not rec.parts_kept(True) and rec.to_dict(True)["roles"] != stale
+
+
+def test_a_cuda_rank_s_launch_bound_steps_show_in_status():
+    from coordinator.protocol.summary_codec import LaunchRow
+
+    st, keys = state()
+    rec = st.open_window(W0, keys)
+    for k in keys:
+        s = RankSummary(k[1], 0, (2, 3), False, "cuda", [KernelRow("gemm", 10.0, 2, 0)])
+        s.breakdown = Breakdown(compute_us=10.0, window_us=40.0)
+        if k[1] == 1:
+            s.launch, s.launch_bound = LaunchRow(30, 2.0, 5.0, 0.9), [3]
+        st.ingest_summary(k, encode_summary(s))
+        st.apply_reply(k, closed_reply())
+    st.close_window(rec)
+    entry = rec.to_dict()
+    assert entry["launch_bound"] == [1] and entry["roles"]["t"]["launch_bound"] == [1]
+    ks = kernel_summary(st, 0, 5, None)
+    assert ks["stragglers"]["ranks"][1]["launch_bound"] == [3]
+    assert ks["launch"][1]["short_share"] == 0.9

@@ -13,7 +13,9 @@ from coordinator.protocol.summary_codec import (
     MAX_PAYLOAD_BYTES,
     Breakdown,
     KernelRow,
+    LaunchRow,
     MemoryRow,
+    OpRow,
     RankSummary,
     StreamRow,
     SummaryDecodeError,
@@ -24,7 +26,10 @@ from coordinator.protocol.summary_codec import (
 times = st.floats(min_value=0, max_value=1e12, allow_nan=False, allow_infinity=False)
 ints = st.integers(0, 2**40)
 kernel_rows = st.builds(KernelRow, st.text(min_size=1, max_size=80), times, ints, ints)
-breakdowns = st.builds(Breakdown, times, times, times, times, times)
+breakdowns = st.builds(Breakdown, times, times, times, times, times, times)
+names = st.text(min_size=1, max_size=40)
+op_rows = st.builds(OpRow, names, times, times, ints, st.lists(st.tuples(names, times), max_size=5))
+launch_rows = st.builds(LaunchRow, ints, times, times, st.floats(0.0, 1.0))
 stream_rows = st.builds(StreamRow, st.integers(-1, 16), st.integers(-(2**40), 2**40), times, times)
 memory_rows = st.builds(MemoryRow, st.text(min_size=1, max_size=40), ints, ints)
 
@@ -48,12 +53,17 @@ def summaries(draw):
         streams=draw(st.lists(stream_rows, max_size=4)),
         peak_bytes=peak,
         memory=draw(st.lists(memory_rows, max_size=5)) if peak is not None else [],
+        unattributed_us=draw(times),
+        step_device=draw(st.lists(st.tuples(st.integers(0, 10**9), times, times), max_size=5)),
+        launch=draw(st.none() | launch_rows),
+        launch_bound=draw(st.lists(st.integers(0, 10**9), max_size=3)),
+        ops=draw(st.lists(op_rows, max_size=5)),
     )
 
 
 def good_obj():
     return {
-        "v": 2,
+        "v": 3,
         "rank": 3,
         "window": 0,
         "steps": [4, 6],
@@ -63,9 +73,14 @@ def good_obj():
         "kernels": [["aten::mm", 12.5, 3, 0]],
         "dropped": [0, 0.0],
         "step_us": [[4, 100.0]],
-        "breakdown": [10.0, 2.0, 0.5, 7.5, 20.0],
+        "breakdown": [10.0, 2.0, 0.5, 7.5, 20.0, 1.0],
         "streams": [[0, 7, 12.0, 8.0]],
         "memory": [4096, [["aten::empty", 4096, 2]]],
+        "unattributed_us": 3.0,
+        "step_device": [[4, 9.0, 15.0]],
+        "launch": [12, 4.5, 30.0, 0.25],
+        "launch_bound": [5],
+        "ops": [["aten::mm", 11.0, 6.5, 3, [["gemm_kernel", 11.0]]]],
     }
 
 
@@ -84,7 +99,10 @@ def test_round_trip(summary):
 def test_good_payload_decodes():
     s = decode_summary(pack(good_obj()))
     assert s.kernels == [KernelRow("aten::mm", 12.5, 3, 0)] and s.steps == (4, 6)
-    assert s.breakdown == Breakdown(10.0, 2.0, 0.5, 7.5, 20.0)
+    assert s.breakdown == Breakdown(10.0, 2.0, 0.5, 7.5, 20.0, 1.0)
+    assert s.unattributed_us == 3.0 and s.step_device == [(4, 9.0, 15.0)]
+    assert s.launch == LaunchRow(12, 4.5, 30.0, 0.25) and s.launch_bound == [5]
+    assert s.ops == [OpRow("aten::mm", 11.0, 6.5, 3, [("gemm_kernel", 11.0)])]
     assert s.breakdown.share("compute") == 0.5
     assert s.streams == [StreamRow(0, 7, 12.0, 8.0)]
     assert s.peak_bytes == 4096 and s.memory == [MemoryRow("aten::empty", 4096, 2)]
@@ -126,7 +144,9 @@ def test_decoder_rejects_random_structures(obj):
 )
 def test_decoder_rejects_a_bad_value_in_any_field(key, bad):
     assume(not (key == "partial" and isinstance(bad, bool)))
-    assume(not (key == "memory" and bad is None))  # no memory data is a valid value
+    assume(not (key in ("memory", "launch") and bad is None))  # none is a valid value
+    ok_time = isinstance(bad, float) and not isinstance(bad, bool) and 0 <= bad < math.inf
+    assume(not (key == "unattributed_us" and ok_time))  # a time is a valid value
     obj = good_obj()
     obj[key] = bad
     with pytest.raises(SummaryDecodeError):
@@ -141,9 +161,13 @@ def at(what: str, path: str) -> str:
 @pytest.mark.parametrize(
     "mutate,pattern",
     [
-        (lambda o: o.update(v=1), "version 1 is not supported"),
-        (lambda o: o.update(v=3), "version 3 is not supported"),
-        (lambda o: o["breakdown"].pop(), at("length 5, got 4", "$.breakdown")),
+        (lambda o: o.update(v=2), "version 2 is not supported"),
+        (lambda o: o.update(v=4), "version 4 is not supported"),
+        (lambda o: o["breakdown"].pop(), at("length 6, got 5", "$.breakdown")),
+        (lambda o: o.update(launch=[1, 1.0, 1.0, 1.5]), at("<= 1.0", "$.launch[3]")),
+        (lambda o: o.update(unattributed_us=-1.0), at(">= 0.0", "$.unattributed_us")),
+        (lambda o: o["ops"][0][4].extend([["k", 1.0]] * 5), at("length <= 5", "$.ops[0][4]")),
+        (lambda o: o["step_device"].append([1, 2.0]), at("length 3, got 2", "$.step_device[1]")),
         (lambda o: o["breakdown"].__setitem__(1, -2.0), at(">= 0.0", "$.breakdown[1]")),
         (lambda o: o["streams"].append([0, 1, math.inf, 0.0]), at("<= 1.79", "$.streams[1][2]")),
         (lambda o: o["streams"].append([0, True, 1.0, 0.0]), at("bool", "$.streams[1][1]")),

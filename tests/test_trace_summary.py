@@ -9,6 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tests.torch_helpers import TinyMLP
 from tests.trace_equality import differences, key_averages_table, trace_table
+from worker_ext.agent import trace_reader
 from worker_ext.agent.trace_reader import TraceError, read_trace
 from worker_ext.agent.trace_summary import summarise_trace
 
@@ -80,15 +81,81 @@ def test_chunked_reading_equals_whole_reading(tmp_path):
     assert read_trace(path + ".gz", chunk_bytes=8192).events == whole.events
 
 
-def test_compact_json_is_decoded_whole(tmp_path):
+def test_any_json_layout_streams_and_reads_as_kinetos(tmp_path):
     _, path = profiled_trace(tmp_path)
     with open(path) as f:
         doc = json.load(f)
-    compact = tmp_path / "compact.json"
-    compact.write_text(json.dumps(doc, separators=(",", ":")))
-    assert trace_table(str(compact)) == trace_table(path)
-    with pytest.raises(TraceError, match="not in Kineto's layout"):
-        read_trace(str(compact), chunk_bytes=1024, max_unsplit_bytes=4096)
+    want = read_trace(path)
+    for name, text in [
+        ("compact.json", json.dumps(doc, separators=(",", ":"))),
+        ("indented.json", json.dumps(doc, indent=4)),
+    ]:
+        other = tmp_path / name
+        other.write_text(text)
+        assert trace_table(str(other)) == trace_table(path)
+        for chunk in (7, 1024, 65536):  # pieces far smaller than the file: it streams
+            got = read_trace(str(other), chunk_bytes=chunk, max_unsplit_bytes=4096)
+            assert got.events == want.events and got.names == want.names
+            assert all(
+                (getattr(got.cpu(), f) == getattr(want.cpu(), f)).all()
+                for f in ["start", "end", "name", "kind"]
+            )
+    big = {"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x" * 10_000, "ts": 1, "dur": 1}]}
+    (tmp_path / "big.json").write_text(json.dumps(big, separators=(",", ":")))
+    with pytest.raises(TraceError, match="too large"):
+        read_trace(str(tmp_path / "big.json"), chunk_bytes=512, max_unsplit_bytes=4096)
+
+
+# Names a byte scanner could misread: brackets and braces inside strings, escaped quotes, runs of
+# backslashes before a closing quote, and what looks like the end of an event ("},").
+AWKWARD = ["a{b", "}]", "[[{", 'q"}', "\\", 'x\\"]', "\\\\", "},{", 'p"},{"', "é},"]
+
+
+def test_compact_strings_nested_args_and_chunk_edges(tmp_path, monkeypatch):
+    ev = [
+        {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": name,
+            "ts": 10.0 * i,
+            "dur": 5.0,
+            "pid": 1,
+            "tid": 1,
+            "args": {"Input Dims": [[2, 3], []], "k": [name, {"deep": "]}"}, {"a": 1}, {"b": 2}]},
+        }
+        for i, name in enumerate(AWKWARD * 3)
+    ]
+    doc = {"schemaVersion": 1, "traceEvents": ev, "distributedInfo": {"rank": 3}}
+    path = tmp_path / "awkward.json"
+    path.write_text(json.dumps(doc, separators=(",", ":"), ensure_ascii=False))
+    whole = read_trace(str(path), chunk_bytes=1 << 30)
+    assert whole.names == AWKWARD and whole.events == len(ev) and whole.rank == 3
+    used = {"guess": 0, "scan": 0}  # both ways of cutting are exercised, not just one
+    for name, key in (("_cut_at_a_guess", "guess"), ("_event_ends", "scan")):
+        real = getattr(trace_reader, name)
+
+        def counted(buf, real=real, key=key):
+            found = real(buf)
+            used[key] += found[0] > 0
+            return found
+
+        monkeypatch.setattr(trace_reader, name, counted)
+    for chunk in range(1, 60):  # every cut position relative to the strings' quotes
+        got = read_trace(str(path), chunk_bytes=chunk)
+        assert (got.names, got.events, got.rank) == (whole.names, whole.events, 3), chunk
+        assert (got.cpu().start == whole.cpu().start).all()
+    assert used["guess"] > 0 and used["scan"] > 0, used
+
+
+def test_truncated_compact_trace_is_refused(tmp_path):
+    _, path = profiled_trace(tmp_path, steps=1)
+    with open(path) as f:
+        data = json.dumps(json.load(f), separators=(",", ":")).encode()
+    bad = tmp_path / "cut.json"
+    for cut in (len(data) // 3, len(data) // 2, len(data) - 40, len(data) - 2):
+        bad.write_bytes(data[:cut])
+        with pytest.raises(TraceError, match="not a valid chrome trace"):
+            read_trace(str(bad), chunk_bytes=4096)
 
 
 def test_steps_memory_and_folded_stacks(tmp_path):
@@ -175,22 +242,18 @@ def gpu_trace(tmp_path, with_nccl=True):
     x("cpu_op", "aten::mm", 1010, 50)
     x("cuda_runtime", "cudaLaunchKernel", 1020, 10, correlation=2)
     x("cpu_op", "c10d::allreduce_", 1100, 30)
+    x("cuda_runtime", "cudaMemcpyAsync", 480, 5, correlation=3)
+    x("cuda_runtime", "cudaMemsetAsync", 640, 5, correlation=4)
     # device activity: pid = device, tid = stream
-    x("kernel", "sm80_xmma_gemm", 100, 300, pid=0, tid=7, device=0, stream=7, correlation=1)
-    x("kernel", "sm80_xmma_gemm", 1100, 300, pid=0, tid=7, device=0, stream=7, correlation=2)
-    x("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 500, 100, pid=0, tid=7, device=0, stream=7)
-    x("gpu_memset", "Memset (Device)", 650, 50, pid=0, tid=7, device=0, stream=7)
+    gpu = {"pid": 0, "tid": 7, "device": 0, "stream": 7}
+    x("kernel", "sm80_xmma_gemm", 100, 300, correlation=1, **gpu)
+    x("kernel", "sm80_xmma_gemm", 1100, 300, correlation=2, **gpu)
+    x("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 500, 100, correlation=3, **gpu)
+    x("gpu_memset", "Memset (Device)", 650, 50, correlation=4, **gpu)
     if with_nccl:
-        x(
-            "kernel",
-            "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
-            1200,
-            400,
-            pid=0,
-            tid=13,
-            device=0,
-            stream=13,
-        )
+        x("cuda_runtime", "cudaLaunchKernel", 1110, 5, correlation=5)
+        nccl = {"pid": 0, "tid": 13, "device": 0, "stream": 13, "correlation": 5}
+        x("kernel", "ncclDevKernel_AllReduce_Sum_f32_RING_LL", 1200, 400, **nccl)
     # GPU-side annotation spans overlap their kernels: never counted
     x("gpu_user_annotation", "ProfilerStep#5", 100, 900, pid=0, tid=7, device=0, stream=7)
     ev.append({"ph": "f", "cat": "ac2g", "id": 1, "pid": 0, "tid": 7, "ts": T0 + 100})
@@ -229,11 +292,19 @@ def test_gpu_trace_kernels_streams_breakdown_and_memory(tmp_path):
     }
     assert not any(k.name.startswith(("ProfilerStep", "aten::", "cuda")) for k in s.kernels)
     b = s.breakdown
-    assert (b.compute_us, b.comm_us, b.memcpy_us, b.window_us) == (600.0, 400.0, 150.0, 2000.0)
+    # the window on the device: its first event (100) to its last (1600)
+    assert (b.compute_us, b.comm_us, b.memcpy_us, b.window_us) == (600.0, 400.0, 150.0, 1500.0)
+    assert b.overlap_us == 200.0  # the all-reduce beside the second gemm, 1200-1400
     # idle: the window minus the union of all device activity (300 + 100 + 50 + 1100..1600)
-    assert b.other_us == pytest.approx(2000.0 - 950.0)
+    assert b.other_us == pytest.approx(1500.0 - 950.0)
     streams = {(r.device, r.stream): (r.busy_us, r.idle_us) for r in s.streams}
-    assert streams == {(0, 7): (750.0, 1250.0), (0, 13): (400.0, 1600.0)}
+    assert streams == {(0, 7): (750.0, 750.0), (0, 13): (400.0, 1100.0)}
+    assert s.unattributed_us == 0.0
+    assert s.step_device == [(5, 450.0, 600.0), (6, 500.0, 500.0)]
+    ops = {o.name: (o.device_us, o.cpu_us, o.count, o.kernels) for o in s.ops}
+    assert ops["aten::mm"] == (600.0, 80.0, 2, [("sm80_xmma_gemm", 600.0)])
+    assert ops["c10d::allreduce_"][0] == 400.0
+    assert ops["<no op>"][0] == 150.0  # the copy and the set, launched outside any op
     assert s.peak_bytes == 1 << 20
     assert [(m.name, m.bytes, m.count) for m in s.memory] == [("aten::mm", 4096, 1)]
     assert [st for st, _ in s.step_us] == [5, 6]

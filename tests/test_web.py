@@ -67,12 +67,15 @@ def test_api_inputs_are_checked_naming_the_parameter():
         "role": "rollout",
         "per_rank": True,
         "run": None,
+        "by": "kernel",
     }
+    assert kernels_args({"by": "op"})["by"] == "op"
     for query, message in [
         ({"top_k": "x"}, "top_k must be an int"),
         ({"top_k": "-1"}, "top_k must be an int in 0..100000"),
         ({"per_rank": "maybe"}, "per_rank must be true or false"),
         ({"role": "r" * 200}, "role is longer than 128"),
+        ({"by": "layer"}, "by must be one of kernel, op"),
     ]:
         with pytest.raises(BadRequest, match=message):
             kernels_args(query)
@@ -200,6 +203,10 @@ def test_every_endpoint_answers_with_the_replies_shapes(served):
     status, ks = served.http("GET", "/api/windows/1/kernels?top_k=5&per_rank=true")
     assert status == 200 and ks["window"] == 1 and len(ks["kernels"]) == 5
     assert set(ks["per_rank"][ks["kernels"][0]["name"]]) == {"0", "1"}
+    status, ops = served.http("GET", "/api/windows/1/kernels?top_k=5&by=op")
+    assert status == 200 and ops["by"] == "op"  # a CPU window: the op table is the kernel table
+    assert [k["name"] for k in ops["kernels"]] == [k["name"] for k in ks["kernels"]]
+    assert ops["ops"][ops["kernels"][0]["name"]]["cpu_us"] == ops["kernels"][0]["total_us"]
     status, strag = served.http("GET", "/api/windows/0/stragglers")
     assert status == 200 and strag["window"] == 0 and set(strag["ranks"]) == {"0", "1"}
     status, d = served.http("GET", "/api/diff?a=0&b=1&top_k=3")
@@ -323,6 +330,11 @@ def test_the_pages_in_a_real_browser(served, tmp_path):
             assert page.locator("canvas").count() == 4  # spread, heat map, breakdown, steps
             page.screenshot(path=str(tmp_path / "window.png"), full_page=True)
             assert (tmp_path / "window.png").stat().st_size > 20_000
+            # the op table's route (a CPU window: the op table is the kernel table)
+            page.click("#by-op")
+            page.wait_for_function("location.hash.endsWith('/policy/op')")
+            page.wait_for_selector("text=aten::addmm", timeout=30_000)
+            assert page.locator("canvas").count() == 4
             # captures: refused without the token, accepted with it, then cancelled
             page.goto(served.url + "/#/captures")
             page.fill("input[name=start_step]", "200000")

@@ -10,27 +10,19 @@ blocks until ``drop_detail``; the coordinator keeps them for recent windows.
 from __future__ import annotations
 
 import copy
-import heapq
 import math
 import statistics
 from array import array
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
-from coordinator.core.partial import Rows, rank_part, unique_rows
+from coordinator.core.device_views import DeviceFigures
+from coordinator.core.partial import rank_part
+from coordinator.core.row_table import RowTable
 from coordinator.core.steps import Steps, run_steps
-from coordinator.protocol.partial_codec import NS, NodePartial, RankPart, TableRow
-from coordinator.protocol.replies import (
-    BreakdownTable,
-    KernelStats,
-    KernelSummaryReply,
-    MemoryStats,
-    MemoryTable,
-    RankStraggler,
-    Stragglers,
-)
+from coordinator.protocol.partial_codec import NS, NodePartial, RankPart
 from coordinator.protocol.summary_codec import (
     BREAKDOWN_KEYS,
     UNIT,
@@ -39,6 +31,20 @@ from coordinator.protocol.summary_codec import (
     StreamRow,
 )
 
+if TYPE_CHECKING:  # (the reply types are for checking: their module takes 6 ms to load)
+    from coordinator.protocol.replies import (
+        BreakdownTable,
+        KernelStats,
+        KernelSummaryReply,
+        MemoryStats,
+        MemoryTable,
+        OpDetail,
+        RankStraggler,
+        Stragglers,
+    )
+
+TABLES = ("kernel", "op")
+"""What ``kernel_summary(by=...)`` tables: kernels (CUDA) or CPU ops, or ops by device time."""
 CHEAP_RANKS = 256
 """Up to this many ranks, a window's stragglers are computed wherever they are asked for."""
 STEP_ROWS, STEP_BLOCKS, STEP_RANKS = 1024, 32, 256
@@ -52,120 +58,6 @@ TORN = (
     "the coordinator restarted while folding this rank's node partial: the window's kernel "
     "rows count it, its own figures are lost"
 )
-
-
-class _Table:
-    """Running per-name statistics over ranks: one row per op, kernel or allocating op.
-
-    Sums are integers (nanoseconds for times, bytes for memory), so the table is the same
-    whatever order its ranks and node partials arrive in.
-    """
-
-    def __init__(self, scale: int) -> None:
-        self.scale = scale
-        self.ids: dict[str, int] = {}
-        self.names: list[str] = []
-        self.total: list[int] = []
-        self.sumsq: list[int] = []
-        self.max: list[float] = []
-        self.max_rank: list[int] = []
-        self.min_present: list[float] = []
-        self.present: list[int] = []
-        self.count: list[int] = []
-
-    def copy(self) -> _Table:
-        out = _Table(self.scale)
-        out.ids = dict(self.ids)
-        for name in (
-            "names",
-            "total",
-            "sumsq",
-            "max",
-            "max_rank",
-            "min_present",
-            "present",
-            "count",
-        ):
-            setattr(out, name, list(getattr(self, name)))
-        return out
-
-    def id_of(self, name: str) -> int:
-        i = self.ids.get(name)
-        if i is None:
-            i = self.ids[name] = len(self.names)
-            self.names.append(name)
-            self.total.append(0)
-            self.sumsq.append(0)
-            self.max.append(-1.0)
-            self.max_rank.append(-1)
-            self.min_present.append(math.inf)
-            self.present.append(0)
-            self.count.append(0)
-        return i
-
-    def add_rank(self, rank: int, rows: Rows) -> array[float]:
-        """Fold in one rank's rows (the fold of ``RowFold`` and ``merge`` in one pass); returns
-        the rank's values by row id."""
-        scale, mine = self.scale, unique_rows(rows)
-        ids = [self.id_of(name) for name in mine]
-        values = array("f", [0.0]) * (max(ids) + 1 if ids else 0)
-        total, sumsq, count, present = self.total, self.sumsq, self.count, self.present
-        lo, hi, hi_rank = self.min_present, self.max, self.max_rank
-        for i, (v, calls) in zip(ids, mine.values(), strict=True):
-            q = round(v * scale)
-            total[i] += q
-            sumsq[i] += q * q
-            count[i] += calls
-            present[i] += 1
-            if v < lo[i]:
-                lo[i] = v
-            if v > hi[i] or (v == hi[i] and rank < hi_rank[i]):
-                hi[i], hi_rank[i] = v, rank
-            values[i] = v
-        return values
-
-    def merge(self, rows: list[TableRow]) -> list[int]:
-        """Fold in a partial's rows; returns their row ids, in order."""
-        ids = []
-        for r in rows:
-            i = self.id_of(r.name)
-            ids.append(i)
-            self.total[i] += r.total
-            self.sumsq[i] += r.square_sum
-            self.count[i] += r.count
-            self.present[i] += r.present
-            self.min_present[i] = min(self.min_present[i], r.min)
-            if r.max > self.max[i] or (r.max == self.max[i] and r.max_rank < self.max_rank[i]):
-                self.max[i], self.max_rank[i] = r.max, r.max_rank
-        return ids
-
-    def top(self, k: int, n: int, grand: float, unit: str) -> list[dict[str, Any]]:
-        """The ``k`` rows with the largest total over the ``n`` reporting ranks."""
-        if n == 0 or k <= 0:
-            return []
-        totals, names = self.total, self.names  # ties by name: the same order however folded
-        order = heapq.nsmallest(k, range(len(names)), key=lambda i: (-totals[i], names[i]))
-        rows = []
-        for i in order:
-            total = self.total[i] / self.scale
-            mean = total / n
-            q_mean = self.total[i] / n  # absent ranks count as 0
-            var = max(0.0, self.sumsq[i] / n - q_mean * q_mean) / (self.scale * self.scale)
-            rows.append(
-                {
-                    "name": self.names[i],
-                    f"total_{unit}": total,
-                    f"mean_{unit}": mean,
-                    f"min_{unit}": self.min_present[i] if self.present[i] == n else 0.0,
-                    f"max_{unit}": self.max[i],
-                    f"std_{unit}": math.sqrt(var),
-                    "max_rank": self.max_rank[i],
-                    "count": self.count[i],
-                    "ranks_present": self.present[i],
-                    "share": total / (grand or 1.0),
-                }
-            )
-        return rows
 
 
 _Block = tuple[tuple[int, ...], "tuple[int, ...] | None", bytes]
@@ -217,8 +109,9 @@ class WindowAggregate:
         self.breakdowns: dict[int, tuple[float, ...]] = {}  # Breakdown's fields (pickled fast)
         self.streams: dict[int, tuple[StreamRow, ...]] = {}
         self.peak_bytes: dict[int, int] = {}
-        self._kernels = _Table(NS)
-        self._memory = _Table(1)
+        self._kernels = RowTable(NS)
+        self._memory = RowTable(1)
+        self.gpu = DeviceFigures()  # what CUDA ranks add: ops, launches, device step times
         # Per-rank values for the rank x kernel views, in blocks of ranks (see ``_Block``).
         self._detail: list[_Block] | None = []
         self._folding: set[int] = set()  # ranks of the partial being folded
@@ -251,6 +144,7 @@ class WindowAggregate:
         if summary.peak_bytes is not None:
             rows = ((m.name, float(m.bytes), m.count) for m in summary.memory)
             self._memory.add_rank(summary.rank, rows)
+        self.gpu.add_ops(summary.rank, summary.ops)
         if self._detail is not None:
             self._detail.append(_block([summary.rank], None, values))
         return True
@@ -274,10 +168,12 @@ class WindowAggregate:
         self.partial = self.partial or part.partial
         self.devices.add(part.device)
         self.rank_totals[rank] = part.total_us
-        if part.step_us:
-            self.rank_step_ms[rank] = statistics.fmean(us for _, us in part.step_us) / 1e3
+        self.gpu.add_rank(part)
+        step_us = self.gpu.step_times(part)
+        if step_us:
+            self.rank_step_ms[rank] = statistics.fmean(us for _, us in step_us) / 1e3
             sums, counts = self.step_sums()
-            for step, us in part.step_us:
+            for step, us in step_us:
                 sums[step] = sums.get(step, 0.0) + us / 1e3
                 counts[step] = counts.get(step, 0) + 1
         self.rank_dropped[rank] = part.dropped
@@ -311,6 +207,7 @@ class WindowAggregate:
         of its ranks: the others are marked bad and refused from then on (their rows are in
         the table; a summary sent again would count them twice)."""
         self.__dict__.update(state, _folding=set())
+        self.__dict__.setdefault("gpu", DeviceFigures())  # (a checkpoint from before)
         self.__dict__.setdefault("_torn", set()).update(state.get("_folding", ()))
         for rank in state.get("_folding", ()):
             self.bad_ranks[rank] = TORN
@@ -340,7 +237,7 @@ class WindowAggregate:
         """
         key = (len(self.rank_totals), threshold)
         if self._stragglers is None or self._stragglers[0] != key:
-            self._stragglers = (key, self._find_stragglers(threshold))
+            self._stragglers = (key, find_stragglers(self, threshold))
         return self._stragglers[1]
 
     @property
@@ -368,6 +265,7 @@ class WindowAggregate:
         for name in _SNAPSHOT_COPIES:
             setattr(snap, name, copy.copy(getattr(self, name)))
         snap._kernels, snap._memory = self._kernels.copy(), self._memory.copy()
+        snap.gpu = self.gpu.copy()
         snap._detail = list(self._detail) if self._detail is not None else None
         return snap
 
@@ -376,44 +274,6 @@ class WindowAggregate:
         arrived since."""
         if snap._stragglers is not None and snap._stragglers[0][0] == len(self.rank_totals):
             self._stragglers = snap._stragglers
-
-    def _find_stragglers(self, threshold: float) -> Stragglers:
-        step_ms = self.rank_step_ms
-        compute_ms = {r: self._compute_us(r) / 1e3 for r in self.rank_totals}
-        med_step = statistics.median(step_ms.values()) if step_ms else 0.0
-        med_compute = statistics.median(compute_ms.values()) if compute_ms else 0.0
-        ranks: dict[int, RankStraggler] = {}
-        for r in sorted(compute_ms):
-            s = step_ms.get(r)
-            s_ratio = s / med_step if s is not None and med_step > 0 else None
-            c_ratio = compute_ms[r] / med_compute if med_compute > 0 else None
-            b = self._breakdown(r)
-            ranks[r] = {
-                "step_ms": s,
-                "step_ratio": s_ratio,
-                "compute_ms": compute_ms[r],
-                "compute_ratio": c_ratio,
-                "comm_ms": b.comm_us / 1e3 if b is not None else None,
-                "comm_share": b.share("comm") if b is not None else None,
-                "flagged": any(x is not None and x > threshold for x in (s_ratio, c_ratio)),
-            }
-        return {
-            "threshold": threshold,
-            "median_step_ms": med_step,
-            "median_compute_ms": med_compute,
-            "ranks": ranks,
-            "flagged": [r for r, v in ranks.items() if v["flagged"]],
-        }
-
-    def _breakdown(self, rank: int) -> Breakdown | None:
-        fields = self.breakdowns.get(rank)
-        return Breakdown(*fields) if fields is not None else None
-
-    def _compute_us(self, rank: int) -> float:
-        b = self._breakdown(rank)
-        if b is not None and b.window_us > 0:
-            return b.compute_us
-        return self.rank_totals[rank]  # no breakdown: every op's self time
 
     def mark_bad(self, rank: int, reason: str) -> None:
         """A rank whose summary for this window could not be used."""
@@ -454,15 +314,30 @@ class WindowAggregate:
             "peak_bytes": dict(sorted(self.peak_bytes.items())),
             "max_peak_bytes": max(self.peak_bytes.values()),
             "max_peak_rank": min(r for r, b in self.peak_bytes.items() if b == max_peak),
-            "ops": cast(list[MemoryStats], self._memory.top(k, n, grand, "bytes")),
+            "ops": cast("list[MemoryStats]", self._memory.top(k, n, grand, "bytes")),
         }
 
     def to_dict(
-        self, top_k: int, straggler_threshold: float = 1.25, per_rank: bool = False
+        self,
+        top_k: int,
+        straggler_threshold: float = 1.25,
+        per_rank: bool = False,
+        by: str = "kernel",
     ) -> KernelSummaryReply:
         """The ``kernel_summary`` answer for this window (the caller fills in ``run``,
-        ``closed``, ``summaries_pending`` and ``trainer_id``)."""
-        kernels = cast(list[KernelStats], self.top(top_k))
+        ``closed``, ``summaries_pending`` and ``trainer_id``). ``by="op"``: on a window with
+        CUDA ranks the op table (device time by the CPU op that launched it, ``ops`` holding
+        each op's CPU time and kernels); on a CPU window the same table as ``by="kernel"``."""
+        ops: dict[str, OpDetail] | None = None
+        if by == "op" and "cuda" in self.devices:
+            grand = math.fsum(self.rank_totals.values())
+            rows, ops = self.gpu.op_table(top_k, len(self.rank_totals), grand)
+            kernels = cast("list[KernelStats]", rows)
+            per_rank = False  # (per-rank values are kept for kernels only)
+        else:
+            kernels = cast("list[KernelStats]", self.top(top_k))
+            if by == "op":
+                ops = {k["name"]: {"cpu_us": k["total_us"], "kernels": []} for k in kernels}
         return {
             "run": "",
             "window": self.window,
@@ -487,6 +362,11 @@ class WindowAggregate:
             "per_rank": self.per_rank([k["name"] for k in kernels]) if per_rank else None,
             "trainer_id": None,
             "role": None,
+            "by": by,
+            "ops": ops,
+            "launch": self.gpu.launches(),
+            "unattributed_us": dict(sorted(self.gpu.unattributed.items())),
+            "device_steps": self.gpu.device_steps(),
         }
 
 
@@ -506,6 +386,7 @@ def _partial_steps(agg: WindowAggregate, p: NodePartial) -> Steps[list[int] | No
         ids += agg._kernels.merge(p.kernels[i : i + STEP_ROWS])
         yield
     agg._memory.merge(p.memory)
+    agg.gpu.merge_ops(p)
     if agg._detail is not None:
         for n, block in enumerate(p.detail):
             names = [agg._kernels.id_of(name) for name in block.names]
@@ -558,6 +439,7 @@ def empty_summary() -> KernelSummaryReply:
             "median_compute_ms": 0.0,
             "ranks": {},
             "flagged": [],
+            "launch_bound": [],
         },
         "breakdown": {"ranks": {}, "mean": {}},
         "streams": {},
@@ -565,11 +447,64 @@ def empty_summary() -> KernelSummaryReply:
         "per_rank": None,
         "trainer_id": None,
         "role": None,
+        "by": "kernel",
+        "ops": None,
+        "launch": {},
+        "unattributed_us": {},
+        "device_steps": {},
     }
+
+
+def find_stragglers(agg: WindowAggregate, threshold: float) -> Stragglers:
+    """See ``WindowAggregate.stragglers``."""
+    step_ms = agg.rank_step_ms
+    compute_ms = {r: _compute_us(agg, r) / 1e3 for r in agg.rank_totals}
+    med_step = statistics.median(step_ms.values()) if step_ms else 0.0
+    med_compute = statistics.median(compute_ms.values()) if compute_ms else 0.0
+    ranks: dict[int, RankStraggler] = {}
+    for r in sorted(compute_ms):
+        s = step_ms.get(r)
+        s_ratio = s / med_step if s is not None and med_step > 0 else None
+        c_ratio = compute_ms[r] / med_compute if med_compute > 0 else None
+        b = _breakdown(agg, r)
+        ranks[r] = {
+            "step_ms": s,
+            "step_ratio": s_ratio,
+            "compute_ms": compute_ms[r],
+            "compute_ratio": c_ratio,
+            "comm_ms": b.comm_us / 1e3 if b is not None else None,
+            "comm_share": b.share("comm") if b is not None else None,
+            "flagged": any(x is not None and x > threshold for x in (s_ratio, c_ratio)),
+            "launch_bound": list(agg.gpu.launch_bound.get(r, ())),
+        }
+    return {
+        "threshold": threshold,
+        "median_step_ms": med_step,
+        "median_compute_ms": med_compute,
+        "ranks": ranks,
+        "flagged": [r for r, v in ranks.items() if v["flagged"]],
+        "launch_bound": [r for r, v in ranks.items() if v["launch_bound"]],
+    }
+
+
+def _breakdown(agg: WindowAggregate, rank: int) -> Breakdown | None:
+    fields = agg.breakdowns.get(rank)
+    return Breakdown(*fields) if fields is not None else None
+
+
+def _compute_us(agg: WindowAggregate, rank: int) -> float:
+    b = _breakdown(agg, rank)
+    if b is not None and b.window_us > 0:
+        return b.compute_us
+    return agg.rank_totals[rank]  # no breakdown: every op's self time
 
 
 def _breakdown_row(b: Breakdown) -> dict[str, float]:
     row = {f"{k}_us": getattr(b, f"{k}_us") for k in BREAKDOWN_KEYS}
     row["window_us"] = b.window_us
     row.update({f"{k}_share": b.share(k) for k in BREAKDOWN_KEYS})
+    # CUDA: communication with compute running beside it, and its share of communication
+    # (HTA's comp_comm_overlap_pctg / 100).
+    row["overlap_us"] = b.overlap_us
+    row["comm_overlap"] = b.overlap_us / b.comm_us if b.comm_us > 0 else 0.0
     return row

@@ -14,6 +14,7 @@ from coordinator.core.roles import POLICY, checked_ranks, checked_roles, role_ra
 from coordinator.core.slowdown import AutoCapture
 from coordinator.core.storage import check_backend, is_remote, local_path, redact
 from coordinator.core.validate import check_known_keys
+from coordinator.protocol.summary_codec import DEFAULT_TOP_K
 
 ACTIVITIES = ("cpu", "cuda")
 EXPORT_TYPES = ("chrome_trace", "chrome_trace_gz", "stacks", "none")
@@ -93,7 +94,7 @@ class ProfilerConfig:
     with_modules: bool = False
     export_type: str = "chrome_trace_gz"
     """``chrome_trace``, ``chrome_trace_gz``, ``stacks`` (needs with_stack) or ``none``."""
-    top_k: int = 50
+    top_k: int = DEFAULT_TOP_K
     """Kernels kept per rank per window in the summary."""
     worker_timeout_s: float = 60.0
     """Seconds the coordinator waits for a rank's acknowledgement before marking it unresponsive."""

@@ -19,6 +19,7 @@ from coordinator.protocol.partial_codec import (
     SQ_BASE,
     DetailBlock,
     NodePartial,
+    OpKernelRow,
     RankPart,
     TableRow,
     split_square_sum,
@@ -112,6 +113,33 @@ def unique_rows(rows: Rows) -> dict[str, tuple[float, int]]:
     return mine
 
 
+class OpFold:
+    """The op tables of several ranks: device time and CPU self time by op, and each op's
+    kernels' device time (integer ns sums, like ``RowFold``'s)."""
+
+    def __init__(self) -> None:
+        self.device, self.cpu = RowFold(NS), RowFold(NS)
+        self.kernels: dict[tuple[str, str], int] = {}
+
+    def add(self, s: RankSummary) -> None:
+        self.device.add(s.rank, ((o.name, o.device_us, o.count) for o in s.ops))
+        self.cpu.add(s.rank, ((o.name, o.cpu_us, o.count) for o in s.ops))
+        for o in s.ops:
+            for kernel, us in o.kernels:
+                key = (o.name, kernel)
+                self.kernels[key] = self.kernels.get(key, 0) + round(us * NS)
+
+    def merge(self, p: NodePartial) -> None:
+        self.device.merge(p.ops)
+        self.cpu.merge(p.op_cpu)
+        for r in p.op_kernels:
+            key = (r.op, r.kernel)
+            self.kernels[key] = self.kernels.get(key, 0) + r.total
+
+    def kernel_rows(self) -> list[OpKernelRow]:
+        return [OpKernelRow(op, kernel, ns) for (op, kernel), ns in self.kernels.items()]
+
+
 def fold_summaries(node: str, summaries: Sequence[RankSummary]) -> NodePartial:
     """One node partial of ``summaries`` (one window, distinct ranks); ValueError if they are
     not, or if the fold would be over the partial's bounds (send them one by one then)."""
@@ -120,12 +148,13 @@ def fold_summaries(node: str, summaries: Sequence[RankSummary]) -> NodePartial:
     window = summaries[0].window
     if any(s.window != window for s in summaries):
         raise ValueError("a node partial holds one window")
-    kernels, memory = RowFold(NS), RowFold(1)
+    kernels, memory, ops = RowFold(NS), RowFold(1), OpFold()
     for s in summaries:
         kernels.add(s.rank, ((k.name, k.self_us, k.count) for k in s.kernels))
         if s.peak_bytes is not None:
             memory.add(s.rank, ((m.name, float(m.bytes), m.count) for m in s.memory))
-    _check_bounds(kernels, memory)
+        ops.add(s)
+    _check_bounds(kernels, memory, ops)
     top = heapq.nsmallest(MAX_PARTIAL_TOP, kernels.rows, key=lambda n: (-kernels.rows[n][0], n))
     values = [v for s in summaries for v in _values(s, top)]
     return NodePartial(
@@ -136,6 +165,9 @@ def fold_summaries(node: str, summaries: Sequence[RankSummary]) -> NodePartial:
         kernels=kernels.to_rows(),
         memory=memory.to_rows(),
         detail=[DetailBlock(top, [s.rank for s in summaries], values)],
+        ops=ops.device.to_rows(),
+        op_cpu=ops.cpu.to_rows(),
+        op_kernels=ops.kernel_rows(),
     )
 
 
@@ -150,11 +182,12 @@ def merge_partials(source: str, partials: Sequence[NodePartial]) -> NodePartial:
     ranks = [part for p in partials for part in p.ranks]
     if len({part.rank for part in ranks}) != len(ranks):
         raise ValueError("the partials share a rank")
-    kernels, memory = RowFold(NS), RowFold(1)
+    kernels, memory, ops = RowFold(NS), RowFold(1), OpFold()
     for p in partials:
         kernels.merge(p.kernels)
         memory.merge(p.memory)
-    _check_bounds(kernels, memory)
+        ops.merge(p)
+    _check_bounds(kernels, memory, ops)
     return NodePartial(
         v=PARTIAL_VERSION,
         source=source[:128],
@@ -163,6 +196,9 @@ def merge_partials(source: str, partials: Sequence[NodePartial]) -> NodePartial:
         kernels=kernels.to_rows(),
         memory=memory.to_rows(),
         detail=[block for p in partials for block in p.detail],
+        ops=ops.device.to_rows(),
+        op_cpu=ops.cpu.to_rows(),
+        op_kernels=ops.kernel_rows(),
     )
 
 
@@ -177,9 +213,13 @@ def rank_part(s: RankSummary) -> RankPart:
         total_us=s.total_us,
         dropped=(s.dropped_rows, s.dropped_us),
         step_us=tuple(s.step_us),
-        breakdown=(b.compute_us, b.comm_us, b.memcpy_us, b.other_us, b.window_us),
+        breakdown=(b.compute_us, b.comm_us, b.memcpy_us, b.other_us, b.window_us, b.overlap_us),
         streams=tuple(s.streams),
         peak_bytes=s.peak_bytes,
+        unattributed_us=s.unattributed_us,
+        step_device=tuple(s.step_device),
+        launch=s.launch,
+        launch_bound=tuple(s.launch_bound),
     )
 
 
@@ -188,6 +228,8 @@ def _values(s: RankSummary, top: list[str]) -> list[float]:
     return [mine[name][0] if name in mine else 0.0 for name in top]
 
 
-def _check_bounds(kernels: RowFold, memory: RowFold) -> None:
+def _check_bounds(kernels: RowFold, memory: RowFold, ops: OpFold) -> None:
     if len(kernels.rows) > MAX_ROWS[0] or len(memory.rows) > MAX_ROWS[1]:
         raise ValueError("the ranks list too many distinct kernels for one partial")
+    if len(ops.device.rows) > MAX_ROWS[0] or len(ops.kernels) > MAX_ROWS[0] * 5:
+        raise ValueError("the ranks list too many distinct ops for one partial")

@@ -189,6 +189,7 @@ class WindowRecord:
             },
             "traces": main["traces"] if main else {},
             "stragglers": main["stragglers"] if main else [],
+            "launch_bound": main["launch_bound"] if main else [],
             "trigger": self.trigger,
             "regression": getattr(self, "regression", None),  # (a checkpoint from before)
             "roles": roles,
@@ -259,6 +260,7 @@ class WindowRecord:
             "traces_pending": cut(sorted(r for t, r in self.traces_pending if t == tid)),
             "summaries_pending": cut(sorted(r for t, r in self.summaries_pending if t == tid)),
             "stragglers": cut(sorted(agg.flagged(self.threshold) or [])) if agg else [],
+            "launch_bound": cut(sorted(agg.gpu.launch_bound)) if agg else [],
             "busy_ms_per_step": busy[0] if busy else None,
             "busy_ms_per_step_max": busy[1] if busy else None,
             "step_ms": step_ms(agg) if agg is not None else {},

@@ -364,6 +364,7 @@ def kernel_summary(
     top_k: int,
     trainer_id: str | None,
     per_rank: bool = False,
+    by: str = "kernel",
 ) -> KernelSummaryReply:
     """The cross-rank table of ``window`` (the last closed one when None) for a trainer."""
     tid = trainer_id or st.stepping_trainer
@@ -371,8 +372,10 @@ def kernel_summary(
     if rec is None:
         return empty_summary()
     agg = rec.aggregates.get(tid) if tid else None
-    table = agg.to_dict(top_k, st.straggler_threshold, per_rank) if agg is not None else None
-    return with_window(table, rec, tid)
+    table = agg.to_dict(top_k, st.straggler_threshold, per_rank, by) if agg is not None else None
+    out = with_window(table, rec, tid)
+    out["by"] = by
+    return out
 
 
 def pick_window(st: CoordinatorState, window: int | None) -> WindowRecord | None:

@@ -7,7 +7,6 @@ generators, so that the coordinator's event loop can let other calls go between 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Generator
 from typing import TypeVar
 
@@ -26,6 +25,8 @@ def run_steps(steps: Steps[T]) -> T:
 
 async def run_steps_yielding(steps: Steps[T]) -> T:
     """Every step of ``steps``, letting the event loop go between two; its result."""
+    import asyncio  # (here: the pure core's readers, ``ray-profiler summarise`` too, need none)
+
     while True:
         try:
             next(steps)

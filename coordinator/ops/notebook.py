@@ -23,7 +23,9 @@ def _pd() -> Any:
 
 
 def kernels_frame(summary: dict[str, Any]) -> Any:
-    """One row per kernel: total/mean/min/max/std self time (us), max rank, calls, share."""
+    """One row per kernel: total/mean/min/max/std self time (us), max rank, calls, share;
+    with ``kernel_summary(by="op")`` one row per op (CUDA: device time), with its ``cpu_us``
+    and its largest ``kernels`` too."""
     pd = _pd()
     cols = [
         "name",
@@ -37,11 +39,16 @@ def kernels_frame(summary: dict[str, Any]) -> Any:
         "share",
     ]
     frame = pd.DataFrame(summary["kernels"], columns=cols)
+    ops = summary.get("ops")
+    if ops is not None:
+        frame["cpu_us"] = [ops.get(n, {}).get("cpu_us", 0.0) for n in frame["name"]]
+        frame["kernels"] = [ops.get(n, {}).get("kernels", []) for n in frame["name"]]
     frame.attrs.update(
         window=summary["window"],
         steps=summary["steps"],
         unit=summary["unit"],
         device=summary["device"],
+        by=summary.get("by", "kernel"),
     )
     return frame
 

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from coordinator.core.validate import span
-from coordinator.protocol.replies import (
-    AutoCaptureEntry,
-    AutoTrigger,
-    KernelDiffReply,
-    KernelSummaryReply,
-    PhaseTimesReply,
-    RankEntry,
-    RanksPage,
-    RegressionEntry,
-    StacksReply,
-    StallEntry,
-    StatusReply,
-    WindowSteps,
-)
+
+if TYPE_CHECKING:  # (the reply types are for checking: their module takes 6 ms to load)
+    from coordinator.protocol.replies import (
+        AutoCaptureEntry,
+        AutoTrigger,
+        KernelDiffReply,
+        KernelSummaryReply,
+        PhaseTimesReply,
+        RankEntry,
+        RanksPage,
+        RegressionEntry,
+        StacksReply,
+        StallEntry,
+        StatusReply,
+        WindowSteps,
+    )
 
 
 def render_status(st: StatusReply) -> str:
@@ -134,25 +137,41 @@ def _window(w: WindowSteps | None) -> str:
 def render_top(ks: KernelSummaryReply) -> str:
     if ks["window"] is None:
         return "no closed window yet"
+    ops = ks.get("ops") if ks.get("by") == "op" and ks["device"] != "cpu" else None
+    what = (
+        "device time by the op that launched it"
+        if ops
+        else "device time per kernel"
+        if ks["device"] == "cuda"
+        else f"self {ks['device']} time"
+    )
     head = (
         f"window {ks['window']} steps {ks['steps']}{' partial' if ks['partial'] else ''}, "
-        f"{ks.get('role') or 'policy'} ranks {ks['ranks']}, self {ks['device']} time in "
-        f"{ks['unit']}"
+        f"{ks.get('role') or 'policy'} ranks {ks['ranks']}, {what} in {ks['unit']}"
     )
     if ks.get("summaries_pending"):
         head += f" (summaries pending from ranks {ks['summaries_pending']})"
-    lines = [
-        head,
+    extra = f" {'cpu self':>11}" if ops else ""
+    columns = (
         f"{'total':>11} {'mean':>10} {'min':>10} {'max':>10} {'max@':>5} {'std':>9} "
-        f"{'calls':>7} {'share':>6}  name",
-    ]
+        f"{'calls':>7} {'share':>6}{extra}  "
+    )
+    lines = [head, columns + ("op, then its largest kernels" if ops else "name")]
     for k in ks["kernels"]:
+        cpu = (
+            f" {ops[k['name']]['cpu_us']:>11.1f}"
+            if ops and k["name"] in ops
+            else extra and " " * 12
+        )
         lines.append(
             f"{k['total_us']:>11.1f} {k['mean_us']:>10.1f} {k['min_us']:>10.1f} "
             f"{k['max_us']:>10.1f} {k['max_rank']:>5} {k['std_us']:>9.1f} {k['count']:>7} "
-            f"{k['share']:>6.1%}  {k['name'][:70]}"
+            f"{k['share']:>6.1%}{cpu}  {k['name'][:70]}"
         )
+        for kernel, us in (ops or {}).get(k["name"], {"kernels": []})["kernels"]:
+            lines.append(f"{'':>{len(columns)}}  {us:>10.1f} us  {kernel[:56]}")
     lines += render_breakdown(ks)
+    lines += render_launches(ks)
     mem = ks.get("memory")
     if mem:
         lines += [
@@ -174,14 +193,42 @@ def render_breakdown(ks: KernelSummaryReply) -> list[str]:
     ranks = ks["breakdown"]["ranks"]
     if not ranks:
         return []
+    cuda = ks["device"] in ("cuda", "mixed")
+    over = f" {'overlap':>8}" if cuda else ""
     lines = [
         "",
-        f"{'rank':>4} {'window ms':>10} {'compute':>8} {'comm':>8} {'memcpy':>8} {'other':>8}",
+        f"{'rank':>4} {'window ms':>10} {'compute':>8} {'comm':>8} {'memcpy':>8} "
+        f"{'idle' if cuda else 'other':>8}{over}",
     ]
     for r, b in ranks.items():
+        ov = f" {b.get('comm_overlap', 0.0):>8.1%}" if cuda else ""
         lines.append(
             f"{r:>4} {b['window_us'] / 1e3:>10.1f} {b['compute_share']:>8.1%} "
-            f"{b['comm_share']:>8.1%} {b['memcpy_share']:>8.1%} {b['other_share']:>8.1%}"
+            f"{b['comm_share']:>8.1%} {b['memcpy_share']:>8.1%} {b['other_share']:>8.1%}{ov}"
+        )
+    if cuda:
+        lines.append(
+            "(CUDA: shares of the device span; compute, comm and memcpy are unions; overlap is "
+            "the share of comm time with compute beside it)"
+        )
+    return lines
+
+
+def render_launches(ks: KernelSummaryReply) -> list[str]:
+    """CUDA ranks' launches: delay, kernels shorter than their launch, launch-bound steps."""
+    launch = ks.get("launch") or {}
+    if not launch:
+        return []
+    lines = [
+        "",
+        f"{'rank':>4} {'launches':>9} {'delay p50':>10} {'p95 us':>9} {'short':>6} "
+        f"{'unattributed us':>16}  launch-bound steps",
+    ]
+    for r, la in launch.items():
+        lines.append(
+            f"{r:>4} {la['kernels']:>9} {la['delay_p50_us']:>10.1f} {la['delay_p95_us']:>9.1f} "
+            f"{la['short_share']:>6.0%} {ks['unattributed_us'].get(r, 0.0):>16.1f}  "
+            f"{', '.join(map(str, la['launch_bound'])) or '-'}"
         )
     return lines
 
@@ -209,6 +256,11 @@ def render_stragglers(ks: KernelSummaryReply) -> str:
             f"{_num(v['compute_ms']):>11} {_num(v['compute_ratio'], 2):>9} "
             f"{_num(v.get('comm_ms')):>9} {share:>7}  "
             f"{'STRAGGLER' if v['flagged'] else ''}"
+            + (
+                f" launch-bound (steps {', '.join(map(str, lb))})"
+                if (lb := v.get("launch_bound"))
+                else ""
+            )
         )
     return "\n".join(lines)
 

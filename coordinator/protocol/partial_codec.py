@@ -23,6 +23,7 @@ from coordinator.protocol.summary_codec import (
     MAX_STEPS,
     MAX_STREAMS,
     Count,
+    LaunchRow,
     Micros,
     Name,
     StreamRow,
@@ -30,7 +31,7 @@ from coordinator.protocol.summary_codec import (
     strict_encode,
 )
 
-PARTIAL_VERSION = 1
+PARTIAL_VERSION = 2  # 2: the CUDA figures of summary v3, and the op tables
 MAX_PARTIAL_BYTES = 32 * 1024 * 1024
 MAX_PARTIAL_RANKS = 16_384
 MAX_PARTIAL_TOP = 64
@@ -77,11 +78,26 @@ class RankPart(msgspec.Struct, array_like=True, frozen=True, gc=False):
     total_us: Micros
     dropped: tuple[Count, Micros]
     step_us: Annotated[tuple[tuple[Count, Micros], ...], msgspec.Meta(max_length=MAX_STEPS)]
-    breakdown: tuple[Micros, Micros, Micros, Micros, Micros]
+    breakdown: tuple[Micros, Micros, Micros, Micros, Micros, Micros]
     streams: Annotated[tuple[StreamRow, ...], msgspec.Meta(max_length=MAX_STREAMS)]
     peak_bytes: Count | None
+    unattributed_us: Micros
+    step_device: Annotated[
+        tuple[tuple[Count, Micros, Micros], ...], msgspec.Meta(max_length=MAX_STEPS)
+    ]
+    launch: LaunchRow | None
+    launch_bound: Annotated[tuple[Count, ...], msgspec.Meta(max_length=MAX_STEPS)]
     # (Tuples, not lists: a tuple of numbers or untracked rows leaves the garbage collector's
     # lists at its first pass, and the coordinator keeps these for every rank of a window.)
+
+
+class OpKernelRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The device time (ns) an op's launches of one kernel took, summed over ranks (each rank
+    sends its ops' largest kernels: ``summary_codec.MAX_OP_KERNELS``)."""
+
+    op: Name
+    kernel: Name
+    total: Count
 
 
 class DetailBlock(msgspec.Struct, array_like=True, frozen=True):
@@ -103,6 +119,11 @@ class NodePartial(msgspec.Struct, forbid_unknown_fields=True):
     kernels: Annotated[list[TableRow], msgspec.Meta(max_length=MAX_KERNELS * 8)]
     memory: Annotated[list[TableRow], msgspec.Meta(max_length=MAX_MEMORY_ROWS * 8)]
     detail: Annotated[list[DetailBlock], msgspec.Meta(max_length=MAX_DETAIL_BLOCKS)]
+    ops: Annotated[list[TableRow], msgspec.Meta(max_length=MAX_KERNELS * 8)]
+    """CUDA ranks' ops by the device time they launched (ns; ``count``: calls)."""
+    op_cpu: Annotated[list[TableRow], msgspec.Meta(max_length=MAX_KERNELS * 8)]
+    """The same ops' self CPU time (ns)."""
+    op_kernels: Annotated[list[OpKernelRow], msgspec.Meta(max_length=MAX_KERNELS * 8 * 5)]
 
     def __post_init__(self) -> None:
         seen = set()
@@ -112,7 +133,7 @@ class NodePartial(msgspec.Struct, forbid_unknown_fields=True):
             seen.add(part.rank)
             if part.steps[0] > part.steps[1]:
                 raise ValueError(f"rank {part.rank}: steps {part.steps}: first is after last")
-        for row in (*self.kernels, *self.memory):
+        for row in (*self.kernels, *self.memory, *self.ops, *self.op_cpu):
             if row.present > len(self.ranks) or row.max_rank not in seen:
                 raise ValueError(f"row {row.name!r:.80}: its ranks are not the partial's")
         for n, block in enumerate(self.detail):
@@ -145,6 +166,7 @@ __all__ = [
     "SQ_BASE",
     "DetailBlock",
     "NodePartial",
+    "OpKernelRow",
     "RankPart",
     "TableRow",
     "decode_partial",

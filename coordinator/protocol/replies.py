@@ -248,6 +248,7 @@ class RoleWindow(TypedDict):
     traces_pending: list[int]
     summaries_pending: list[int]
     stragglers: list[int]
+    launch_bound: list[int]  # CUDA ranks with a launch-bound step
     busy_ms_per_step: float | None  # self time of every op per recorded step: mean over ranks
     busy_ms_per_step_max: float | None  # ... and its largest rank
     step_ms: dict[int, float]  # each recorded step's time, the mean over its ranks
@@ -275,6 +276,7 @@ class WindowEntry(TypedDict):
     trace_errors: dict[int, dict[str, str]]
     traces: dict[int, WindowTrace]
     stragglers: list[int]
+    launch_bound: list[int]  # CUDA ranks with a launch-bound step
     trigger: AutoTrigger | None  # for an ``auto`` window: why it was taken
     regression: RegressionEntry | None  # against the run's baseline, once its summaries are in
     roles: dict[str, RoleWindow]  # trainer_id -> that trainer's part of the window
@@ -490,6 +492,9 @@ class MemoryStats(TypedDict):
 
 
 class RankStraggler(TypedDict):
+    """One rank against the median: its step time (on CUDA ranks each step's device span),
+    compute time and communication time; ``launch_bound`` lists its launch-bound steps."""
+
     step_ms: float | None
     step_ratio: float | None
     compute_ms: float
@@ -497,6 +502,7 @@ class RankStraggler(TypedDict):
     comm_ms: float | None
     comm_share: float | None
     flagged: bool
+    launch_bound: list[int]
 
 
 class Stragglers(TypedDict):
@@ -505,6 +511,27 @@ class Stragglers(TypedDict):
     median_compute_ms: float
     ranks: dict[int, RankStraggler]
     flagged: list[int]
+    launch_bound: list[int]  # the ranks with a launch-bound step
+
+
+class OpDetail(TypedDict):
+    """What ``kernel_summary(by="op")`` adds to an op's row: its self CPU time over the ranks
+    and its three largest kernels by device time (``[name, us]``, from each rank's five)."""
+
+    cpu_us: float
+    kernels: list[list[Any]]
+
+
+class LaunchEntry(TypedDict):
+    """A CUDA rank's launches in a window (HTA's launch statistics): the launch delay (the
+    device start minus the launch call's end) as median and p95, the share of kernels that ran
+    shorter than their launch call, and its launch-bound steps."""
+
+    kernels: int
+    delay_p50_us: float
+    delay_p95_us: float
+    short_share: float
+    launch_bound: list[int]
 
 
 class BreakdownTable(TypedDict):
@@ -542,6 +569,11 @@ class KernelSummaryReply(TypedDict):
     per_rank: dict[str, dict[int, float]] | None
     trainer_id: str | None
     role: str | None  # the trainer's role: a table never mixes two roles' ops
+    by: str  # "kernel": device kernels (CUDA) or CPU ops; "op": CPU ops by device time
+    ops: dict[str, OpDetail] | None  # with by="op": each listed op's CPU time and kernels
+    launch: dict[int, LaunchEntry]  # CUDA ranks' launches
+    unattributed_us: dict[int, float]  # CUDA: device time launched outside the window's steps
+    device_steps: dict[int, list[list[float]]]  # CUDA: [step, busy_us, span_us] per step
 
 
 class PhaseStep(TypedDict):

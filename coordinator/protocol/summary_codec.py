@@ -15,13 +15,16 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-SUMMARY_VERSION = 2
+SUMMARY_VERSION = 3  # 3: overlap, unattributed, device step times, launches, ops (CUDA)
 MAX_PAYLOAD_BYTES = 4 * 1024 * 1024
 MAX_NAME_CHARS = 2048
 MAX_KERNELS = 10_000
 MAX_STEPS = 100_000
 MAX_STREAMS = 1_024
 MAX_MEMORY_ROWS = 1_000
+MAX_OP_KERNELS = 5  # an op's kernels, by device time, in its row
+DEFAULT_TOP_K = 50
+"""Rows a rank's summary keeps by default (the config's ``top_k``)."""
 DEVICES = ("cpu", "cuda")
 UNIT = "us"
 _MAX_INT = 2**62
@@ -53,8 +56,11 @@ class Breakdown:
 
     CPU ranks: the wall time with a collective in flight on any thread (``comm``), self CPU time
     of copies (``memcpy``) and of every other op (``compute``), and the rest of the window
-    (``other``: Python, waiting, idle). CUDA ranks: device time of NCCL kernels, memcpy/memset
-    and other kernels; ``other`` is device idle time.
+    (``other``: Python, waiting, idle). CUDA ranks, over the device span of the window (its
+    first to its last device event launched in its steps): the unions of NCCL kernels
+    (``comm``), memcpy/memset/dma (``memcpy``) and every other kernel (``compute``), device idle
+    time (``other``), and the communication time during which a compute kernel also ran
+    (``overlap``; 0 on CPU ranks).
     """
 
     compute_us: float = 0.0
@@ -62,6 +68,7 @@ class Breakdown:
     memcpy_us: float = 0.0
     other_us: float = 0.0
     window_us: float = 0.0
+    overlap_us: float = 0.0
 
     def share(self, what: str) -> float:
         """``what``'s share of the window (``compute``, ``comm``, ``memcpy`` or ``other``)."""
@@ -78,6 +85,28 @@ class StreamRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     stream: Signed
     busy_us: Micros
     idle_us: Micros
+
+
+class OpRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One CPU op of a CUDA rank: the device time of what it launched itself (its innermost op
+    around the launch), its own CPU self time, its calls, and its largest kernels."""
+
+    name: Name
+    device_us: Micros
+    cpu_us: Micros
+    count: Count
+    kernels: Annotated[list[tuple[Name, Micros]], msgspec.Meta(max_length=MAX_OP_KERNELS)]
+
+
+class LaunchRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Launch statistics (HTA's ``get_cuda_kernel_launch_stats``) over the window's launches
+    of kernels, copies and sets: the launch delay (device start minus the launch call's end, at
+    least 0) as median and p95, and the share of events shorter than their launch call."""
+
+    kernels: Count
+    delay_p50_us: Micros
+    delay_p95_us: Micros
+    short_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 
 
 class MemoryRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -107,6 +136,16 @@ class RankSummary:
     """Peak allocated bytes in the window (with ``profile_memory``), else None."""
     memory: list[MemoryRow] = field(default_factory=list)
     unit: str = UNIT
+    unattributed_us: float = 0.0
+    """CUDA: device time launched outside the window's steps, or with no launch in the trace."""
+    step_device: list[tuple[int, float, float]] = field(default_factory=list)
+    """CUDA: each recorded step's device busy time and device span, ``(step, busy, span)``."""
+    launch: LaunchRow | None = None
+    launch_bound: list[int] = field(default_factory=list)
+    """CUDA: steps whose device idled over half their span while over half their kernels ran
+    shorter than their launch call took."""
+    ops: list[OpRow] = field(default_factory=list)
+    """CUDA: the op table (``OpRow``); on CPU ranks ``kernels`` is already per op."""
 
     @property
     def total_us(self) -> float:
@@ -133,11 +172,16 @@ class _Wire(msgspec.Struct, forbid_unknown_fields=True):
     kernels: Annotated[list[KernelRow], msgspec.Meta(max_length=MAX_KERNELS)]
     dropped: tuple[Count, Micros]
     step_us: Annotated[list[tuple[Count, Micros]], msgspec.Meta(max_length=MAX_STEPS)]
-    breakdown: tuple[Micros, Micros, Micros, Micros, Micros]
+    breakdown: tuple[Micros, Micros, Micros, Micros, Micros, Micros]
     streams: Annotated[list[StreamRow], msgspec.Meta(max_length=MAX_STREAMS)]
     memory: (
         tuple[Count, Annotated[list[MemoryRow], msgspec.Meta(max_length=MAX_MEMORY_ROWS)]] | None
     )
+    unattributed_us: Micros
+    step_device: Annotated[list[tuple[Count, Micros, Micros]], msgspec.Meta(max_length=MAX_STEPS)]
+    launch: LaunchRow | None
+    launch_bound: Annotated[list[Count], msgspec.Meta(max_length=MAX_STEPS)]
+    ops: Annotated[list[OpRow], msgspec.Meta(max_length=MAX_KERNELS)]
 
     def __post_init__(self) -> None:
         if self.steps[0] > self.steps[1]:
@@ -163,9 +207,14 @@ def encode_summary(summary: RankSummary) -> bytes:
         kernels=list(summary.kernels),
         dropped=(summary.dropped_rows, float(summary.dropped_us)),
         step_us=[(s, float(us)) for s, us in summary.step_us],
-        breakdown=(b.compute_us, b.comm_us, b.memcpy_us, b.other_us, b.window_us),
+        breakdown=(b.compute_us, b.comm_us, b.memcpy_us, b.other_us, b.window_us, b.overlap_us),
         streams=list(summary.streams),
         memory=None if summary.peak_bytes is None else (summary.peak_bytes, list(summary.memory)),
+        unattributed_us=float(summary.unattributed_us),
+        step_device=[(s, float(b), float(sp)) for s, b, sp in summary.step_device],
+        launch=summary.launch,
+        launch_bound=list(summary.launch_bound),
+        ops=list(summary.ops),
     )
     return strict_encode(wire, "summary", decode_summary)
 
@@ -221,4 +270,9 @@ def decode_summary(data: Any) -> RankSummary:
         streams=w.streams,
         peak_bytes=None if w.memory is None else w.memory[0],
         memory=[] if w.memory is None else w.memory[1],
+        unattributed_us=w.unattributed_us,
+        step_device=w.step_device,
+        launch=w.launch,
+        launch_bound=w.launch_bound,
+        ops=w.ops,
     )

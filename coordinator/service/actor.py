@@ -258,6 +258,7 @@ class _Coordinator(OperatorRPCs):
         per_rank: bool = False,
         run: str | None = None,
         role: str | None = None,
+        by: str = "kernel",
     ) -> KernelSummaryReply:
         """The cross-rank kernel table of one window, of one trainer (one role).
 
@@ -269,6 +270,9 @@ class _Coordinator(OperatorRPCs):
                 ``detail_windows`` in the config).
             run: an earlier run of this coordinator (``status()["previous_runs"]``).
             role: whose ranks, by role (``rollout``): the one trainer with that role.
+            by: ``kernel`` (device kernels on CUDA ranks, CPU ops on CPU ranks) or ``op``
+                (CUDA: each CPU op's device time, CPU time, calls and largest kernels, in
+                ``ops``; on CPU ranks the same table as ``kernel``).
 
         Returns:
             A ``KernelSummaryReply``: ``kernels`` (total, mean, min, max, std, the slowest
@@ -285,7 +289,9 @@ class _Coordinator(OperatorRPCs):
             ks = ray.get(h.kernel_summary.remote(top_k=10))
             [(k["name"], k["total_us"], k["max_rank"]) for k in ks["kernels"]]
         """
-        return await self._readers.kernel_summary(window, top_k, trainer_id, per_rank, run, role)
+        return await self._readers.kernel_summary(
+            window, top_k, trainer_id, per_rank, run, role, by
+        )
 
     async def wait_window(
         self,

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any, Literal
 
-from coordinator.core.aggregate import CHEAP_RANKS
+from coordinator.core.aggregate import CHEAP_RANKS, TABLES
 from coordinator.core.phases import EXACT_STEPS, MAX_BUCKETS
 from coordinator.core.roles import trainer_of_role
 from coordinator.core.run import Run
@@ -146,6 +146,7 @@ class Readers:
         per_rank: bool,
         run: str | None,
         role: str | None = None,
+        by: str = "kernel",
     ) -> KernelSummaryReply:
         if not is_int(top_k) or not 0 <= top_k <= 100_000:
             raise ValueError(f"top_k must be an int in 0..100000, got {top_k!r:.80}")
@@ -157,6 +158,8 @@ class Readers:
             raise ValueError(f"per_rank must be True or False, got {per_rank!r:.80}")
         if role is not None and (problem := role_problem(role)):
             raise ValueError(problem)
+        if by not in TABLES:
+            raise ValueError(f"by must be one of {', '.join(TABLES)}, got {by!r:.80}")
         target = self._run(run)
         st = target.state
         if role is not None:
@@ -166,15 +169,16 @@ class Readers:
         rec = pick_window(st, window)
         agg = rec.aggregates.get(tid) if rec is not None and tid else None
         if rec is None or agg is None or len(agg.rank_totals) <= CHEAP_RANKS:
-            out = kernel_summary(st, window, top_k, trainer_id, bool(per_rank))
+            out = kernel_summary(st, window, top_k, trainer_id, bool(per_rank), by)
         else:  # O(ranks) of Python: on a snapshot, off the event loop
             snap = agg.snapshot()
             loop = asyncio.get_running_loop()
             table = await loop.run_in_executor(
-                self.shell.reads, snap.to_dict, top_k, st.straggler_threshold, bool(per_rank)
+                self.shell.reads, snap.to_dict, top_k, st.straggler_threshold, bool(per_rank), by
             )
             agg.keep_stragglers(snap)
             out = with_window(table, rec, tid)
+            out["by"] = by
         out["run"] = target.name
         return out
 

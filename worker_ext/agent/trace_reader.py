@@ -1,6 +1,7 @@
 """One streaming pass over a chrome trace into a few columns of integers: no torch, no Ray.
 
-The file is read ``chunk_bytes`` at a time and split at Kineto's event boundaries; each piece is
+The file is read ``chunk_bytes`` at a time and split at Kineto's event boundaries (a file in
+any other layout, 64 KB at a time after the last event that ends in the piece); each piece is
 decoded with msgspec into structs that keep only ``ph, cat, name, ts, dur, pid, tid`` and leave
 ``args`` undecoded (``msgspec.Raw``). Arguments are decoded only for the few events that need
 them: device activity (stream, device), ``[memory]`` events, and the matrix products whose input
@@ -21,7 +22,7 @@ from typing import IO, Any
 import msgspec
 import numpy as np
 
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 1 << 20
 MAX_UNSPLIT_BYTES = 256 << 20
 
 # Kineto writes each top-level event as "\n  {\n ... }," at an indent of two; a raw newline
@@ -60,11 +61,18 @@ class _Event(msgspec.Struct, gc=False):
 
 class _Doc(msgspec.Struct):
     traceEvents: list[_Event] = []  # noqa: N815 - the trace's own key
+    distributedInfo: Any = None  # noqa: N815 - torch writes it with a process group
+    rank: Any = None  # preset_metadata_json("rank", ...), read by HTA
 
 
 class _DeviceArgs(msgspec.Struct, gc=False):
     stream: Any = None
     device: Any = None
+    correlation: Any = None
+
+
+class _LaunchArgs(msgspec.Struct, gc=False):
+    correlation: Any = None
 
 
 class _MemoryArgs(msgspec.Struct, gc=False):
@@ -81,6 +89,9 @@ class _ShapeArgs(msgspec.Struct, gc=False):
 _DOC = msgspec.json.Decoder(_Doc)
 _EVENTS = msgspec.json.Decoder(list[_Event])
 _DEVICE_ARGS = msgspec.json.Decoder(_DeviceArgs)
+_DEVICE_ARGS_LIST = msgspec.json.Decoder(list[_DeviceArgs])
+_LAUNCH_ARGS = msgspec.json.Decoder(_LaunchArgs)
+_LAUNCH_ARGS_LIST = msgspec.json.Decoder(list[_LaunchArgs])
 _MEMORY_ARGS = msgspec.json.Decoder(_MemoryArgs)
 _SHAPE_ARGS = msgspec.json.Decoder(_ShapeArgs)
 
@@ -127,6 +138,7 @@ class CpuColumns:
     name: np.ndarray  # int32: index into ``TraceDigest.names``
     kind: np.ndarray  # int8: OP, ANNOTATION, PYTHON or RUNTIME
     flops: np.ndarray  # int64: from input shapes when flops were asked for, else 0
+    corr: np.ndarray  # int64: a launch's (RUNTIME) correlation with its device activity, else -1
 
 
 @dataclass
@@ -135,13 +147,16 @@ class TraceDigest:
 
     names: list[str] = field(default_factory=list)
     threads: list[tuple[Any, Any]] = field(default_factory=list)  # (pid, tid)
-    # device activity: start ns, end ns, name id, KERNEL or COPY, device, stream
-    device: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
+    # device activity: start ns, end ns, name id, KERNEL or COPY, device, stream, correlation
+    # (-1: none, so no launch can be found for it)
+    device: list[tuple[int, int, int, int, int, int, int]] = field(default_factory=list)
     steps: list[tuple[int, int, int]] = field(default_factory=list)  # step, start ns, end ns
     peak_allocated: dict[tuple[int, int], int] = field(default_factory=dict)
     # [memory] allocations (frees left out): thread, ts ns, bytes
     allocations: list[tuple[int, int, int]] = field(default_factory=list)
     events: int = 0
+    rank: int | None = None
+    """The rank the trace names (``distributedInfo.rank``, else a top-level ``rank``)."""
     _ids: dict[str, int] = field(default_factory=dict)
     _thread_ids: dict[tuple[Any, Any], int] = field(default_factory=dict)
     _chunks: list[CpuColumns] = field(default_factory=list)
@@ -164,12 +179,11 @@ class TraceDigest:
         cpu = [e for e in events if e.ph == "X" and e.cat in _CPU_KINDS]
         if cpu:
             self._add_cpu(cpu, flops)
+        device = [e for e in events if e.ph == "X" and e.cat in _DEVICE_KINDS]
+        for e, a in zip(device, _decode_all(_DEVICE_ARGS, _DEVICE_ARGS_LIST, device), strict=True):
+            self._add_device(e, _DEVICE_KINDS[e.cat], a)
         for e in events:
-            if e.ph == "X":
-                kind = _DEVICE_KINDS.get(e.cat)
-                if kind is not None:
-                    self._add_device(e, kind)
-            elif e.ph == "i" and e.name == "[memory]" and e.args:
+            if e.ph == "i" and e.name == "[memory]" and e.args:
                 self._add_memory(e)
 
     def _add_cpu(self, cpu: list[_Event], flops: bool) -> None:
@@ -203,10 +217,14 @@ class TraceDigest:
             m = STEP_NAME.match(cpu[i].name)
             if m:
                 self.steps.append((int(m.group(1)), int(start[i]), int(end[i])))
-        self._chunks.append(CpuColumns(thread, start, end, name, kind, value))
+        corr = np.full(len(cpu), -1, dtype=np.int64)
+        launches = np.flatnonzero(kind == RUNTIME).tolist()
+        found = _decode_all(_LAUNCH_ARGS, _LAUNCH_ARGS_LIST, [cpu[i] for i in launches])
+        for i, a in zip(launches, found, strict=True):
+            corr[i] = _int_or(a.correlation if a else None, -1)
+        self._chunks.append(CpuColumns(thread, start, end, name, kind, value, corr))
 
-    def _add_device(self, e: _Event, kind: int) -> None:
-        a = _decode_or_none(_DEVICE_ARGS, e.args)
+    def _add_device(self, e: _Event, kind: int, a: Any) -> None:
         start = self._ns1(e.ts)
         self.device.append(
             (
@@ -216,6 +234,7 @@ class TraceDigest:
                 kind,
                 _int_or(a.device if a else None, _int_or(e.pid, 0)),
                 _int_or(a.stream if a else None, _int_or(e.tid, 0)),
+                _int_or(a.correlation if a else None, -1),
             )
         )
 
@@ -251,12 +270,26 @@ class TraceDigest:
         return round((ts - self._base) * 1000.0)  # exact: ts - base is small and exact
 
 
-_CPU_FIELDS = ("thread", "start", "end", "name", "kind", "flops")
+_CPU_FIELDS = ("thread", "start", "end", "name", "kind", "flops", "corr")
 
 
 def _empty_cpu() -> CpuColumns:
     i32, i64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
-    return CpuColumns(i32, i64, i64, i32, np.zeros(0, np.int8), i64)
+    return CpuColumns(i32, i64, i64, i32, np.zeros(0, np.int8), i64, i64)
+
+
+def trace_rank(doc: Any) -> int | None:
+    """The rank a trace's top-level keys name: ``distributedInfo.rank``, else ``rank`` (as
+    HTA reads it); None when neither is an int (or a string of one)."""
+    info = getattr(doc, "distributedInfo", None)
+    for value in (info.get("rank") if isinstance(info, dict) else None, doc.rank):
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int) and value >= 0:
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value.strip())
+    return None
 
 
 def _decode_or_none(decoder: msgspec.json.Decoder[Any], raw: msgspec.Raw) -> Any:
@@ -264,6 +297,19 @@ def _decode_or_none(decoder: msgspec.json.Decoder[Any], raw: msgspec.Raw) -> Any
         return decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None  # an event's odd args cost that event's extra fields, not the trace
+
+
+def _decode_all(
+    one: msgspec.json.Decoder[Any], many: msgspec.json.Decoder[Any], events: list[_Event]
+) -> list[Any]:
+    """Each event's ``args`` decoded (None where it has none or they are odd): in one call
+    for the batch, one by one only when some event's ``args`` are odd."""
+    raws = [bytes(e.args) if e.args else b"{}" for e in events]
+    try:
+        found: list[Any] = many.decode(b"[" + b",".join(raws) + b"]")
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        found = [_decode_or_none(one, e.args) if e.args else None for e in events]
+    return found
 
 
 def _int_or(value: Any, default: int) -> int:
@@ -287,8 +333,10 @@ def read_trace(
     opener: Callable[..., IO[bytes]] = gzip.open if path.endswith(".gz") else open  # type: ignore[assignment]
     try:
         with opener(path, "rb") as f:
-            for batch in _event_batches(f, chunk_bytes, max_unsplit_bytes):
+            for batch, rank in _event_batches(f, chunk_bytes, max_unsplit_bytes):
                 digest.add(batch, flops)
+                if rank is not None:
+                    digest.rank = rank
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise TraceError(f"{path} is not a valid chrome trace (truncated?): {exc}") from None
     except (OSError, EOFError) as exc:
@@ -301,47 +349,182 @@ def read_trace(
 
 def _event_batches(
     f: IO[bytes], chunk_bytes: int, max_unsplit_bytes: int
-) -> Iterator[list[_Event]]:
-    """Decoded events, a chunk at a time. Each piece is decoded from its own ``bytes``, which
-    the undecoded ``args`` of its events point into, so the read buffer can move on."""
+) -> Iterator[tuple[list[_Event], int | None]]:
+    """Decoded events, a chunk at a time, with the rank the top-level keys around them name
+    (the head and the tail of the file have them). Each piece is decoded from its own
+    ``bytes``, which the undecoded ``args`` of its events point into, so the read buffer can
+    move on. Kineto's layout is split at its event boundaries; any other layout (one line of
+    JSON, say) where its events' JSON structure ends (``_compact_batches``)."""
     buf = bytearray()
     in_events = False
-    while True:
-        data = f.read(chunk_bytes)
+    key: re.Match[bytes] | None = None
+    while True:  # (the head is read in small pieces: it may be all a compact file's scan sees)
+        data = f.read(chunk_bytes if in_events else min(chunk_bytes, COMPACT_CHUNK_BYTES))
+        scan_from = max(0, len(buf) - _LOOKAHEAD)  # the bytes before were searched already
         buf += data
         if not in_events:
-            i = buf.find(_BOUNDARY)
+            i = buf.find(_BOUNDARY, scan_from)
             if i < 0:
-                if not data:  # not Kineto's layout, and small enough: decode it whole
+                key = key or _EVENTS_KEY.search(buf, scan_from)
+                if key is not None and data and len(buf) - key.end() < _LOOKAHEAD:
+                    continue  # Kineto's first boundary may follow just past this chunk
+                if key is not None:  # not Kineto's layout: split where each event ends
+                    yield from _compact_batches(f, buf, key.end(), chunk_bytes, max_unsplit_bytes)
+                    return
+                if not data:  # no traceEvents list at all: decode it whole (it is small)
                     if not buf.strip():
                         raise TraceError("the trace file is empty")
-                    yield _DOC.decode(bytes(buf)).traceEvents
+                    doc = _DOC.decode(bytes(buf))
+                    yield doc.traceEvents, trace_rank(doc)
                     return
                 if len(buf) > max_unsplit_bytes:
                     raise TraceError(
-                        f"no event boundary in the first {len(buf) >> 20} MB: the trace is not "
-                        "in Kineto's layout and is too large to decode whole"
+                        f"no traceEvents list in the first {len(buf) >> 20} MB: not a chrome trace"
                     )
                 continue
             head = bytes(buf[:i]).rstrip()
             if not head.endswith(b"["):
                 raise TraceError("the trace does not start with a traceEvents list")
-            yield _DOC.decode(head + b"]}").traceEvents
+            doc = _DOC.decode(head + b"]}")
+            yield doc.traceEvents, trace_rank(doc)
             del buf[:i]
             in_events = True
         if not data:  # the last event, then the closing "]" and the trailing keys
-            yield _DOC.decode(b'{"traceEvents":[' + bytes(buf)).traceEvents
+            doc = _DOC.decode(b'{"traceEvents":[' + bytes(buf))
+            yield doc.traceEvents, trace_rank(doc)
             return
         j = buf.rfind(_BOUNDARY)
         if j > 0:
-            yield _EVENTS.decode(_as_list(buf, j))
+            yield _EVENTS.decode(_as_list(buf, j)), None
             del buf[:j]
 
 
+_EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
+_LOOKAHEAD = 64  # bytes past the key that settle which layout a file has
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_Q, _OPEN, _CLOSE_OBJECT, _CLOSE_LIST = 1, 2, 3, 4
+_MARKS = bytes(
+    {
+        ord('"'): _Q,
+        ord("{"): _OPEN,
+        ord("["): _OPEN,
+        ord("}"): _CLOSE_OBJECT,
+        ord("]"): _CLOSE_LIST,
+    }.get(c, 0)
+    for c in range(256)
+)
+COMPACT_CHUNK_BYTES = 64 << 10  # the scan's temporaries are a few times the piece it scans
+
+
+def _compact_batches(
+    f: IO[bytes], buf: bytearray, start: int, chunk_bytes: int, max_unsplit_bytes: int
+) -> Iterator[tuple[list[_Event], int | None]]:
+    """The events of a trace in any layout, ``buf[start:]`` just inside its ``traceEvents``
+    list: each piece of the read buffer is cut after the last event that ends in it, so every
+    piece decodes by itself and the next one starts clean. The cut is first guessed at the last
+    ``},`` (``_cut_at_a_guess``); where no guess decodes, and at the list's end, the buffer's
+    structure is scanned (``_event_ends``)."""
+    head = bytes(buf[:start]).rstrip()
+    try:
+        doc = _DOC.decode(head + b"]}")
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        doc = _Doc()  # a head that is not an object of its own: its events still count
+    yield [], trace_rank(doc)
+    del buf[:start]
+    eof = False
+    while True:
+        cut, events = (0, []) if eof else _cut_at_a_guess(buf)
+        if cut == 0:
+            last_end, close = _event_ends(buf)
+            cut = close if close >= 0 else last_end + 1
+            if cut > 0 or close == 0:
+                piece = _as_list(buf, cut)
+                events = _EVENTS.decode(piece) if len(piece) > 2 else []
+            if close >= 0:  # the list's end: the trailing keys follow
+                yield events, None
+                tail = bytes(buf[close + 1 :]) + f.read()
+                doc = _DOC.decode(b'{"traceEvents":[]' + tail)
+                yield [], trace_rank(doc)
+                return
+            if eof:
+                raise TraceError(
+                    "not a valid chrome trace: it ends inside its traceEvents list (truncated?)"
+                )
+        if cut > 0:
+            yield events, None
+            del buf[:cut]
+        if len(buf) > max_unsplit_bytes:  # what is left is one event that has not ended yet
+            raise TraceError(
+                f"an event of over {len(buf):,} bytes (the limit is {max_unsplit_bytes:,}): "
+                "too large to decode"
+            )
+        data = f.read(min(chunk_bytes, COMPACT_CHUNK_BYTES))
+        eof = not data
+        buf += data
+
+
+_GUESSES = 2  # failed guesses cost a decode each: then the scan, whose cost is bounded
+
+
+def _cut_at_a_guess(buf: bytearray) -> tuple[int, list[_Event]]:
+    """The events before the last ``},`` in ``buf`` (or the one before it), and where they end;
+    (0, []) when neither decodes. A guess decodes only where it is right: a cut inside a string
+    leaves that string open and one inside an event's arguments leaves a bracket open, and
+    msgspec refuses both; so a validating decode is what checks the guess."""
+    end = len(buf)
+    for _ in range(_GUESSES):
+        i = buf.rfind(b"},", 0, end)
+        if i < 0:
+            break
+        try:
+            return i + 1, _EVENTS.decode(_as_list(buf, i + 1))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            end = i
+    return 0, []
+
+
+def _event_ends(buf: bytearray) -> tuple[int, int]:
+    """In ``buf``, events of a JSON list starting clean (outside any string, at the list's
+    level): the offset of the last ``}`` that ends an event (-1: none), and of the ``]`` that
+    ends the list (-1: not in ``buf``). Strings are skipped by their real quotes (a quote
+    after an even run of backslashes); only quote and bracket positions are kept, not one
+    value per byte."""
+    marks = buf.translate(_MARKS)  # one byte per byte: which of the few that matter it is
+    kind = np.frombuffer(marks, dtype=np.uint8)
+    pos = np.flatnonzero(kind)
+    kind = kind[pos]  # (a copy: fancy indexing)
+    del marks
+    quote = kind == _Q
+    after_backslash = pos[quote & (pos > 0)]
+    after_backslash = after_backslash[
+        np.frombuffer(buf, np.uint8)[after_backslash - 1] == _BACKSLASH
+    ]
+    escaped = [i for i in after_backslash.tolist() if _backslashes_before(buf, i) % 2 == 1]
+    if escaped:  # (rare: a quote inside a string)
+        quote[np.searchsorted(pos, escaped)] = False
+    outside = (np.cumsum(quote) % 2 == 0) & (kind >= _OPEN)  # brackets not inside a string
+    where, kind = pos[outside], kind[outside]
+    depth = np.cumsum(np.where(kind == _OPEN, 1, -1))
+    ends = where[(kind == _CLOSE_OBJECT) & (depth == 0)]
+    closes = where[(kind == _CLOSE_LIST) & (depth == -1)]
+    close = int(closes[0]) if len(closes) else -1
+    if close >= 0:
+        ends = ends[ends < close]
+    return (int(ends[-1]) if len(ends) else -1), close
+
+
+def _backslashes_before(buf: bytearray, i: int) -> int:
+    j = i - 1
+    while j >= 0 and buf[j] == _BACKSLASH:
+        j -= 1
+    return i - 1 - j
+
+
 def _as_list(buf: bytearray, j: int) -> bytes:
-    """``buf[:j]``, a run of ``\n  {...},`` events, as one JSON list in a single copy."""
+    """``buf[:j]``, a run of ``{...},`` events (a comma and white space around them), as one
+    JSON list in a single copy."""
     a, b = 0, j
-    while a < b and buf[a] in b" \t\r\n":
+    while a < b and buf[a] in b" \t\r\n,":  # (the comma after the piece before)
         a += 1
     while b > a and buf[b - 1] in b" \t\r\n":
         b -= 1

@@ -18,14 +18,22 @@ from coordinator.protocol.summary_codec import (
     MAX_NAME_CHARS,
     Breakdown,
     KernelRow,
+    LaunchRow,
     MemoryRow,
+    OpRow,
     RankSummary,
     StreamRow,
+)
+from worker_ext.agent.device_summary import (
+    NO_OP,
+    DeviceWindow,
+    Launches,
+    device_window,
+    launches_of,
 )
 from worker_ext.agent.trace_reader import (
     ANNOTATION,
     CHUNK_BYTES,
-    COPY,
     OP,
     PYTHON,
     STEP_NAME,
@@ -91,12 +99,6 @@ def summarise(
     step_spans, w0, w1 = _window_span(d, steps)
     cpu = _nest(d, stacks, (w0, w1))
     cpu.breakdown[COMM] = _union_ns(cpu.comm_spans, w0, w1)  # wall time in collectives
-    dev = _device(d, w0, w1)
-    on_device = device == "cuda" and bool(d.device)
-    rows, brk = (dev.rows, dev.breakdown) if on_device else (cpu.rows, cpu.breakdown)
-    kept, dropped = _top_rows(d, rows, top_k)
-    busy = brk[COMPUTE] + brk[COMM] + brk[MEMCPY]
-    other = dev.idle_ns if on_device else max(0, (w1 - w0) - busy)
     peak, memory = _memory(d, cpu, device)
     summary = RankSummary(
         rank=rank,
@@ -104,25 +106,103 @@ def summarise(
         steps=steps,
         partial=partial,
         device=device,
-        kernels=[KernelRow(n, v[0] / 1e3, int(v[1]), int(v[2])) for n, v in kept],
-        dropped_rows=len(dropped),
-        dropped_us=sum(v[0] for _, v in dropped) / 1e3,
+        kernels=[],
         step_us=[(s, (e - b) / 1e3) for s, b, e in step_spans],
-        breakdown=Breakdown(
-            compute_us=brk[COMPUTE] / 1e3,
-            comm_us=brk[COMM] / 1e3,
-            memcpy_us=brk[MEMCPY] / 1e3,
-            other_us=other / 1e3,
-            window_us=(w1 - w0) / 1e3,
-        ),
-        streams=dev.streams,
         peak_bytes=peak,
         memory=memory,
     )
+    if device == "cuda" and d.device:
+        # Attributed by their launch: to each recorded step, or (no step marker: the trace
+        # read whole as one window) to the window.
+        owners = step_spans or [(steps[0], -(2**62), 2**62)]
+        _on_device(summary, d, cpu, device_window(d.names, d.device, cpu.launches, owners), top_k)
+    else:
+        _on_cpu(summary, d, cpu, w1 - w0, top_k)
     folded = None
     if stacks:
         folded = [f"{path} {round(ns / 1e3)}" for path, ns in cpu.folded.items() if ns >= 500]
     return summary, folded
+
+
+def _on_cpu(s: RankSummary, d: TraceDigest, cpu: _CpuResult, window_ns: int, top_k: int) -> None:
+    """A CPU rank's tables: self CPU time per op, the breakdown over the CPU window."""
+    kept, dropped = _top_rows(d, cpu.rows, top_k)
+    brk = cpu.breakdown
+    busy = brk[COMPUTE] + brk[COMM] + brk[MEMCPY]
+    s.kernels = [KernelRow(n, v[0] / 1e3, int(v[1]), int(v[2])) for n, v in kept]
+    s.dropped_rows, s.dropped_us = len(dropped), sum(v[0] for _, v in dropped) / 1e3
+    s.breakdown = Breakdown(
+        compute_us=brk[COMPUTE] / 1e3,
+        comm_us=brk[COMM] / 1e3,
+        memcpy_us=brk[MEMCPY] / 1e3,
+        other_us=max(0, window_ns - busy) / 1e3,
+        window_us=window_ns / 1e3,
+    )
+
+
+def _on_device(
+    s: RankSummary, d: TraceDigest, cpu: _CpuResult, dev: DeviceWindow, top_k: int
+) -> None:
+    """A CUDA rank's tables: device time per kernel and per op, the breakdown over the device
+    span, launches (``device_summary``)."""
+    kept, dropped = _top_rows(d, dev.rows, top_k)
+    s.kernels = [KernelRow(n, v[0] / 1e3, int(v[1]), int(v[2])) for n, v in kept]
+    s.dropped_rows, s.dropped_us = len(dropped), sum(v[0] for _, v in dropped) / 1e3
+    s.breakdown = Breakdown(
+        compute_us=dev.compute_ns / 1e3,
+        comm_us=dev.comm_ns / 1e3,
+        memcpy_us=dev.memory_ns / 1e3,
+        other_us=dev.idle_ns / 1e3,
+        window_us=dev.window_ns / 1e3,
+        overlap_us=dev.overlap_ns / 1e3,
+    )
+    s.streams = [
+        StreamRow(a, b, busy / 1e3, (dev.window_ns - busy) / 1e3) for a, b, busy in dev.streams
+    ]
+    s.unattributed_us = dev.unattributed_ns / 1e3
+    s.step_device = [(step, busy / 1e3, span / 1e3) for step, busy, span in dev.step_device]
+    if dev.launch is not None:
+        la = dev.launch
+        s.launch = LaunchRow(
+            la.kernels, la.delay_p50_ns / 1e3, la.delay_p95_ns / 1e3, la.short_share
+        )
+    s.launch_bound = dev.launch_bound
+    s.ops = _op_rows(d, cpu, dev, top_k)
+
+
+def _op_rows(d: TraceDigest, cpu: _CpuResult, dev: DeviceWindow, top_k: int) -> list[OpRow]:
+    """The op table: every CPU op's device time, self CPU time, calls and largest kernels,
+    by normalised name, the ``top_k`` largest by device time (then CPU time)."""
+    acc: dict[str, list[int]] = {}  # name -> [device ns, cpu ns, calls]
+    kernels: dict[str, dict[str, int]] = {}
+    for i in cpu.op_names:
+        self_ns, count, _ = cpu.rows.get(i, (0, 0, 0))
+        row = acc.setdefault(normalise_name(d.names[i]), [0, 0, 0])
+        row[1] += self_ns
+        row[2] += count
+    for op, ns in dev.op_device.items():
+        acc.setdefault(NO_OP if op < 0 else normalise_name(d.names[op]), [0, 0, 0])[0] += ns
+    for (op, k), ns in dev.op_kernels.items():
+        mine = kernels.setdefault(NO_OP if op < 0 else normalise_name(d.names[op]), {})
+        name = normalise_name(d.names[k])
+        mine[name] = mine.get(name, 0) + ns
+    ordered = sorted(
+        (kv for kv in acc.items() if kv[1][0] > 0 or kv[1][1] > 0),
+        key=lambda kv: (-kv[1][0], -kv[1][1], kv[0]),
+    )
+    return [
+        OpRow(
+            name,
+            dev_ns / 1e3,
+            cpu_ns / 1e3,
+            calls,
+            [
+                (k, ns / 1e3)
+                for k, ns in sorted(kernels.get(name, {}).items(), key=lambda x: (-x[1], x[0]))[:5]
+            ],
+        )
+        for name, (dev_ns, cpu_ns, calls) in ordered[:top_k]
+    ]
 
 
 def _window_span(
@@ -177,6 +257,8 @@ class _CpuResult:
     allocations: dict[str, list[int]]  # op name -> [bytes, allocations]
     folded: dict[str, int]
     comm_spans: list[tuple[int, int]]  # outermost collective spans, on every thread
+    launches: Launches  # the launch calls, each with the innermost op around it
+    op_names: set[int]  # the name ids of ops (``OP`` events)
 
 
 def _nest(d: TraceDigest, stacks: bool, span: tuple[int, int]) -> _CpuResult:
@@ -193,7 +275,7 @@ def _nest(d: TraceDigest, stacks: bool, span: tuple[int, int]) -> _CpuResult:
     keep = np.flatnonzero(~work)
     order = keep[np.lexsort((-c.end[keep], c.start[keep], c.thread[keep]))]
     thread, start, end = c.thread[order], c.start[order], c.end[order]
-    name, kind, flops = c.name[order], c.kind[order], c.flops[order]
+    name, kind, flops, corr = c.name[order], c.kind[order], c.flops[order], c.corr[order]
     n = len(order)
     parent = _parents(thread, start, end)
     has_parent = parent >= 0
@@ -225,7 +307,9 @@ def _nest(d: TraceDigest, stacks: bool, span: tuple[int, int]) -> _CpuResult:
             rows[int(name[i])][2] += int(flops[i])
     allocs = _allocations(d, thread, start, end, kind, name, parent)
     folded = _folded(names, name, kind, parent, self_ns) if stacks else {}
-    return _CpuResult(rows, brk, allocs, folded, comm_spans)
+    launches = launches_of(kind, corr, start, end, name, parent)
+    op_names = set(name[kind == OP].tolist())  # (np.unique would import numpy.ma: 7 ms)
+    return _CpuResult(rows, brk, allocs, folded, comm_spans, launches, op_names)
 
 
 def _parents(thread: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -316,43 +400,6 @@ def _folded(
         else:
             paths[i] = base
     return folded
-
-
-@dataclass
-class _DeviceResult:
-    rows: dict[int, list[int]]
-    breakdown: list[int]
-    streams: list[StreamRow]
-    idle_ns: int
-
-
-def _device(d: TraceDigest, w0: int, w1: int) -> _DeviceResult:
-    """Device activity timed by its own duration; busy and idle time per stream in the window."""
-    rows: dict[int, list[int]] = {}
-    brk = [0, 0, 0, 0]
-    per_stream: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for s, e, nm, kind, dev, stream in d.device:
-        dur = e - s
-        acc = rows.get(nm)
-        if acc is None:
-            acc = rows[nm] = [0, 0, 0]
-        acc[0] += dur
-        acc[1] += 1
-        if kind == COPY:
-            brk[MEMCPY] += dur
-        elif _COMM.match(d.names[nm]):
-            brk[COMM] += dur
-        else:
-            brk[COMPUTE] += dur
-        per_stream.setdefault((dev, stream), []).append((s, e))
-    streams = []
-    everything = []
-    for (dev, stream), spans in sorted(per_stream.items()):
-        busy = _union_ns(spans, w0, w1)
-        everything.extend(spans)
-        streams.append(StreamRow(dev, stream, busy / 1e3, max(0, (w1 - w0) - busy) / 1e3))
-    idle = max(0, (w1 - w0) - _union_ns(everything, w0, w1)) if everything else w1 - w0
-    return _DeviceResult(rows, brk, streams, idle)
 
 
 def _union_ns(spans: list[tuple[int, int]], lo: int, hi: int) -> int:

@@ -52,6 +52,16 @@ def bool_param(query: Mapping[str, str], name: str) -> bool:
     raise BadRequest(f"{name} must be true or false, got {raw[:40]!r}")
 
 
+def choice_param(
+    query: Mapping[str, str], name: str, choices: tuple[str, ...], default: str
+) -> str:
+    """``query[name]``, one of ``choices``, or ``default`` when absent."""
+    raw = query.get(name) or default
+    if raw not in choices:
+        raise BadRequest(f"{name} must be one of {', '.join(choices)}, got {raw[:40]!r}")
+    return raw
+
+
 def window_index(raw: str) -> int:
     """A window index from the path."""
     return int_param({"window": raw}, "window", None, 0, 2**62)
@@ -65,6 +75,7 @@ def kernels_args(query: Mapping[str, str]) -> dict[str, Any]:
         "role": str_param(query, "role"),
         "per_rank": bool_param(query, "per_rank"),
         "run": str_param(query, "run"),
+        "by": choice_param(query, "by", ("kernel", "op"), "kernel"),
     }
 
 

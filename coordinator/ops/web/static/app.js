@@ -128,14 +128,16 @@ function runPage(main, st) {
   }
 }
 
-async function windowPage(main, index, role) {
-  const q = `top_k=20&per_rank=true${role ? "&role=" + encodeURIComponent(role) : ""}`;
+async function windowPage(main, index, role, by) {
+  by = by === "op" ? "op" : "kernel";
+  const q = `top_k=20&per_rank=true&by=${by}${role ? "&role=" + encodeURIComponent(role) : ""}`;
   const res = await api(`/api/windows/${index}/kernels?${q}`);
   if (!res.ok) { fail(main, `window ${index}`, res); return; }
   const ks = res.body;
   const entry = (state.status?.windows || []).find(w => w.index === index);
   main.append(el("h2", {}, `Window ${index} (${ks.role ?? "policy"}): steps ${ks.steps.join("-")}` +
-    `${ks.partial ? " partial" : ""}, ranks ${ks.ranks.length}, self ${ks.device ?? ""} time (${ks.unit})`));
+    `${ks.partial ? " partial" : ""}, ranks ${ks.ranks.length}, ` +
+    `${ks.device === "cuda" ? "device time" : `self ${ks.device ?? ""} time`} (${ks.unit})`));
   if (entry) {
     main.append(el("p", { class: "pills" }, "roles: ", Object.values(entry.roles || {}).map(p =>
       el("a", { href: `#/window/${index}/${encodeURIComponent(p.role)}` }, p.role))));
@@ -145,14 +147,21 @@ async function windowPage(main, index, role) {
     const mark = regressionText(entry.regression);
     if (mark) main.append(el("p", { class: "slower" }, mark));
   }
-  main.append(el("h2", {}, "Top kernels, and their spread across ranks"));
-  main.append(table(
-    [{ label: "kernel", get: k => k.name }, { label: "total us", get: k => num(k.total_us), num: true },
+  const base = `#/window/${index}/${encodeURIComponent(ks.role ?? "policy")}`;
+  main.append(el("p", { class: "pills" }, "table: ",
+    el("a", { href: `${base}/kernel`, id: "by-kernel" }, "kernels"),
+    el("a", { href: `${base}/op`, id: "by-op" }, "ops (CUDA: device time by the op that launched it)")));
+  const ops = by === "op" && ks.device !== "cpu" ? ks.ops : null;
+  main.append(el("h2", {}, ops ? "Top ops by the device time they launched, and their spread across ranks"
+    : "Top kernels, and their spread across ranks"));
+  const cols = [{ label: ops ? "op" : "kernel", get: k => k.name }, { label: "total us", get: k => num(k.total_us), num: true },
      { label: "mean", get: k => num(k.mean_us), num: true }, { label: "min", get: k => num(k.min_us), num: true },
      { label: "max", get: k => num(k.max_us), num: true }, { label: "max@", get: k => k.max_rank, num: true },
      { label: "std", get: k => num(k.std_us), num: true }, { label: "calls", get: k => k.count, num: true },
-     { label: "share", get: k => pct(k.share), num: true }],
-    ks.kernels));
+     { label: "share", get: k => pct(k.share), num: true }];
+  if (ops) cols.push({ label: "CPU self us", get: k => num(ops[k.name]?.cpu_us), num: true },
+    { label: "largest kernels", get: k => (ops[k.name]?.kernels || []).map(([n, us]) => `${n.slice(0, 40)} ${num(us)}`).join("; ") });
+  main.append(table(cols, ks.kernels));
   const top = ks.kernels.slice(0, 15);
   chart(main, { type: "bar", data: { labels: top.map(k => k.name.slice(0, 50)), datasets: [
     { label: "min..max over ranks (us)", data: top.map(k => [k.min_us, k.max_us]) },
@@ -160,12 +169,26 @@ async function windowPage(main, index, role) {
     options: { indexAxis: "y" } }, true);
   heatmap(main, ks);
   breakdown(main, ks);
+  launches(main, ks);
   stragglers(main, ks);
   memory(main, ks);
 }
 
+function launches(main, ks) {
+  const rows = Object.entries(ks.launch || {}).map(([r, v]) => Object.assign({ rank: r }, v));
+  if (!rows.length) return;
+  main.append(el("h2", {}, "Launches (CUDA ranks)"));
+  main.append(table(
+    [{ label: "rank", get: r => r.rank }, { label: "launches", get: r => r.kernels, num: true },
+     { label: "delay p50 us", get: r => num(r.delay_p50_us, 1), num: true },
+     { label: "delay p95 us", get: r => num(r.delay_p95_us, 1), num: true },
+     { label: "shorter than launch", get: r => pct(r.short_share), num: true },
+     { label: "unattributed us", get: r => num((ks.unattributed_us || {})[r.rank] ?? 0), num: true },
+     { label: "launch-bound steps", get: r => r.launch_bound.join(", ") }], rows));
+}
+
 function heatmap(main, ks) {
-  main.append(el("h2", {}, "Rank x top kernel (self time, us)"));
+  main.append(el("h2", {}, `Rank x top kernel (${ks.device === "cuda" ? "device" : "self"} time, us)`));
   if (!ks.per_rank) { main.append(el("p", { class: "muted" }, "per-rank values are no longer kept for this window")); return; }
   const names = ks.kernels.slice(0, 10).map(k => k.name);
   const labels = names.map((n, i) => `${i + 1}. ${n.slice(0, 36)}`);  // unique, even when cut
@@ -185,12 +208,22 @@ function heatmap(main, ks) {
 }
 
 function breakdown(main, ks) {
-  main.append(el("h2", {}, "Breakdown per rank (us)"));
+  const cuda = ks.device === "cuda" || ks.device === "mixed";
+  main.append(el("h2", {}, cuda ? "Breakdown per rank over the device span (us)" : "Breakdown per rank (us)"));
   const ranks = Object.keys(ks.breakdown.ranks);
-  const cats = ["compute_us", "comm_us", "memcpy_us", "other_us"];
-  chart(main, { type: "bar", data: { labels: ranks.map(r => `rank ${r}`), datasets: cats.map(c =>
-    ({ label: c.replace("_us", ""), data: ranks.map(r => ks.breakdown.ranks[r][c] ?? 0) })) },
+  const row = r => ks.breakdown.ranks[r];
+  // CUDA: compute and comm are unions that overlap; stack comm only where no compute runs.
+  const cats = cuda
+    ? [["compute", r => row(r).compute_us], ["comm (no compute beside it)", r => row(r).comm_us - (row(r).overlap_us ?? 0)],
+       ["memcpy", r => row(r).memcpy_us], ["idle", r => row(r).other_us]]
+    : ["compute", "comm", "memcpy", "other"].map(c => [c, r => row(r)[`${c}_us`] ?? 0]);
+  chart(main, { type: "bar", data: { labels: ranks.map(r => `rank ${r}`), datasets: cats.map(([label, get]) =>
+    ({ label, data: ranks.map(get) })) },
     options: { scales: { x: { stacked: true }, y: { stacked: true } } } });
+  if (cuda) main.append(table(
+    [{ label: "rank", get: r => r }, { label: "comm us", get: r => num(row(r).comm_us), num: true },
+     { label: "overlap us", get: r => num(row(r).overlap_us), num: true },
+     { label: "comm with compute beside it", get: r => pct(row(r).comm_overlap), num: true }], ranks));
 }
 
 function stragglers(main, ks) {
@@ -203,7 +236,8 @@ function stragglers(main, ks) {
      { label: "compute ms", get: r => num(r.compute_ms, 1), num: true },
      { label: "compute x", get: r => num(r.compute_ratio, 2), num: true },
      { label: "comm share", get: r => pct(r.comm_share), num: true },
-     { label: "flagged", get: r => r.flagged ? "straggler" : "" }],
+     { label: "flagged", get: r => r.flagged ? "straggler" : "" },
+     { label: "launch-bound steps", get: r => (r.launch_bound || []).join(", ") }],
     rows, r => r.flagged ? "flagged" : null));
   main.append(el("h2", {}, "Step time per rank (ms)"));
   chart(main, { type: "bar", data: { labels: rows.map(r => `rank ${r.rank}`),
@@ -336,7 +370,7 @@ async function render() {
   state.route = route;
   const main = clear();
   if (!st) { main.append(el("p", { class: "muted" }, "waiting for the coordinator...")); return; }
-  if (route.name === "window") await windowPage(main, Number(route.args[0]), route.args[1]);
+  if (route.name === "window") await windowPage(main, Number(route.args[0]), route.args[1], route.args[2]);
   else if (route.name === "captures") capturesPage(main, st);
   else if (route.name === "diff") await diffPage(main, st, route.args[0] && Number(route.args[0]),
                                                   route.args[1] && Number(route.args[1]));

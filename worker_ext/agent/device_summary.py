@@ -1,0 +1,276 @@
+"""A CUDA rank's window read from its device activity: what ran on the GPU for the window's steps.
+
+A device event (kernel, memcpy, memset) belongs to the step that launched it: its launch is the
+CPU runtime or driver call with the same ``correlation`` (on any thread: the autograd thread
+launches the backward's kernels), and the step is the ``ProfilerStep`` whose span holds that
+launch. An event whose launch is not in the trace, or lies outside the window's steps, is
+counted apart (``unattributed``) and nowhere else. The window on the device is the span from the
+first to the last of its events; compute, communication and memory time are the unions of their
+kinds' events (two streams at once count once), ``idle`` is the span minus the union of all, and
+``overlap`` the communication time during which a compute kernel also runs. The kinds are
+Holistic Trace Analysis's: NCCL kernels are communication; ``Memcpy``, ``Memset`` and ``dma``
+are memory; the rest is compute.
+
+Each event's time also goes to the innermost CPU op around its launch (``key_averages()``'s
+self device time), and the launches give HTA's launch statistics. Pure numpy: no torch, no Ray.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from worker_ext.agent.trace_reader import COPY, OP, RUNTIME
+
+COMM_KERNEL = re.compile(r"^nccl.*Kernel")
+MEMORY_KERNEL = re.compile(r"^(Memcpy|Memset|dma)")
+COMPUTE, COMM, MEMORY = 0, 1, 2
+LAUNCH_CALLS = frozenset(
+    {
+        "cudaLaunchKernel",
+        "cudaLaunchKernelExC",
+        "cudaMemcpyAsync",
+        "cudaMemsetAsync",
+        "cuLaunchKernel",
+        "cuLaunchKernelEx",
+    }
+)
+"""The launches HTA's ``get_cuda_kernel_launch_stats`` reads, and the driver's own two."""
+LAUNCH_BOUND_IDLE = 0.5
+"""A step is launch-bound when the device idles over this share of its span..."""
+LAUNCH_BOUND_SHORT = 0.5
+"""...and over this share of its kernels ran shorter than their launch call took."""
+OP_TOP_KERNELS = 5
+"""Kernels kept per op per rank (the cross-rank tables show each op's top three)."""
+NO_OP = "<no op>"
+"""Where a launch made outside every CPU op puts its device time."""
+
+
+@dataclass
+class LaunchStats:
+    """HTA's launch statistics over the window's launches of kernels, copies and sets."""
+
+    kernels: int
+    delay_p50_ns: int  # the device event's start minus its launch's end (at least 0)
+    delay_p95_ns: int
+    short_share: float  # of events that ran shorter than their launch call took
+
+
+@dataclass
+class DeviceWindow:
+    """What the device did for the window's steps (times in ns)."""
+
+    rows: dict[int, list[int]]  # kernel name id -> [ns, events, 0]
+    window_ns: int
+    compute_ns: int
+    comm_ns: int
+    memory_ns: int
+    busy_ns: int  # the union of every event
+    overlap_ns: int  # communication with a compute kernel running
+    unattributed_ns: int
+    streams: list[tuple[int, int, int]]  # (device, stream, busy ns)
+    step_device: list[tuple[int, int, int]]  # (step, busy ns, span ns)
+    launch: LaunchStats | None
+    launch_bound: list[int]
+    op_device: dict[int, int] = field(default_factory=dict)  # op name id (-1: NO_OP) -> ns
+    op_kernels: dict[tuple[int, int], int] = field(default_factory=dict)  # (op, kernel) -> ns
+
+    @property
+    def idle_ns(self) -> int:
+        return self.window_ns - self.busy_ns
+
+
+def kind_of(name: str, category_kind: int) -> int:
+    """COMM, MEMORY or COMPUTE, as HTA names kernels (a copy or set event is memory)."""
+    if COMM_KERNEL.match(name):
+        return COMM
+    if category_kind == COPY or MEMORY_KERNEL.match(name):
+        return MEMORY
+    return COMPUTE
+
+
+def device_window(
+    names: list[str],
+    device: list[tuple[int, int, int, int, int, int, int]],
+    launches: Launches,
+    steps: list[tuple[int, int, int]],
+) -> DeviceWindow:
+    """The window of ``steps`` (``(step, begin, end)``, the recorded steps) on the device."""
+    n = len(device)
+    cols = np.array(device, dtype=np.int64).reshape(n, 7) if n else np.zeros((0, 7), np.int64)
+    start, end, name, cat, dev, stream, corr = (cols[:, i] for i in range(7))
+    at = launches.find(corr)  # each event's launch (a row of ``launches``), or -1
+    step = _step_of(launches.start[np.maximum(at, 0)], steps)
+    step[at < 0] = -1
+    mine = step >= 0
+    unattributed = int((end[~mine] - start[~mine]).sum())
+    start, end, name, cat, dev, stream = (x[mine] for x in (start, end, name, cat, dev, stream))
+    at, step = at[mine], step[mine]
+    kinds = _kinds(names, name, cat)
+    rows: dict[int, list[int]] = {}
+    dur = end - start
+    if len(name):
+        ids, inverse = np.unique(name, return_inverse=True)
+        ns, counts = np.bincount(inverse, weights=dur), np.bincount(inverse)
+        rows = {int(i): [int(t), int(c), 0] for i, t, c in zip(ids, ns, counts, strict=True)}
+    compute = _union(start[kinds == COMPUTE], end[kinds == COMPUTE])
+    comm = _union(start[kinds == COMM], end[kinds == COMM])
+    both = _union(
+        np.concatenate([start[kinds == COMPUTE], start[kinds == COMM]]),
+        np.concatenate([end[kinds == COMPUTE], end[kinds == COMM]]),
+    )
+    streams = []
+    for d, s in sorted({(int(a), int(b)) for a, b in zip(dev, stream, strict=True)}):
+        on = (dev == d) & (stream == s)
+        streams.append((d, s, _union(start[on], end[on])))
+    result = DeviceWindow(
+        rows=rows,
+        window_ns=int(end.max() - start.min()) if len(start) else 0,
+        compute_ns=compute,
+        comm_ns=comm,
+        memory_ns=_union(start[kinds == MEMORY], end[kinds == MEMORY]),
+        busy_ns=_union(start, end),
+        overlap_ns=compute + comm - both,
+        unattributed_ns=unattributed,
+        streams=streams,
+        step_device=_step_device(step, start, end, [s for s, _, _ in steps]),
+        launch=None,
+        launch_bound=[],
+    )
+    _launch_stats(result, names, launches, at, step, start, end)
+    _op_time(result, launches, at, name, dur)
+    return result
+
+
+@dataclass
+class Launches:
+    """The trace's launch calls (CPU RUNTIME events with a correlation), by correlation, with
+    the innermost CPU op around each (``op``: its name id, -1 for none)."""
+
+    corr: np.ndarray  # sorted
+    start: np.ndarray
+    end: np.ndarray
+    name: np.ndarray
+    op: np.ndarray
+
+    def find(self, corr: np.ndarray) -> np.ndarray:
+        """The row of each correlation's launch, or -1."""
+        if not len(self.corr) or not len(corr):
+            return np.full(len(corr), -1, dtype=np.int64)
+        i = np.minimum(np.searchsorted(self.corr, corr), len(self.corr) - 1)
+        return np.where((self.corr[i] == corr) & (corr >= 0), i, -1)
+
+
+def launches_of(
+    kind: np.ndarray,
+    corr: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+    name: np.ndarray,
+    parent: np.ndarray,
+) -> Launches:
+    """The launches among CPU events (in any order, with ``parent`` indices into the same
+    arrays, -1 at the top), each with the innermost ``OP`` event around it."""
+    is_launch = (kind == RUNTIME) & (corr >= 0)
+    rows = np.flatnonzero(is_launch)
+    op = np.full(len(rows), -1, dtype=np.int64)
+    for n, i in enumerate(rows.tolist()):
+        p = int(parent[i])
+        while p >= 0 and kind[p] != OP:
+            p = int(parent[p])
+        if p >= 0:
+            op[n] = int(name[p])
+    # One launch per correlation (the first, if a trace repeats one).
+    keys, first = np.unique(corr[rows], return_index=True)
+    pick = rows[first]
+    return Launches(keys, start[pick], end[pick], name[pick], op[first])
+
+
+def _kinds(names: list[str], name: np.ndarray, cat: np.ndarray) -> np.ndarray:
+    memo: dict[tuple[int, int], int] = {}
+    out = np.empty(len(name), dtype=np.int8)
+    for i, key in enumerate(zip(name.tolist(), cat.tolist(), strict=True)):
+        k = memo.get(key)
+        if k is None:
+            k = memo[key] = kind_of(names[key[0]], key[1])
+        out[i] = k
+    return out
+
+
+def _step_of(at: np.ndarray, steps: list[tuple[int, int, int]]) -> np.ndarray:
+    """The step whose span ``[begin, end)`` holds each time, or -1."""
+    out = np.full(len(at), -1, dtype=np.int64)
+    for s, b, e in steps:
+        out[(at >= b) & (at < e) & (out < 0)] = s
+    return out
+
+
+def _union(start: np.ndarray, end: np.ndarray) -> int:
+    """The length of the union of the spans ``[start, end)``."""
+    if not len(start):
+        return 0
+    order = np.argsort(start, kind="stable")
+    s, e = start[order], end[order]
+    reach = np.maximum.accumulate(e)
+    new = np.ones(len(s), dtype=bool)
+    new[1:] = s[1:] > reach[:-1]
+    heads = np.flatnonzero(new)
+    return int((np.maximum.reduceat(e, heads) - s[heads]).sum())
+
+
+def _step_device(
+    step: np.ndarray, start: np.ndarray, end: np.ndarray, steps: list[int]
+) -> list[tuple[int, int, int]]:
+    out = []
+    for s in steps:
+        on = step == s
+        if on.any():
+            out.append((s, _union(start[on], end[on]), int(end[on].max() - start[on].min())))
+    return out
+
+
+def _launch_stats(
+    r: DeviceWindow,
+    names: list[str],
+    launches: Launches,
+    at: np.ndarray,
+    step: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+) -> None:
+    call = launches.name[at] if len(at) else np.zeros(0, np.int64)
+    counted = np.array([names[c] in LAUNCH_CALLS for c in call.tolist()], dtype=bool)
+    if not counted.any():
+        return
+    l0, l1 = launches.start[at[counted]], launches.end[at[counted]]
+    delay = np.maximum(start[counted] - l1, 0)
+    short = (end[counted] - start[counted]) < (l1 - l0)
+    p50, p95 = np.percentile(delay, [50, 95])
+    r.launch = LaunchStats(int(counted.sum()), round(p50), round(p95), float(short.mean()))
+    by_step = step[counted]
+    for s, busy, span in r.step_device:
+        on = by_step == s
+        if span > 0 and on.any():
+            idle = 1.0 - busy / span
+            if idle > LAUNCH_BOUND_IDLE and float(short[on].mean()) > LAUNCH_BOUND_SHORT:
+                r.launch_bound.append(s)
+
+
+def _op_time(
+    r: DeviceWindow, launches: Launches, at: np.ndarray, name: np.ndarray, dur: np.ndarray
+) -> None:
+    if not len(at):
+        return
+    op = launches.op[at]
+    pairs: dict[tuple[int, int], int] = {}
+    for o, k, d in zip(op.tolist(), name.tolist(), dur.tolist(), strict=True):
+        pairs[(o, k)] = pairs.get((o, k), 0) + d
+    by_op: dict[int, list[tuple[int, int]]] = {}
+    for (o, k), d in pairs.items():
+        r.op_device[o] = r.op_device.get(o, 0) + d
+        by_op.setdefault(o, []).append((d, k))
+    for o, kernels in by_op.items():
+        for d, k in sorted(kernels, key=lambda x: (-x[0], x[1]))[:OP_TOP_KERNELS]:
+            r.op_kernels[(o, k)] = d
