@@ -11,7 +11,7 @@ DEMO_ARGS ?=
 # The GPU figures' oracle in the tests; without its notebook requirement (jupyterlab).
 HTA_SPEC ?= holistictraceanalysis==0.5.0
 
-.PHONY: venv browser test test-fast lint format demo bench fuzz clean
+.PHONY: venv browser docker-engine test test-docker test-fast lint format demo bench fuzz clean
 
 venv: $(STAMP)
 
@@ -38,10 +38,23 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; }
 
+# Debian's Docker engine and docker-compose (v1) for the image's test, and debootstrap for its
+# base (Docker Hub is unreachable). Where they cannot be installed the test skips, saying why.
+docker-engine:
+	@command -v docker-compose >/dev/null 2>&1 && command -v dockerd >/dev/null 2>&1 \
+	  && command -v debootstrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q docker.io docker-compose debootstrap \
+	  || echo "docker.io could not be installed: tests/test_docker.py will skip"; }
+
 # The whole suite: lint, types, then every test (Ray clusters, subprocesses, S3, the browser,
-# the demo).
-test: lint browser
-	RAY_AUTH_MODE=disabled $(PY) -m pytest -q --durations=15
+# the demo, the Docker image). -rs prints why any test skipped.
+test: lint browser docker-engine
+	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -rs --durations=15
+
+# The Docker image alone: the test base, the image, two nodes, the demo, status, top, collect.
+test-docker: venv docker-engine
+	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -rs tests/test_docker.py
 
 # Lint, types and every test that needs no Ray and no subprocess (starting either fails there).
 test-fast: lint

@@ -23,6 +23,7 @@ from coordinator.client.attach import address_problem
 from coordinator.core.config import ProfilerConfig
 
 TRAINERS = ("sft", "rl", "async", "fully-async")
+NODES_WAIT_S = 60.0
 SCHEDULE_FLAGS = ("skip_first", "wait", "warmup", "active", "repeat")
 
 
@@ -46,6 +47,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-profile", action="store_true", help="run with profiling disabled")
     ap.add_argument("--address", help="join this Ray cluster instead of starting one")
     ap.add_argument("--namespace", default="profiler")
+    ap.add_argument(
+        "--spread", action="store_true", help="policy ranks dealt over the nodes in turn"
+    )
+    ap.add_argument(
+        "--min-nodes",
+        type=int,
+        default=1,
+        help=f"wait up to {NODES_WAIT_S:.0f} s for this many live Ray nodes (default 1)",
+    )
     return ap.parse_args(argv)
 
 
@@ -108,6 +118,21 @@ def connect_ray(address: str | None, namespace: str) -> None:
     ray.init(address=address, namespace=namespace, log_to_driver=False, runtime_env=env)
 
 
+def wait_for_nodes(n: int, timeout_s: float = NODES_WAIT_S) -> None:
+    """Return once ``n`` Ray nodes are alive; SystemExit saying how many are, after
+    ``timeout_s``."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = sum(1 for node in ray.nodes() if node["Alive"])
+        if alive >= n:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"error: {alive} live Ray node(s) after {timeout_s:.0f} s, not {n}")
+        time.sleep(0.5)
+
+
 def print_step(step: int, metric: str, value: float, seconds: float, phase: str) -> None:
     print(f"step {step:4d}  {metric} {value:8.4f}  {seconds * 1e3:8.1f} ms  profiler: {phase}")
 
@@ -127,8 +152,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = build_config(args)
     connect_ray(args.address, args.namespace)
+    wait_for_nodes(args.min_nodes)
     t_start = time.perf_counter()
-    policy = make_policy_group(args.ranks)
+    policy = make_policy_group(args.ranks, spread=args.spread)
     rollouts = make_rollouts(args.rollouts) if args.trainer != "sft" else []
     hooks = ProfilingHooks.attach(cfg, policy, trainer_id=args.trainer, namespace=args.namespace)
     rc = RunConfig(steps=args.steps, first_step=args.first_step)

@@ -10,6 +10,7 @@ import ray
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from trainers.reference.model import CausalLM, ModelConfig, sft_corpus, vowel_reward
 from worker_ext import ProfilerWorkerMixin
@@ -137,13 +138,29 @@ def grpo_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
     return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-6)).view(-1)
 
 
-def make_policy_group(n_ranks: int, seed: int = 0) -> list[Any]:
-    """``n_ranks`` PolicyWorker actors forming one gloo group."""
+def make_policy_group(n_ranks: int, seed: int = 0, spread: bool = False) -> list[Any]:
+    """``n_ranks`` PolicyWorker actors forming one gloo group; with ``spread``, dealt over the
+    cluster's live nodes in turn, the driver's first (rank r on node r mod nodes). Ray's own
+    ``SPREAD`` does not spread actors that ask for no resources, as these do."""
     cls = ray.remote(num_cpus=0)(PolicyWorker)
-    workers = [cls.remote(r, n_ranks, seed) for r in range(n_ranks)]
+    nodes = _nodes_in_turn() if spread else []
+    workers = [
+        cls.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[r % len(nodes)], soft=False)
+        ).remote(r, n_ranks, seed)
+        if nodes
+        else cls.remote(r, n_ranks, seed)
+        for r in range(n_ranks)
+    ]
     host, port = ray.get(workers[0].address.remote())
     ray.get([w.init_group.remote(host, port) for w in workers])
     return workers
+
+
+def _nodes_in_turn() -> list[str]:
+    here = ray.get_runtime_context().get_node_id()
+    alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
+    return [here, *alive]
 
 
 def make_rollouts(n: int) -> list[Any]:
