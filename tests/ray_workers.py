@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 from tests.torch_helpers import TinyMLP
-from trainers.reference.workers import PolicyWorker
+from trainers.reference.workers import PolicyWorker, make_policy_group
 from worker_ext import ProfilerWorkerMixin
 from worker_ext.rank.rank_profiler import RankProfiler
 
@@ -126,3 +129,30 @@ class ProfiledPolicyWorker(PolicyWorker):
             return key_averages_table(prof)
         except UnicodeDecodeError as exc:  # torch 2.13 on some with_stack windows
             return {"key_averages failed": str(exc)}
+
+
+class SlowOpPolicyWorker(PolicyWorker):
+    """A reference policy rank whose step also runs one op of its own (``torch.special.i0``
+    on a cache-sized buffer, twice per row of its batch: about 45% of the busy time, a fifth of
+    the step, scaling with the batch and compute-bound) that a test can make slower."""
+
+    def sft_step_and_op(self, rows, op_scale: float) -> float:
+        import torch
+
+        loss = self.sft_step(rows)
+        if getattr(self, "_buf", None) is None:
+            self._buf, self._out = torch.rand(8192), torch.empty(8192)
+        for _ in range(round(2 * len(rows) * op_scale)):
+            torch.special.i0(self._buf, out=self._out)
+        return loss
+
+
+@contextlib.contextmanager
+def gloo_pair(ray: Any, worker_cls: type) -> Iterator[list[Any]]:
+    """Two ranks of a reference policy worker class in one gloo group, killed after."""
+    workers = make_policy_group(2, worker_cls=worker_cls)
+    try:
+        yield workers
+    finally:
+        for w in workers:
+            ray.kill(w)

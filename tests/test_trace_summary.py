@@ -323,16 +323,10 @@ def test_gpu_trace_on_a_cpu_rank_summarises_cpu_ops(tmp_path):
 @pytest.fixture(scope="module")
 def gloo_ranks(ray_session):
     """Two gloo ranks of the reference policy worker, shared by the equality tests."""
-    from tests.ray_workers import ProfiledPolicyWorker
+    from tests.ray_workers import ProfiledPolicyWorker, gloo_pair
 
-    ray = ray_session
-    cls = ray.remote(num_cpus=0)(ProfiledPolicyWorker)
-    workers = [cls.remote(r, 2) for r in range(2)]
-    host, port = ray.get(workers[0].address.remote())
-    ray.get([w.init_group.remote(host, port) for w in workers])
-    yield workers
-    for w in workers:
-        ray.kill(w)
+    with gloo_pair(ray_session, ProfiledPolicyWorker) as workers:
+        yield workers
 
 
 @pytest.mark.parametrize("with_stack", [False, True], ids=["plain", "with_stack"])

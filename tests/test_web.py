@@ -368,6 +368,13 @@ def test_the_pages_in_a_real_browser(served, tmp_path):
             page.wait_for_selector("text=Stall 1: trainer t, after step 7, still stalled")
             stall = served.http("GET", "/api/status")[1]["stalls"][0]
             assert page.inner_text("pre").splitlines()[0] == stall["lines"][0]
+            # marks are per role: a window whose rollout alone was marked names the rollout,
+            # and the policy's part (its window page) shows none
+            window = two_role_window_marked_on_rollout()
+            js = "w => [marksText(w), regressionText(w.roles.t.regression)]"
+            texts = page.evaluate(js, window)
+            assert texts[0].startswith("rollout: SLOWER than windows 0-7 (8): aten::mm x1.5"), texts
+            assert texts[1] == "" and "policy" not in texts[0]
         finally:
             browser.close()
     # the capture refused without a token is the one error the page is expected to log
@@ -413,3 +420,31 @@ def test_ray_profiler_serve_as_a_user_starts_it(served, ray_session):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def two_role_window_marked_on_rollout() -> dict:
+    """A window entry's ``roles`` (what the marks read of it) where only the rollout's
+    ``aten::mm`` was marked, as the pure core marks it."""
+    from coordinator.core.marks import _profile, confirm, judge
+
+    ref = [_profile(i, {"aten::mm": 300.0, "aten::add": 700.0}, 1.0) for i in range(8)]
+    a, b = (
+        judge(
+            _profile(i, {"aten::mm": 450.0, "aten::add": 700.0}, 1.1),
+            ref,
+            threshold=1.25,
+            baseline=0,
+            run="r",
+            trainer_id="gen",
+        )  # fmt: skip
+        for i in (8, 9)
+    )
+    confirm(a, b)
+    calm = judge(ref[0], ref, threshold=1.25, baseline=0, run="r", trainer_id="t")
+    return {
+        "regression": calm,
+        "roles": {
+            "t": {"role": "policy", "regression": calm},
+            "gen": {"role": "rollout", "regression": b},
+        },
+    }

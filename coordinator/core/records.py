@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.core.aggregate import WindowAggregate, busy_ms_per_step, step_ms
+from coordinator.core.marks import WindowProfile
 from coordinator.core.schedule import Window
 from coordinator.protocol.replies import (
     AgentEntry,
@@ -115,7 +116,9 @@ class WindowRecord:
     stopped_at: int | None = None  # the last step when stop() cut the window short
     cut: str | None = None  # why the window was cut short, when not by the trainer's stop()
     trigger: AutoTrigger | None = None  # why an auto capture was taken
-    regression: RegressionEntry | None = None  # against the run's baseline (diffs.mark)
+    regression: RegressionEntry | None = None  # the primary trainer's marks (diffs.mark)
+    marks: dict[str, RegressionEntry] = field(default_factory=dict)  # trainer_id -> its marks
+    profiles: dict[str, WindowProfile] = field(default_factory=dict)  # trainer_id -> (marks)
     counted_slower: bool = False  # in the run's "regressions" count (once, whatever baseline)
     roles: dict[str, str] = field(default_factory=dict)  # trainer_id -> role, at the opening
     primary: str | None = None  # the stepping trainer: the per-rank fields are its ranks
@@ -167,6 +170,8 @@ class WindowRecord:
         plan = self.planned or self.window
         kept, why = self.promise()
         roles = dict(parts) if parts is not None else self._role_parts(complete)
+        marks = getattr(self, "marks", {})  # (a checkpoint from before has none)
+        roles = {tid: {**part, "regression": marks.get(tid)} for tid, part in roles.items()}
         main = roles.get(getattr(self, "primary", None) or "") or next(iter(roles.values()), None)
         captured = main["ranks"] if main else []
         return {
@@ -264,4 +269,5 @@ class WindowRecord:
             "busy_ms_per_step": busy[0] if busy else None,
             "busy_ms_per_step_max": busy[1] if busy else None,
             "step_ms": step_ms(agg) if agg is not None else {},
+            "regression": None,  # filled in by to_dict (marks change without a new part)
         }

@@ -1,6 +1,6 @@
 """What changed between two windows: each kernel's per-step self time, new and vanished kernels,
-the breakdown's shift and the step time; and the regression marks a window gets against its
-run's baseline. Pure: works on two ``kernel_summary()`` replies.
+the breakdown's shift and the step time (the regression marks are ``marks``). Pure: works on
+two ``kernel_summary()`` replies.
 
 A kernel's per-step time is its self time summed over the window's ranks, divided by the ranks
 and by the recorded steps: windows of different lengths and rank counts compare.
@@ -23,12 +23,9 @@ from coordinator.protocol.replies import (
     KernelChange,
     KernelDiffReply,
     KernelSummaryReply,
-    RegressionEntry,
 )
 
 BREAKDOWN = ("compute", "comm", "memcpy", "other")
-MARKED_KERNELS = 10
-MIN_SHARE = 0.01  # kernels under 1% of the summed kernel time per step are never marked
 
 
 def per_step_us(summary: KernelSummaryReply) -> dict[str, float]:
@@ -108,31 +105,6 @@ def _steps(s: KernelSummaryReply) -> int:
     return max(1, steps[1] - steps[0] + 1) if len(steps) == 2 else 1
 
 
-def regression(diff: KernelDiffReply, threshold: float) -> RegressionEntry:
-    """The marks of window ``b`` against its baseline ``a``: kernels whose per-step time rose
-    by ``threshold`` or more and is at least ``MIN_SHARE`` of the larger window's kernel time
-    per step (every kernel's self time summed), and the step time. A kernel the baseline does
-    not have has no ratio and is never marked (``diff["new"]`` lists it)."""
-    total = max(diff["total_us"]) or 1.0
-    kernels = [
-        {"name": k["name"], "baseline_us": k["a_us"], "us": k["b_us"], "ratio": k["ratio"]}
-        for k in diff["kernels"]
-        if k["ratio"] is not None
-        and k["ratio"] >= threshold
-        and max(k["a_us"], k["b_us"]) >= MIN_SHARE * total
-    ]
-    ratio = diff["step_ratio"]
-    return {
-        "baseline": diff["a"]["window"],
-        "baseline_run": diff["a"]["run"],
-        "threshold": threshold,
-        "kernels": kernels[:MARKED_KERNELS],  # type: ignore[typeddict-item]
-        "step_ms": diff["step_ms"],
-        "step_ratio": ratio,
-        "step_regressed": ratio is not None and ratio >= threshold,
-    }
-
-
 def _summary(
     window: int, steps: list[int], ranks: int, totals: dict[str, float], step_ms: float
 ) -> Any:
@@ -143,7 +115,7 @@ def _summary(
         "steps": steps,
         "ranks": list(range(ranks)),
         "device": "cpu",
-        "kernels": [{"name": n, "total_us": t} for n, t in totals.items()],
+        "kernels": [{"name": n, "total_us": t, "min_us": t / ranks} for n, t in totals.items()],
         "stragglers": {"median_step_ms": step_ms},
         "breakdown": {"mean": {}},
     }

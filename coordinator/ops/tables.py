@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from coordinator.core.validate import span
 
@@ -61,8 +61,7 @@ def render_status(st: StatusReply) -> str:
             )
             if (t := w["trigger"]) is not None:
                 lines.append(f"{'':>6} {'':<9} why: {trigger_text(t)}")
-            if (r := w.get("regression")) and (text := regression_text(r)):
-                lines.append(f"{'':>6} {'':<9} {text}")
+            lines += [f"{'':>6} {'':<9} {text}" for text in _marks_lines(w)]
     if st["previous_runs"]:
         lines += ["", "earlier runs (ray-profiler top --run NAME):"]
         for p in st["previous_runs"]:
@@ -374,8 +373,19 @@ def _span(steps: list[int]) -> str:
     return "-".join(map(str, steps)) if steps else "?"
 
 
+def _marks_lines(w: Any) -> list[str]:
+    """Each role's marks of a window, a line each (the role named when there are several)."""
+    parts = [p for p in (w.get("roles") or {}).values() if p.get("regression")]
+    if not parts:  # (a reply from before marks were per role)
+        r = w.get("regression")
+        return [t] if r and (t := regression_text(r)) else []
+    named = len(w["roles"]) > 1
+    texts = [(p["role"], regression_text(p["regression"])) for p in parts]
+    return [f"{role}: {t}" if named else t for role, t in texts if t]
+
+
 def regression_text(r: RegressionEntry) -> str:
-    """A window's regression marks in one line ("" when nothing rose past the threshold)."""
+    """A window's (one role's) regression marks in one line ("" when nothing is marked)."""
     parts = []
     if r["step_regressed"] and r["step_ratio"] is not None:
         parts.append(f"step x{r['step_ratio']:.2f}")
@@ -384,4 +394,5 @@ def regression_text(r: RegressionEntry) -> str:
         return ""
     more = len(r["kernels"]) - 3
     tail = f" (+{more} kernels)" if more > 0 else ""
-    return f"SLOWER than window {r['baseline']}: " + ", ".join(parts) + tail
+    ref: list[Any] = r.get("reference") or [r["baseline"]]  # (an older checkpoint's entry)
+    return f"SLOWER than windows {ref[0]}-{ref[-1]} ({len(ref)}): " + ", ".join(parts) + tail

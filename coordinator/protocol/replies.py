@@ -252,6 +252,7 @@ class RoleWindow(TypedDict):
     busy_ms_per_step: float | None  # self time of every op per recorded step: mean over ranks
     busy_ms_per_step_max: float | None  # ... and its largest rank
     step_ms: dict[int, float]  # each recorded step's time, the mean over its ranks
+    regression: RegressionEntry | None  # this role's marks (None until judged)
 
 
 class WindowEntry(TypedDict):
@@ -278,7 +279,7 @@ class WindowEntry(TypedDict):
     stragglers: list[int]
     launch_bound: list[int]  # CUDA ranks with a launch-bound step
     trigger: AutoTrigger | None  # for an ``auto`` window: why it was taken
-    regression: RegressionEntry | None  # against the run's baseline, once its summaries are in
+    regression: RegressionEntry | None  # the stepping trainer's marks, once its summaries are in
     roles: dict[str, RoleWindow]  # trainer_id -> that trainer's part of the window
 
 
@@ -664,22 +665,34 @@ class KernelDiffReply(TypedDict):
 
 
 class RegressionKernel(TypedDict):
+    """A kernel marked slower (``coordinator/core/marks.py`` says how it is judged)."""
+
     name: str
-    baseline_us: float
-    us: float
-    ratio: float
+    us: float  # its per-step self time per rank in this window
+    reference_us: float  # ... the median of the reference windows'
+    expected_us: float  # ... what its median share of the rest of this window predicts
+    ratio: float  # us / expected_us: its time against the rest, over the reference median
+    bar: float  # the ratio the reference's spread asked for (median + 4 spreads)
+    step_share: float  # (us - expected_us) / the step time
 
 
 class RegressionEntry(TypedDict):
-    """A window's regression marks against its run's baseline window (``status()``)."""
+    """A window's regression marks for one trainer, against the run's own earlier windows
+    (``status()``: the window's ``regression`` and each role's)."""
 
-    baseline: int | None
+    baseline: int | None  # where the reference starts: the pinned or first complete window
     baseline_run: str
-    threshold: float
-    kernels: list[RegressionKernel]  # per-step time up by ``threshold`` or more
-    step_ms: list[float | None]  # [baseline, this window]
+    trainer_id: str
+    reference: list[int]  # the windows judged against (most recent last)
+    judged: bool  # False: fewer than 8 reference windows yet, nothing is marked
+    threshold: float  # the least ratio marked (``regression_threshold``)
+    kernels: list[RegressionKernel]  # marked: beyond the bar here and in a window beside it
+    suspects: list[RegressionKernel]  # beyond the bar here (the largest rise first, <= 10)
+    step_ms: list[float | None]  # [the reference's median, this window]
     step_ratio: float | None
-    step_regressed: bool
+    step_bar: float | None  # the ratio the reference's spread asked for
+    step_regressed: bool  # marked: beyond the bar here and in a window beside it
+    step_suspect: bool  # beyond the bar here
 
 
 class BaselineReply(TypedDict):

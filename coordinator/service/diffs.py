@@ -2,9 +2,10 @@
 ``status()`` shows on each window against its run's baseline.
 
 The baseline is the window the operator pinned (``pin_baseline``), else the run's first
-scheduled window that recorded what it planned with every summary in. A window is marked once,
-when its own summaries are all in: each kernel whose per-step time rose by
-``regression_threshold`` or more (and is at least 1% of the step), and the step time.
+scheduled window that recorded what it planned with every summary in. Each trainer's part of a
+window is judged once, when the window's summaries are all in, against that trainer's earlier
+windows from the baseline on (``coordinator/core/marks.py``: beyond the run's own spread, by
+``regression_threshold`` or more, and by a share of the step that matters).
 """
 
 from __future__ import annotations
@@ -12,11 +13,19 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from coordinator.core.marks import (
+    WindowProfile,
+    confirm,
+    judge,
+    pick_reference,
+    profile,
+    slower,
+)
 from coordinator.core.records import WindowRecord
 from coordinator.core.run import Run
 from coordinator.core.validate import is_int
-from coordinator.core.window_diff import kernel_diff, regression
-from coordinator.protocol.replies import BaselineReply, KernelDiffReply
+from coordinator.core.window_diff import kernel_diff
+from coordinator.protocol.replies import BaselineReply, KernelDiffReply, RegressionEntry
 from coordinator.service.readers import Readers
 from coordinator.service.shell import CoordinatorShell
 
@@ -31,7 +40,7 @@ class Diffs:
 
     def __init__(self, shell: CoordinatorShell, readers: Readers) -> None:
         self.shell, self.readers = shell, readers
-        self._cannot: set[tuple[str, int, int]] = set()  # (run, baseline, window) not comparable
+        self._cannot: set[tuple[str, int, str]] = set()  # (run, window, trainer): no table
         self._marking: tuple[Run, asyncio.Future[None]] | None = None
 
     async def kernel_diff(
@@ -68,7 +77,7 @@ class Diffs:
         async with self.shell.lock:
             run.baseline = window
             for rec in run.state.windows.values():  # marked again, against the new baseline
-                rec.regression = None
+                rec.regression, rec.marks = None, {}
             self.shell.save()
         await self.mark(run)
         return {"run": run.name, "baseline": baseline(run), "pinned": window is not None}
@@ -87,27 +96,85 @@ class Diffs:
         if base is None:
             return
         for rec in run.state.closed_windows():
-            marked = getattr(rec, "regression", None)  # (a record from an older checkpoint)
-            key = (run.name, base, rec.window.index)
-            if marked is not None or rec.window.index == base or not _settled(rec):
+            if not _settled(rec):
                 continue
-            if key in self._cannot:
-                continue
-            try:
-                diff = await self.kernel_diff(
-                    base, rec.window.index, run.name, run.name, None, ALL_KERNELS
+            index = rec.window.index
+            for tid in sorted(rec.aggregates):
+                prof = await self._profile(run, rec, tid)
+                if prof is None or index <= base or tid in rec.marks:
+                    continue
+                previous = _previous(run, index, tid) if _whole(rec) else None
+                entry = rec.marks[tid] = judge(
+                    prof,
+                    _reference(run, index, tid, base),
+                    threshold=run.config.regression_threshold,
+                    baseline=base,
+                    run=run.name,
+                    trainer_id=tid,
+                    previous=previous,
                 )
-            except ValueError:  # the baseline left the history; no summary of this trainer
-                self._cannot.add(key)
-                continue
-            rec.regression = regression(diff, run.config.regression_threshold)
-            slower = bool(rec.regression["kernels"] or rec.regression["step_regressed"])
+                confirm(previous, entry)  # what the window before found too is marked in both
+        for rec in run.state.closed_windows():
+            if rec.marks:
+                primary = getattr(rec, "primary", None) or min(rec.aggregates)
+                rec.regression = rec.marks.get(primary)
             # A window is counted once: marked again against a newly pinned baseline, it is
-            # the same window ("regressions": windows marked slower).
-            if slower and not getattr(rec, "counted_slower", False):  # (older checkpoints)
+            # the same window ("regressions": windows marked slower, any role).
+            counted = getattr(rec, "counted_slower", False)  # (older checkpoints)
+            if not counted and any(slower(m) for m in getattr(rec, "marks", {}).values()):
                 rec.counted_slower = True
                 run.state.counters["regressions"] += 1
                 self.shell.metrics.export(run.state)
+
+    async def _profile(self, run: Run, rec: WindowRecord, tid: str) -> WindowProfile | None:
+        """Trainer ``tid``'s profile of a settled window, made once from its table."""
+        if not hasattr(rec, "profiles"):  # (a record from an older checkpoint: its marks were
+            rec.profiles, rec.marks, rec.regression = {}, {}, None  # made the old way)
+        prof = rec.profiles.get(tid)
+        key = (run.name, rec.window.index, tid)
+        if prof is not None or key in self._cannot:
+            return prof
+        try:
+            summary = await self.readers.kernel_summary(
+                rec.window.index, ALL_KERNELS, tid, False, run.name
+            )
+        except ValueError:  # the window left the history
+            self._cannot.add(key)
+            return None
+        if not summary["ranks"]:
+            self._cannot.add(key)
+            return None
+        prof = rec.profiles[tid] = profile(summary)
+        return prof
+
+
+def _reference(run: Run, index: int, tid: str, base: int) -> list[WindowProfile]:
+    """The windows trainer ``tid``'s part of window ``index`` is judged against: its settled
+    whole windows, as ``pick_reference`` picks them."""
+    earlier = []
+    for rec in run.state.closed_windows():
+        prof = getattr(rec, "profiles", {}).get(tid)
+        if prof is not None and _whole(rec):
+            earlier.append((rec.window.index, prof, rec.marks.get(tid)))
+    return pick_reference(index, base, earlier)
+
+
+def _previous(run: Run, index: int, tid: str) -> RegressionEntry | None:
+    """Trainer ``tid``'s judged entry of the whole window just before window ``index``."""
+    found = None
+    for rec in run.state.closed_windows():
+        if rec.window.index >= index:
+            break
+        entry = getattr(rec, "marks", {}).get(tid)
+        if _whole(rec) and entry is not None:
+            found = entry
+    return found if found is not None and found["judged"] else None
+
+
+def _whole(rec: WindowRecord) -> bool:
+    """Whether a window may be judged against and confirm another: not partial, not ``auto``
+    (an auto capture is taken because the run was slow)."""
+    return not rec.partial and rec.window.kind != "auto"
 
 
 def baseline(run: Run) -> int | None:

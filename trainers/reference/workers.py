@@ -138,11 +138,14 @@ def grpo_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
     return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-6)).view(-1)
 
 
-def make_policy_group(n_ranks: int, seed: int = 0, spread: bool = False) -> list[Any]:
-    """``n_ranks`` PolicyWorker actors forming one gloo group; with ``spread``, dealt over the
-    cluster's live nodes in turn, the driver's first (rank r on node r mod nodes). Ray's own
-    ``SPREAD`` does not spread actors that ask for no resources, as these do."""
-    cls = ray.remote(num_cpus=0)(PolicyWorker)
+def make_policy_group(
+    n_ranks: int, seed: int = 0, spread: bool = False, worker_cls: type = PolicyWorker
+) -> list[Any]:
+    """``n_ranks`` PolicyWorker actors (or of a subclass, ``worker_cls``) forming one gloo
+    group; with ``spread``, dealt over the cluster's live nodes in turn, the driver's first
+    (rank r on node r mod nodes). Ray's own ``SPREAD`` does not spread actors that ask for no
+    resources, as these do."""
+    cls = ray.remote(num_cpus=0)(worker_cls)
     nodes = _nodes_in_turn() if spread else []
     workers = [
         cls.options(

@@ -81,7 +81,16 @@ function regressionText(r) {
   const parts = [];
   if (r.step_regressed) parts.push(`step x${num(r.step_ratio, 2)}`);
   for (const k of r.kernels.slice(0, 3)) parts.push(`${k.name} x${num(k.ratio, 2)}`);
-  return parts.length ? `SLOWER than window ${r.baseline}: ${parts.join(", ")}` : "";
+  if (!parts.length) return "";
+  const ref = r.reference || [];
+  return `SLOWER than windows ${ref[0]}-${ref[ref.length - 1]} (${ref.length}): ${parts.join(", ")}`;
+}
+
+// Each role's marks of a window ("role: ..." when it has several roles).
+function marksText(w) {
+  const parts = Object.values(w.roles || {});
+  const texts = parts.map(p => [p.role, regressionText(p.regression)]).filter(([, t]) => t);
+  return texts.map(([role, t]) => parts.length > 1 ? `${role}: ${t}` : t).join("; ");
 }
 
 // ------------------------------------------------------------------- pages
@@ -115,7 +124,7 @@ function runPage(main, st) {
            ? `, ${num(p.busy_ms_per_step, 1)} ms busy/step` : "")).join("; ") },
      { label: "stragglers", get: w => w.stragglers.join(", ") },
      { label: "partial", get: w => w.partial ? "partial" : "" },
-     { label: "regression", get: w => el("span", { class: "slower" }, regressionText(w.regression)) },
+     { label: "regression", get: w => el("span", { class: "slower" }, marksText(w)) },
      { label: "traces", get: w => w.steps && !st.config.export_type.startsWith("none")
          ? el("span", { class: "pills" }, Object.values(w.roles || {}).map(p =>
              el("a", { href: `/api/windows/${w.index}/traces.tar.gz?role=${encodeURIComponent(p.role)}` },
@@ -144,7 +153,8 @@ async function windowPage(main, index, role, by) {
     main.append(el("p", {}, "traces: ", el("a", { href: `/api/windows/${index}/traces.tar.gz` +
       `?role=${encodeURIComponent(ks.role ?? "policy")}` }, "download every rank's trace (.tar.gz)"),
       el("span", { class: "muted" }, " then open one rank's file at https://ui.perfetto.dev (Open trace file)")));
-    const mark = regressionText(entry.regression);
+    const part = Object.values(entry.roles || {}).find(p => p.role === (ks.role ?? "policy"));
+    const mark = regressionText(part ? part.regression : null);
     if (mark) main.append(el("p", { class: "slower" }, mark));
   }
   const base = `#/window/${index}/${encodeURIComponent(ks.role ?? "policy")}`;
@@ -383,7 +393,7 @@ async function render() {
 function fingerprint(st) {
   // What a view shows changes when a step, a window, a rank state or a stall changes.
   return JSON.stringify([st.global_step, st.phase, st.windows.map(w => [w.index, w.rank_count,
-    w.summaries_pending.length, w.traces_pending.length, !!w.regression]), st.rank_counts, st.stalls.length]);
+    w.summaries_pending.length, w.traces_pending.length, marksText(w)]), st.rank_counts, st.stalls.length]);
 }
 
 async function poll() {
