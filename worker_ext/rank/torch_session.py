@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 import threading
 from collections.abc import Callable
@@ -111,7 +112,11 @@ def export_trace(
     if export == "none":  # summarised from a temporary trace, then deleted
         os.makedirs(target.run_directory, exist_ok=True)
         final, upload = None, None
-        raw = contained(target.run_directory, f".rank{rank}.window{index:04d}.json")
+        # Named by role and process too: the rank 0 of each role (policy, rollout) closes the
+        # same window at the same moment in the same directory.
+        who = re.sub(r"[^A-Za-z0-9_.-]", "_", target.role)
+        name = f".{who}.rank{rank}.window{index:04d}.{os.getpid()}.json"
+        raw = contained(target.run_directory, name)
     else:
         wdir = window_dir(target.run_directory, index, first, last, window.kind)
         rdir = contained(wdir, target.role)  # one sub-directory per role: HTA opens each
