@@ -66,7 +66,7 @@ def test_a_window_doing_sixteen_times_the_work_shows_in_the_diff_and_is_not_mark
     # Two windows cannot show the run's spread: judged on nothing, so nothing is marked.
     assert [marks[i]["reference"] for i in (1, 2)] == [[0], [0, 1]]
     assert not any(marks[i]["judged"] or marks[i]["kernels"] for i in (1, 2))
-    assert marks[1]["step_ratio"] > 1.5 and not marks[1]["step_regressed"]
+    assert not marks[1]["step_regressed"]
     assert st["windows"][1]["roles"]["t"]["regression"] == marks[1]
     # The diff says where the time went: self time per rank and step, kernel by kernel.
     rate = {
