@@ -116,7 +116,6 @@ class WindowRecord:
     stopped_at: int | None = None  # the last step when stop() cut the window short
     cut: str | None = None  # why the window was cut short, when not by the trainer's stop()
     trigger: AutoTrigger | None = None  # why an auto capture was taken
-    regression: RegressionEntry | None = None  # the primary trainer's marks (diffs.mark)
     marks: dict[str, RegressionEntry] = field(default_factory=dict)  # trainer_id -> its marks
     profiles: dict[str, WindowProfile] = field(default_factory=dict)  # trainer_id -> (marks)
     counted_slower: bool = False  # in the run's "regressions" count (once, whatever baseline)
@@ -196,7 +195,7 @@ class WindowRecord:
             "stragglers": main["stragglers"] if main else [],
             "launch_bound": main["launch_bound"] if main else [],
             "trigger": self.trigger,
-            "regression": getattr(self, "regression", None),  # (a checkpoint from before)
+            "regression": main["regression"] if main else None,  # the stepping trainer's
             "roles": roles,
         }
 

@@ -77,7 +77,7 @@ class Diffs:
         async with self.shell.lock:
             run.baseline = window
             for rec in run.state.windows.values():  # marked again, against the new baseline
-                rec.regression, rec.marks = None, {}
+                rec.marks = {}
             self.shell.save()
         await self.mark(run)
         return {"run": run.name, "baseline": baseline(run), "pinned": window is not None}
@@ -115,9 +115,6 @@ class Diffs:
                 )
                 confirm(previous, entry)  # what the window before found too is marked in both
         for rec in run.state.closed_windows():
-            if rec.marks:
-                primary = getattr(rec, "primary", None) or min(rec.aggregates)
-                rec.regression = rec.marks.get(primary)
             # A window is counted once: marked again against a newly pinned baseline, it is
             # the same window ("regressions": windows marked slower, any role).
             counted = getattr(rec, "counted_slower", False)  # (older checkpoints)
@@ -129,7 +126,7 @@ class Diffs:
     async def _profile(self, run: Run, rec: WindowRecord, tid: str) -> WindowProfile | None:
         """Trainer ``tid``'s profile of a settled window, made once from its table."""
         if not hasattr(rec, "profiles"):  # (a record from an older checkpoint: its marks were
-            rec.profiles, rec.marks, rec.regression = {}, {}, None  # made the old way)
+            rec.profiles, rec.marks = {}, {}  # made the old way)
         prof = rec.profiles.get(tid)
         key = (run.name, rec.window.index, tid)
         if prof is not None or key in self._cannot:
