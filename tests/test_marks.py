@@ -46,11 +46,15 @@ def run(
 ) -> list[RegressionEntry | None]:
     """``n`` windows judged as the coordinator judges them (window 0 the baseline)."""
     rng = random.Random(seed)
+    late = [slow_from is not None and i >= slow_from for i in range(n)]
+    return judged([window(i, rng, slow if late[i] else None) for i in range(n)])
+
+
+def judged(profiles: list[WindowProfile]) -> list[RegressionEntry | None]:
+    """Each window judged in turn, as the coordinator does (the first is the baseline)."""
     earlier: list[tuple[int, WindowProfile, RegressionEntry | None]] = []
     marks: list[RegressionEntry | None] = []
-    for i in range(n):
-        late = slow_from is not None and i >= slow_from
-        p = window(i, rng, slow if late else None)
+    for i, p in enumerate(profiles):
         m = None
         if i > 0:
             ref = pick_reference(i, 0, earlier)
@@ -244,3 +248,57 @@ def test_one_kernel_waiting_on_its_peers_does_not_hide_another_ones_rise():
     assert sorted(suspected(e)) == ["allreduce", "mm", "step"]
     mm = next(k for k in e["suspects"] if k["name"] == "mm")
     assert mm["ratio"] > 1.4  # against the rest without the wait (with it: 0.19)
+
+
+def test_a_slower_mode_of_other_ops_neither_marks_nor_hides_an_op():
+    # As the real reference trainer's windows can be (tests/test_marks_real_run.py, 2 ranks
+    # sharing 2 cores): one op 45% of the time and steady within 3%, while in about 1 window of 4
+    # the matmuls take 2.2x and two elementwise ops 3x (a third of the other ops' time). Compared
+    # by its share of the window, as marks were first, the op's spread took that mode in and
+    # hid its 1.5x rise in 48 of these 50 runs; scaled by the window's median ratio, it does not.
+    def windows(seed: int, slow_from: int | None) -> list[WindowProfile]:
+        rng, out = random.Random(seed), []
+        for i in range(24):
+            mode = rng.random() < 0.25
+            us = {
+                "i0": 7000.0 * rng.uniform(0.97, 1.03),
+                "mm": 1900.0 * (2.2 if mode else 1.0) * rng.uniform(0.95, 1.05),
+                "relu_bwd": 300.0 * (3.0 if mode else 1.0),
+                "softmax_bwd": 300.0 * (3.0 if mode else 1.0),
+                "adamw": 700.0 * rng.uniform(0.95, 1.05),
+                "copy": 700.0 * rng.uniform(0.95, 1.05),
+                "addmm": 600.0 * rng.uniform(0.95, 1.05),
+                "attn_bwd": 550.0 * rng.uniform(0.95, 1.05),
+                "gelu": 500.0 * rng.uniform(0.95, 1.05),
+                "layer_norm": 400.0 * rng.uniform(0.95, 1.05),
+                "embedding_bwd": 400.0 * rng.uniform(0.95, 1.05),
+                "fill": 300.0 * rng.uniform(0.95, 1.05),
+            }
+            if slow_from is not None and i >= slow_from:
+                us["i0"] *= 1.5
+            out.append(_profile(i, us, sum(us.values()) / 1000.0 * 2.5))
+        return out
+
+    def i0(marks: list[RegressionEntry | None]) -> list[bool]:
+        return [bool(m) and "i0" in marked(m) for m in marks]
+
+    # (The mode itself, in two windows in a row, can mark mm: it took 2.2x. Not asserted here.)
+    for seed in range(50):
+        assert not any(i0(judged(windows(seed, None)))), seed
+        assert i0(judged(windows(seed, 10))) == [False] * 10 + [True] * 14, seed
+
+
+def test_an_op_of_most_of_the_window_made_slower_is_still_marked():
+    # Left out of its own window's scale, an op of 70% of the time does not scale itself away.
+    rng = random.Random(11)
+    profiles = []
+    for i in range(20):
+        us = {n: t * rng.uniform(0.97, 1.03) for n, t in {"big": 7000.0, "a": 1000.0,
+              "b": 1000.0, "c": 1000.0}.items()}  # fmt: skip
+        us["big"] *= 1.5 if i >= 10 else 1.0
+        profiles.append(_profile(i, us, sum(us.values()) / 1000.0))
+    marks = judged(profiles)
+    assert [[k["name"] for k in m["kernels"]] if m else [] for m in marks] == [[]] * 10 + [
+        ["big"]
+    ] * 10  # (and the step, 1.35x)
+    assert marks[10] and marks[10]["kernels"][0]["ratio"] == pytest.approx(1.5, rel=0.05)

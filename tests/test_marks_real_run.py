@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from statistics import median
 
 import pytest
 
@@ -19,7 +20,7 @@ WAIT = 6  # steps between windows: the node agent reads a trace before the next 
 CYCLE = WAIT + 1 + 2  # wait, warmup 1, active 2
 BATCH = 16
 OP = "aten::i0"
-NOISY = 1.55  # the step's bar at window 10: 1.20-1.48 in quiet runs here, 1.56-2.1 on a busy host
+HOST_SWING = 1.4  # the op's time over windows 0-9, highest over lowest: 1.09-1.28 in quiet runs
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,10 @@ def run(ray, policy, tmp_path, slow_from: int | None, jitter: bool) -> dict:
                 hooks.step(step)
         st = wait_for_windows(ray, hooks.coordinator, timeout=120)
         assert len(st["windows"]) == WINDOWS and all(w["kept"] for w in st["windows"])
+        st["op_us"] = [
+            _op_us(ray.get(hooks.coordinator.kernel_summary.remote(window=i, top_k=8)))
+            for i in range(WINDOWS)
+        ]  # for a failure's message
         return st
     finally:
         ray.kill(hooks.coordinator)
@@ -83,24 +88,30 @@ def test_a_steady_run_with_jittered_batches_gets_no_mark(ray_session, policy, tm
 
 
 def test_one_op_made_slower_is_marked_from_that_window_on_and_alone(ray_session, policy, tmp_path):
-    # No batch jitter here: with it, the op's share of the window grows with the batch, its
-    # spread across the reference is about +-20%, and 1.5x was within its bar in 2 of 3 runs
-    # (see coordinator/core/marks.py).
-    # On this shared 2-core host the slowed op's measured rise varies from window to window:
-    # 1.4-1.7x on a quiet host, where every window from 10 on was marked in 6 runs in a row,
-    # down to 1.3x under a load average of 3, when a window or two sink into the reference's
-    # spread; with a load average near 3 the spread can hide it altogether (the step's bar
-    # 1.6-2.0x), and the test then skips saying so. So: the first slowed window or the next is
-    # marked, 80% of them are, no other op ever is, and nothing before window 10.
+    # No batch jitter here (the steady test has it): this checks the mark, the steady test the
+    # absence of false ones. On this shared 2-core host the slowed op's measured rise varies
+    # from window to window (1.4-1.9x), so: the first slowed window or the next is marked, 80%
+    # of them are, no other op ever is, and nothing before window 10. In 13 recorded runs here,
+    # every window from 10 on was marked in 12; the 13th is below.
+    # The host's own speed can change under a run by more than 1.5x (a neighbour's load: in one
+    # run the op's fixed work took 0.54-1.26x its median in windows 0-9, then 0.81-0.87x in
+    # windows 10-13 with 1.5x the work). No rule can see 1.5x through that; the op's own time
+    # tells, and the test then skips, saying so.
     st = run(ray_session, policy, tmp_path, slow_from=10, jitter=False)
     got = marks(st)
-    assert {i: got[i] for i in range(10)} == {i: [] for i in range(10)}, got
+    assert {i: got[i] for i in range(10)} == {i: [] for i in range(10)}, _why(st)
     later = {i: [m for m in got[i] if m != "step"] for i in range(10, WINDOWS)}
     assert all(m in ([], [OP]) for m in later.values()), _why(st)
     hit = [i for i, m in later.items() if m == [OP]]
-    bar = st["windows"][10]["regression"]["step_bar"]
-    if len(hit) < 0.8 * len(later) and bar is not None and bar > NOISY:
-        pytest.skip(f"host too busy to tell 1.5x from this run's noise (the step's bar: {bar}x)")
+    op = [u[0] if u else 0.0 for u in st["op_us"]]
+    usual, swing = median(op[:10]), max(op[:10]) / max(min(op[:10]), 1.0)
+    rise = min(op[10:12]) / usual
+    if len(hit) < 0.8 * len(later) and (swing > HOST_SWING or rise < 1.35):
+        pytest.skip(
+            f"the host's speed changed under the run: the op's fixed work took "
+            f"{min(op[:10])}-{max(op[:10])} us a step in windows 0-9 ({swing:.2f}x), and "
+            f"{rise:.2f}x its median with 1.5x the work in windows 10-11"
+        )
     assert hit[:1] in ([10], [11]) and len(hit) >= 0.8 * len(later), _why(st)
     first = next(w["regression"] for w in st["windows"] if w["index"] == hit[0])
     k = first["kernels"][0]
@@ -109,11 +120,23 @@ def test_one_op_made_slower_is_marked_from_that_window_on_and_alone(ray_session,
     assert st["counters"]["regressions"] >= len(hit)
 
 
+def _op_us(table: dict) -> tuple[float, float] | None:
+    """The op's per-step time on its least rank, and the least rank's (every kernel's), in us."""
+    first, last = table["steps"]
+    op = [k["min_us"] for k in table["kernels"] if k["name"] == OP]
+    steps = last - first + 1
+    least = min(table["rank_totals"].values(), default=0.0)
+    return (round(op[0] / steps), round(least / steps)) if op else None
+
+
 def _why(st: dict) -> str:
-    """Each window's suspects and step ratio, for a failure's message."""
+    """Each window's suspects, step ratio and the op's time, for a failure's message."""
     lines = []
-    for w in st["windows"]:
+    for w, op in zip(st["windows"], st["op_us"], strict=True):
         r = w["regression"] or {"suspects": [], "step_ratio": None, "step_bar": None}
         sus = [(k["name"], k["ratio"], k["bar"], k["step_share"]) for k in r["suspects"]]
-        lines.append(f"{w['index']}: step x{r['step_ratio']} (bar {r['step_bar']}) {sus}")
+        lines.append(
+            f"{w['index']}: step x{r['step_ratio']} (bar {r['step_bar']}) {sus}; "
+            f"{OP} {op[0] if op else '-'} us of {op[1] if op else '-'} us a step"
+        )
     return "\n".join(lines)

@@ -670,10 +670,11 @@ class RegressionKernel(TypedDict):
     name: str
     us: float  # its per-step self time per rank in this window
     reference_us: float  # ... the median of the reference windows'
-    expected_us: float  # ... what its median share of the rest of this window predicts
-    ratio: float  # us / expected_us: its time against the rest, over the reference median
+    expected_us: float  # ... what the reference predicts for this window (see ``scaled``)
+    ratio: float  # us / expected_us
     bar: float  # the ratio the reference's spread asked for (median + 4 spreads)
     step_share: float  # (us - expected_us) / the step time
+    scaled: bool  # compared scaled by its window (True), or as it is (its time was steadier)
 
 
 class RegressionEntry(TypedDict):
