@@ -62,6 +62,16 @@ def test_two_nodes_upload_to_s3_and_collect_names_the_ranks_of_a_removed_node():
     ]
     assert out["s3_trace_errors"] == [{}, {}]
     assert out["s3_nodes"] == {str(r): out["nodes"][r] for r in range(4)}
+    # window 0 merged from the bucket: a process per rank, named by its node, on one clock
+    merged = out["merged"]
+    addresses = out["node_addresses"]  # both raylets have one address here: node ids added
+    assert len({addresses[n] for n in out["nodes"]}) == 2
+    assert merged["names"] == {
+        str(r + 1): f"rank {r} · policy · {addresses[out['nodes'][r]]}" for r in range(4)
+    }
+    assert all(kept == events > 0 for _, kept, events in merged["kept"]) and not merged["missing"]
+    assert all(d < 0.01 for d in merged["aligned_us"].values()), merged["aligned_us"]
+    assert set(merged["spread_us"]) == {"1", "2"}  # both steps on all 4 ranks
     assert out["staging_dirs"] == {"head": ["run"], "node2": ["run"]}  # each node its own
     assert out["staging_files"] == {"head": [], "node2": []}
     # 2. node-local traces; node 2 removed mid-run

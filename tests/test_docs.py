@@ -87,6 +87,8 @@ PUBLIC = [
     ("coordinator.service.actor", "_Coordinator.kernel_summary"),
     ("coordinator.service.actor", "_Coordinator.request_capture"),
     ("coordinator.ops.collect", "collect_window"),
+    ("coordinator.ops.timeline", "merge_window"),
+    ("coordinator.ops.timeline", "write_timeline"),
     ("coordinator.core.config", "ProfilerConfig"),
     ("coordinator.core.config", "ProfilerConfig.from_dict"),
 ]
@@ -110,6 +112,7 @@ def test_public_entry_points_say_what_they_take_return_and_raise(module, name):
     [
         "coordinator.core.config",
         "coordinator.core.validate",
+        "coordinator.core.timeline",
         "coordinator.client.attach",
         "trainers.hooks",
     ],

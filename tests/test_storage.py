@@ -203,6 +203,18 @@ def test_collect_downloads_a_window_already_in_the_bucket_and_the_cli_shows_no_s
         ["status"],
         ["--json", "status"],
         ["collect", "--window", "0", "--to", str(tmp_path / "cli")],
+        ["collect", "--window", "0", "--merge", str(tmp_path / "w0.json.gz")],
+        [
+            "collect",
+            "--window",
+            "0",
+            "--merge",
+            str(tmp_path / "r1.json"),
+            "--ranks",
+            "1",
+            "--min-us",
+            "5",
+        ],
     ):
         proc = subprocess.run(
             cli + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
@@ -210,6 +222,32 @@ def test_collect_downloads_a_window_already_in_the_bucket_and_the_cli_shows_no_s
         assert proc.returncode == 0, proc.stderr[-2000:]
         outputs.append(proc.stdout + proc.stderr)
     assert "rank 1:" in outputs[2] and os.path.exists(tmp_path / "cli" / "rank1.pt.trace.json.gz")
+    # --merge: both ranks in one trace, read from the bucket, every event, on one clock
+    assert "2 ranks" in outputs[3] and "rank 1 · policy · " in outputs[3]
+    merged = json.loads(gzip.decompress((tmp_path / "w0.json.gz").read_bytes()))
+    names = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"]
+             if e["name"] == "process_name"}  # fmt: skip
+    assert sorted(names) == [1, 2] and names[2].startswith("rank 1 · policy · ")
+    base = merged["baseTimeNanoseconds"] / 1000
+    for pid, r in ((1, 0), (2, 1)):
+        original = json.loads(gzip.decompress((tmp_path / "w0" / f"rank{r}.pt.trace.json.gz")
+                                              .read_bytes()))  # fmt: skip
+        step = next(e for e in original["traceEvents"] if e.get("name") == "ProfilerStep#2")
+        mine = next(e for e in merged["traceEvents"]
+                    if e["pid"] == pid and e["name"] == "ProfilerStep#2")  # fmt: skip
+        assert abs(mine["ts"] + base - step["ts"] - original["baseTimeNanoseconds"] / 1000) < 0.01
+    counts = merged["rayProfiler"]["ranks"]
+    assert [(c["rank"], c["below_min_us"], c["over_max_events"]) for c in counts] == [
+        (0, 0, 0), (1, 0, 0)]  # fmt: skip
+    assert all(c["kept"] == c["events"] > 0 for c in counts)
+    only = json.loads((tmp_path / "r1.json").read_text())["rayProfiler"]
+    assert [c["rank"] for c in only["ranks"]] == [1] and only["min_us"] == 5
+    assert only["ranks"][0]["below_min_us"] > 0
+    bad = subprocess.run(
+        cli + ["collect", "--window", "0", "--merge", str(tmp_path / "x.json"), "--ranks", "7"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 1 and "has no rank 7" in bad.stderr, bad.stderr[-2000:]
     # --to may be a URL as well
     to_bucket = collect_window(
         coord, 0, "s3://traces/collected/w0", storage_options=s3.storage_options()

@@ -4,6 +4,7 @@ pages in a real headless Chromium, and ``ray-profiler serve`` as a user starts i
 from __future__ import annotations
 
 import asyncio
+import gzip
 import io
 import json
 import os
@@ -233,6 +234,19 @@ def test_every_endpoint_answers_with_the_replies_shapes(served):
     with tarfile.open(fileobj=io.BytesIO(raw), mode="r:gz") as tar:
         names = sorted(n for n in tar.getnames() if n.endswith(".json"))
     assert names == [f"window_0001_policy/rank{r}.pt.trace.json" for r in (0, 1)]
+    status, raw = served.http("GET", "/api/windows/1/timeline.json.gz?min_us=1")
+    assert status == 200
+    merged = json.loads(gzip.decompress(raw))
+    names = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"]
+             if e["name"] == "process_name"}  # fmt: skip
+    assert [n.split(" · ")[:2] for _, n in sorted(names.items())] == [
+        ["rank 0", "policy"], ["rank 1", "policy"]]  # fmt: skip
+    assert merged["rayProfiler"]["min_us"] == 1 and set(
+        merged["rayProfiler"]["step_start_spread_us"]
+    ) == {"6", "7"}
+    status, raw = served.http("GET", "/api/windows/1/timeline.json.gz?ranks=1&role=policy")
+    assert status == 200
+    assert [r["rank"] for r in json.loads(gzip.decompress(raw))["rayProfiler"]["ranks"]] == [1]
     status, page = served.http("GET", "/")
     assert status == 200 and b"/static/app.js" in page
     status, js = served.http("GET", "/static/vendor/chart.umd.min.js")
@@ -252,6 +266,21 @@ def test_bad_input_gets_a_json_reason_and_the_right_status(served):
     status, body = served.http("GET", "/api/phases?last=10001")
     assert status == 400 and body["error"] == "last must be an int in 0..10000, got 10001"
     assert served.http("GET", "/api/windows/1/kernels?role=nobody")[0] == 400
+    status, body = served.http("GET", "/api/windows/9/timeline.json.gz")
+    assert status == 404 and "no closed window 9" in body["error"]
+    status, body = served.http("GET", "/api/windows/1/timeline.json.gz?ranks=5")
+    assert status == 404 and "has no rank 5" in body["error"]
+    status, body = served.http("GET", "/api/windows/1/timeline.json.gz?role=nobody")
+    assert status == 404 and "no role 'nobody'" in body["error"]
+    for query, message in [
+        ("ranks=0,x", "ranks must be ranks separated by commas"),
+        ("min_us=-1", "min_us must be a number"),
+        ("min_us=nan", "min_us must be a number"),
+        ("max_events=0", "max_events must be an int"),
+        ("ranks=" + ",".join(map(str, range(300))), "ranks lists 300 ranks; at most 256"),
+    ]:
+        status, body = served.http("GET", f"/api/windows/1/timeline.json.gz?{query}")
+        assert status == 400 and message in body["error"], (query, body)
     assert served.http("GET", "/api/nothing")[0] == 404
     assert served.http("GET", "/static/../server.py")[0] == 404
     assert served.http("POST", "/api/captures", b"{", token=TOKEN)[0] == 400
@@ -266,6 +295,15 @@ def test_bad_input_gets_a_json_reason_and_the_right_status(served):
     assert served.http("GET", "/api/status", headers={"Host": "evil.example"})[0] == 403
     status, body = served.http("GET", "/api/status")
     assert TOKEN not in json.dumps(body)
+
+
+def test_a_timeline_of_more_ranks_than_the_server_merges_is_413_with_the_limit(served, monkeypatch):
+    from coordinator.ops.web import server
+
+    monkeypatch.setattr(server, "TIMELINE_RANKS", 1)  # the window has 2
+    status, body = served.http("GET", "/api/windows/1/timeline.json.gz")
+    assert status == 413 and "has 2 ranks to merge; at most 1" in body["error"]
+    assert served.http("GET", "/api/windows/1/timeline.json.gz?ranks=0")[0] == 200
 
 
 def test_captures_are_answered_refused_with_their_reason_and_cancelled(served):

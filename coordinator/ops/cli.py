@@ -87,6 +87,7 @@ _EXAMPLES = {
     ),
     "collect": (
         "ray-profiler collect --window 3 --to ./window3   # then: tensorboard, Perfetto, HTA\n"
+        "  ray-profiler collect --window 3 --merge w3.json.gz --min-us 5   # every rank, one file\n"
         "  ray-profiler collect --window 3 --run job --to s3://bucket/collected/w3"
     ),
 }
@@ -220,12 +221,22 @@ def _steering_commands(command: Command) -> None:
     stacks.add_argument("--timeout", type=float, default=10.0, help="seconds per process")
     strag = command("stragglers", "ranks slower than the median in a window")
     strag.add_argument("--window", type=int, default=None)
-    coll = command("collect", "copy a window's traces from every node into one directory")
+    coll = command("collect", "copy a window's traces into one directory, or merge them")
     coll.add_argument("--window", type=int, required=True)
-    coll.add_argument("--to", required=True, help="a local directory or an fsspec URL")
+    coll.add_argument("--to", default=None, help="a local directory or an fsspec URL")
     coll.add_argument("--run", default=None, help="an earlier run (default: the current one)")
     coll.add_argument("--wait", type=float, default=60.0, help="seconds to wait for traces")
-    coll.add_argument("--role", default=None, help="whose traces: rollout, ... (default: policy)")
+    coll.add_argument(
+        "--role", default=None, help="whose traces: rollout, ... (default: policy; --merge: all)"
+    )
+    coll.add_argument(
+        "--merge", default=None, metavar="OUT", help="one Chrome trace, every rank a process"
+    )
+    coll.add_argument("--ranks", type=int, nargs="+", default=None, help="only these ranks")
+    coll.add_argument("--min-us", type=float, default=0.0, help="--merge: leave out shorter events")
+    coll.add_argument(
+        "--max-events", type=int, default=None, help="--merge: at most this many per rank"
+    )
     auto = command("auto", "profile slow steps by themselves: switch it on or off, or show it")
     auto.add_argument("switch", nargs="?", choices=["on", "off"], help="default: show")
     serve = command("serve", "web pages and a JSON API for this coordinator (token for changes)")
@@ -350,28 +361,59 @@ def auto(h: Any, args: argparse.Namespace) -> int:
 
 
 def collect(h: Any, args: argparse.Namespace) -> int:
-    """Copy a window's traces into one directory; exit 1 when some rank's trace is missing."""
+    """Copy a window's traces into one directory, or merge them into one trace (``--merge``);
+    exit 1 when some rank's trace is missing."""
     from coordinator.ops.collect import collect_window
 
+    if args.merge:
+        return merge(h, args)
+    if not args.to:
+        raise CliError("collect needs --to DIR (or --merge OUT.json.gz)")
+    res = _refusing(
+        collect_window, h, args.window, args.to, run=args.run, wait_s=args.wait,
+        role=args.role, ranks=args.ranks,
+    )  # fmt: skip
+    lines = [
+        f"window {res['window']} of run {res['run']}: {len(res['files'])} traces, "
+        f"{res['bytes'] / 2**20:.1f} MB -> {res['dest']}"
+    ] + [f"  rank {rank}: {path}" for rank, path in res["files"].items()]
+    missing = {f"rank {r}": why for r, why in sorted(res["missing"].items())}
+    return _report(args, res, lines, missing)
+
+
+def merge(h: Any, args: argparse.Namespace) -> int:
+    """``collect --merge``: every rank of a window in one Chrome trace, for Perfetto."""
+    from coordinator.ops.timeline import merge_window
+
+    res = _refusing(
+        merge_window, h, args.window, args.merge, run=args.run,
+        roles=[args.role] if args.role else None, ranks=args.ranks, min_us=args.min_us,
+        max_events=args.max_events, wait_s=args.wait, keep=args.to,
+    )  # fmt: skip
+    left = sum(r["below_min_us"] + r["over_max_events"] for r in res["ranks"])
+    spread = max(res["step_start_spread_us"].values(), default=0.0)
+    lines = [
+        f"window {res['window']} of run {res['run']}: {len(res['ranks'])} ranks, "
+        f"{res['events']} events ({left} left out), {res['bytes'] / 2**20:.1f} MB -> "
+        f"{res['out']}; steps start within {spread / 1000:.2f} ms across ranks"
+    ] + [f"  rank {r['rank']} · {r['role']} · {r['node']}: {r['kept']} of {r['events']}"
+         for r in res["ranks"]]  # fmt: skip
+    return _report(args, res, lines, res["missing"])
+
+
+def _refusing(fn: Any, *a: Any, **kw: Any) -> Any:
+    """``fn(*a, **kw)``, its ValueError a one-line CliError."""
     try:
-        res = collect_window(
-            h, args.window, args.to, run=args.run, wait_s=args.wait, role=args.role
-        )
+        return fn(*a, **kw)
     except ValueError as exc:
         raise CliError(str(exc).strip().splitlines()[-1]) from None
-    if args.json:
-        print(json.dumps(res))
-    else:
-        print(
-            f"window {res['window']} of run {res['run']}: {len(res['files'])} traces, "
-            f"{res['bytes'] / 2**20:.1f} MB -> {res['dest']}"
-        )
-        for rank, path in res["files"].items():
-            print(f"  rank {rank}: {path}")
-    if res["missing"]:
-        raise CliError(
-            "missing: " + "; ".join(f"rank {r}: {why}" for r, why in sorted(res["missing"].items()))
-        )
+
+
+def _report(args: argparse.Namespace, res: Any, lines: list[str], missing: dict[str, str]) -> int:
+    """Print ``res`` (``--json``) or ``lines``; exit 1 naming what is ``missing``."""
+    print(json.dumps(res) if args.json else "\n".join(lines))
+    if missing:
+        raise CliError("missing: " + "; ".join(f"{k}: {why}" for k, why in missing.items()))
     return EXIT_OK
 
 

@@ -38,6 +38,7 @@ def collect_window(
     storage_options: dict[str, Any] | None = None,
     wait_s: float = 60.0,
     role: str | None = None,
+    ranks: list[int] | None = None,
 ) -> CollectResult:
     """Pull every rank's trace of ``window`` (of one role) into ``dest``: one file per rank,
     each naming its rank inside, as HTA, Perfetto and TensorBoard want them.
@@ -55,6 +56,7 @@ def collect_window(
             and roles supply them).
         wait_s: how long to wait for traces the agents are still finishing.
         role: whose traces (``rollout``); None: the stepping trainer's (the policy).
+        ranks: only these ranks' traces (None: every rank's).
 
     Returns:
         A ``CollectResult``: ``files`` (rank -> the file written), ``missing`` (rank -> why: its
@@ -62,7 +64,7 @@ def collect_window(
 
     Raises:
         ValueError: an unknown run, a window that is not closed or not kept, a run that
-            keeps no traces (``export_type: none``), or a role the window does not have.
+            keeps no traces (``export_type: none``), a role or rank the window does not have.
 
     Example::
 
@@ -76,11 +78,7 @@ def collect_window(
         options = dict(storage_options)
     part = _role_part(entry, role)
     out = CollectResult(run=run_name, window=window, dest=dest, files={}, missing={}, bytes=0)
-    traces = {int(r): t for r, t in part["traces"].items()}
-    never = {r: "its node agent never reported where the trace is" for r in part["ranks"]}
-    out["missing"].update({r: why for r, why in never.items() if r not in traces})
-    for r in part["traces_pending"]:
-        out["missing"][r] = f"its trace was still being finished after {wait_s:g} s"
+    traces = _traces(part, _wanted(part, ranks, window), wait_s, out["missing"])
     for rank, t in sorted(traces.items()):
         try:
             name, written = _collect_one(ray, t, dest, options)
@@ -90,6 +88,30 @@ def collect_window(
         out["files"][rank] = name
         out["bytes"] += written
     return out
+
+
+def _traces(
+    part: dict[str, Any], wanted: set[int], wait_s: float, missing: dict[int, str]
+) -> dict[int, dict[str, Any]]:
+    """Where each wanted rank's trace is; those without one go to ``missing``, with why."""
+    traces = {int(r): t for r, t in part["traces"].items() if int(r) in wanted}
+    never = {r: "its node agent never reported where the trace is" for r in wanted}
+    missing.update({r: why for r, why in never.items() if r not in traces})
+    for r in part["traces_pending"]:
+        if r in wanted:
+            missing[r] = f"its trace was still being finished after {wait_s:g} s"
+    return traces
+
+
+def _wanted(part: dict[str, Any], ranks: list[int] | None, window: int) -> set[int]:
+    """The ranks asked for, each one the window's (else ValueError)."""
+    wanted = set(part["ranks"] if ranks is None else ranks)
+    if not wanted <= set(part["ranks"]):
+        raise ValueError(
+            f"window {window} has no rank {sorted(wanted - set(part['ranks']))[0]}: "
+            f"its ranks are {part['ranks']}"
+        )
+    return wanted
 
 
 class _Missing(Exception):

@@ -1,13 +1,14 @@
 """Two raylets on one machine, each with its own staging directory.
 
 1. A URL save_path (moto S3 at the endpoint given as argv[1]): ranks on both nodes stage their
-   traces locally and the node agents upload every one.
+   traces locally and the node agents upload every one; window 0 merged into one trace.
 2. A node-local save_path: ranks on both nodes write traces; node 2 is removed mid-run, which
    loses its ranks; collecting a window then gets node 1's traces and names node 2's missing.
 
 Run as a subprocess by tests/test_cluster.py (a Ray driver owns its process); prints JSON.
 """
 
+import gzip
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ from ray.cluster_utils import Cluster
 
 from coordinator import get_or_create_coordinator
 from coordinator.ops.collect import collect_window
+from coordinator.ops.timeline import _node_names, merge_window
 from tests.configs import join_cluster, profiler_config
 from tests.fault_cases import wait_for_windows
 from tests.ray_workers import ToyWorker
@@ -89,6 +91,22 @@ def main(endpoint: str) -> None:
         )
         uploaded = sorted(fs.find("traces/multi"))
         s3_nodes = {str(r): t["node"] for w in s3_st["windows"] for r, t in w["traces"].items()}
+        merged = merge_window(
+            s3_coord, 0, os.path.join(save, "w0.json.gz"), storage_options=s3_opts
+        )
+        with gzip.open(os.path.join(save, "w0.json.gz")) as f:
+            timeline = json.load(f)
+        shift = timeline["baseTimeNanoseconds"] / 1000
+        aligned = {}  # rank -> |merged - original| of its first step's start, wall clock (us)
+        for pid, r in enumerate(range(4), start=1):
+            with fs.open(f"traces/multi/run/window_0000_steps_1-2/policy/rank{r}.pt.trace.json.gz",
+                         "rb") as f:  # fmt: skip
+                original = json.loads(gzip.decompress(f.read()))
+            first = next(e for e in original["traceEvents"] if e.get("name") == "ProfilerStep#1")
+            mine = next(e for e in timeline["traceEvents"]
+                        if e["pid"] == pid and e["name"] == "ProfilerStep#1")  # fmt: skip
+            wall = first["ts"] + original["baseTimeNanoseconds"] / 1000
+            aligned[str(r)] = abs(mine["ts"] + shift - wall)
 
         # 2. Node-local traces, node 2 removed, then collected.
         ray.get(coord.register.remote("t", workers))
@@ -107,9 +125,21 @@ def main(endpoint: str) -> None:
         out = {
             "distinct_nodes": len(set(nodes)),
             "nodes": nodes,
+            "node_addresses": _node_names(),
             "uploaded": uploaded,
             "s3_trace_errors": [w["trace_errors"] for w in s3_st["windows"]],
             "s3_nodes": s3_nodes,
+            "merged": {
+                "names": {
+                    str(e["pid"]): e["args"]["name"]
+                    for e in timeline["traceEvents"]
+                    if e["name"] == "process_name"
+                },  # fmt: skip
+                "kept": [[c["rank"], c["kept"], c["events"]] for c in merged["ranks"]],
+                "spread_us": {str(k): v for k, v in merged["step_start_spread_us"].items()},
+                "aligned_us": aligned,
+                "missing": merged["missing"],
+            },
             "staging_files": {n: files_under(d) for n, d in staging.items()},
             "staging_dirs": {n: sorted(os.listdir(d)) for n, d in staging.items()},
             "ranks": {r["rank"]: r["state"] for r in st["ranks"]},

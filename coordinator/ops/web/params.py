@@ -62,6 +62,33 @@ def choice_param(
     return raw
 
 
+def ranks_param(query: Mapping[str, str], name: str, most: int) -> list[int] | None:
+    """``query[name]`` as comma-separated ranks (at most ``most``), or None when absent."""
+    raw = query.get(name)
+    if raw is None or raw == "":
+        return None
+    parts = raw.split(",")
+    if len(parts) > most:
+        raise BadRequest(f"{name} lists {len(parts)} ranks; at most {most}")
+    if not all(p.strip().isdigit() for p in parts):
+        raise BadRequest(f"{name} must be ranks separated by commas, got {raw[:40]!r}")
+    return sorted({int(p) for p in parts})
+
+
+def float_param(query: Mapping[str, str], name: str, default: float, lo: float, hi: float) -> float:
+    """``query[name]`` as a number in ``lo..hi``, or ``default`` when absent."""
+    raw = query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadRequest(f"{name} must be a number in {lo:g}..{hi:g}, got {raw[:40]!r}") from None
+    if not lo <= value <= hi:  # (also refuses nan)
+        raise BadRequest(f"{name} must be a number in {lo:g}..{hi:g}, got {raw[:40]!r}")
+    return value
+
+
 def window_index(raw: str) -> int:
     """A window index from the path."""
     return int_param({"window": raw}, "window", None, 0, 2**62)

@@ -24,20 +24,26 @@ from typing import Any
 from aiohttp import web
 
 from coordinator.core.phases import EXACT_STEPS
+from coordinator.core.timeline import DEFAULT_MAX_EVENTS
 from coordinator.ops.web import auth
 from coordinator.ops.web.params import (
     MAX_BODY_BYTES,
     BadRequest,
     capture_args,
     diff_args,
+    float_param,
     int_param,
     kernels_args,
+    ranks_param,
     str_param,
     window_index,
 )
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 60.0
+TIMELINE_RANKS = 256
+"""At most this many ranks in one merged timeline from the web view (413 beyond: ask for
+``ranks=``, or run ``ray-profiler collect --merge``, which has no such limit)."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -47,6 +53,10 @@ class Unavailable(Exception):
 
 class NotFound(Exception):
     """An unknown window or run (404)."""
+
+
+class TooLarge(Exception):
+    """More than the server makes in one answer (413); the message says the limit."""
 
 
 class CoordinatorLink:
@@ -126,6 +136,7 @@ class WebServer:
         r.add_get("/api/windows/{window}/kernels", self.kernels)
         r.add_get("/api/windows/{window}/stragglers", self.stragglers)
         r.add_get("/api/windows/{window}/traces.tar.gz", self.traces)
+        r.add_get("/api/windows/{window}/timeline.json.gz", self.timeline)
         r.add_get("/api/diff", self.diff)
         r.add_get("/api/phases", self.phases)
         r.add_post("/api/captures", self.capture)
@@ -143,6 +154,8 @@ class WebServer:
             return reply({"error": str(exc)}, 400)
         except NotFound as exc:
             return reply({"error": str(exc)}, 404)
+        except TooLarge as exc:
+            return reply({"error": str(exc)}, 413)
         except Unavailable as exc:
             return reply({"error": str(exc)}, 503)
         except web.HTTPException as exc:
@@ -241,6 +254,27 @@ class WebServer:
         answer = await self.link.call("cancel_capture", window)
         return reply(answer, 200 if answer["cancelled"] else 409)
 
+    async def timeline(self, request: web.Request) -> web.StreamResponse:
+        """Every rank of a window (``role``: one role's; ``ranks``: some) in one Chrome trace,
+        gzipped: ``collect --merge``."""
+        window = window_index(request.match_info["window"])
+        q = request.query
+        kw = {
+            "run": str_param(q, "run"),
+            "roles": [role] if (role := str_param(q, "role")) else None,
+            "ranks": ranks_param(q, "ranks", TIMELINE_RANKS),
+            "min_us": float_param(q, "min_us", 0.0, 0.0, 1e9),
+            "max_events": int_param(q, "max_events", DEFAULT_MAX_EVENTS, 1, DEFAULT_MAX_EVENTS),
+        }
+        loop = asyncio.get_running_loop()
+        work = tempfile.mkdtemp(prefix="ray-profiler-web-")
+        try:
+            fn = functools.partial(_merged, self.link, window, work, **kw)
+            path, name = await loop.run_in_executor(None, fn)
+            return await _send_file(request, path, name)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
     async def traces(self, request: web.Request) -> web.StreamResponse:
         """Every rank's trace of a window (one role) as one ``.tar.gz``, through ``collect``."""
         window = window_index(request.match_info["window"])
@@ -251,20 +285,45 @@ class WebServer:
         try:
             fn = functools.partial(_archive, self.link, window, role, run, work)
             path, name = await loop.run_in_executor(None, fn)
-            response = web.StreamResponse(
-                headers={
-                    "Content-Type": "application/gzip",
-                    "Content-Disposition": f'attachment; filename="{name}"',
-                }
-            )
-            await response.prepare(request)
-            with open(path, "rb") as f:
-                while chunk := await loop.run_in_executor(None, f.read, 1 << 20):
-                    await response.write(chunk)
-            await response.write_eof()
-            return response
+            return await _send_file(request, path, name)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+
+async def _send_file(request: web.Request, path: str, name: str) -> web.StreamResponse:
+    """Stream a gzipped file as a download, a megabyte at a time."""
+    loop = asyncio.get_running_loop()
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "application/gzip",
+            "Content-Disposition": f'attachment; filename="{name}"',
+        }
+    )
+    await response.prepare(request)
+    with open(path, "rb") as f:
+        while chunk := await loop.run_in_executor(None, f.read, 1 << 20):
+            await response.write(chunk)
+    await response.write_eof()
+    return response
+
+
+def _merged(link: CoordinatorLink, window: int, work: str, **kw: Any) -> tuple[str, str]:
+    """Merge the window's ranks into one trace in ``work``; its path and name."""
+    import ray
+
+    from coordinator.ops.timeline import TooManyRanks, merge_window
+
+    if link._handle is None:
+        link._handle = ray.get_actor(link.name, namespace=link.namespace)
+    name = f"window_{window:04d}.timeline.json.gz"
+    path = os.path.join(work, name)
+    try:
+        merge_window(link._handle, window, path, wait_s=30, max_ranks=TIMELINE_RANKS, **kw)
+    except TooManyRanks as exc:
+        raise TooLarge(str(exc)) from None
+    except ValueError as exc:
+        raise NotFound(str(exc).strip().splitlines()[-1]) from None
+    return path, name
 
 
 def _archive(

@@ -1,0 +1,240 @@
+"""Every rank of a window on one timeline: one rank's Chrome trace made a process of a merged
+trace. Pure: the caller reads each rank's trace and writes what this returns
+(``coordinator/ops/timeline.py``), one rank at a time.
+
+- **One process per rank**, named ``rank R · role · node``; its CPU threads and its GPU streams
+  (Kineto writes a GPU's events as a process of their own, ``pid`` the device) become its
+  tracks, ``thread`` or ``GPU d stream s``, CPU threads first.
+- **One clock.** Kineto's ``ts`` plus the trace's ``baseTimeNanoseconds`` is the rank's wall
+  clock in microseconds (a trace without it, from an older Kineto, already has wall-clock
+  ``ts``). The merged file's ``ts`` are those minus its own ``baseTimeNanoseconds``, so the
+  same sum holds in it. Ranks on one node share a clock, so they line up exactly; ranks on two
+  nodes line up as well as the nodes' clocks agree (NTP: typically well under a millisecond in
+  a data centre; unsynchronised clocks are off by what they are off). Each step's start spread
+  over the ranks is recorded in the file (``rayProfiler.step_start_spread_us``): the clocks'
+  disagreement plus the ranks' real skew, so an upper bound on the first.
+- **Bounded.** Events with a duration under ``min_us`` are left out, and at most
+  ``max_events`` per rank are kept, the longest first; a rank's ``ProfilerStep`` spans are
+  always kept, events without a duration (flows, instants, counters) go first. What was left
+  out is counted per rank in the file (``rayProfiler.ranks``).
+- Flow ids are made unique per rank, so no arrow joins two ranks' events.
+
+>>> t = {"baseTimeNanoseconds": 2_000_000_000, "traceEvents": [
+...     {"ph": "X", "name": "ProfilerStep#3", "cat": "user_annotation", "pid": 9, "tid": 9,
+...      "ts": 10.0, "dur": 50.0},
+...     {"ph": "X", "name": "aten::mm", "pid": 9, "tid": 9, "ts": 12.0, "dur": 30.0},
+...     {"ph": "X", "name": "aten::add", "pid": 9, "tid": 9, "ts": 45.0, "dur": 1.0},
+...     {"ph": "X", "name": "gemm", "cat": "kernel", "pid": 0, "tid": 7, "ts": 20.0,
+...      "dur": 8.0},
+...     {"ph": "M", "name": "process_labels", "pid": 0, "tid": 0, "args": {"labels": "GPU 0"}}]}
+>>> events, count, steps = rank_process(t, {"rank": 1, "role": "policy", "node": "n1"},
+...                                     pid=2, origin=2_000_000.0, min_us=2.0)
+>>> [(e["name"], e["pid"], e["tid"], e["ts"]) for e in events if e["ph"] == "X"]
+[('ProfilerStep#3', 2, 1, 10.0), ('aten::mm', 2, 1, 12.0), ('gemm', 2, 2, 20.0)]
+>>> [e["args"]["name"] for e in events if e["name"] in ("process_name", "thread_name")]
+['rank 1 · policy · n1', 'thread 9', 'GPU 0 stream 7']
+>>> count["kept"], count["below_min_us"], steps
+(3, 1, {3: 10.0})
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Any, TypedDict
+
+DEFAULT_MAX_EVENTS = 100_000
+"""Events kept per rank unless asked otherwise: a 64-rank window stays under 200 MB gzipped."""
+MARGIN_US = 60_000_000.0
+"""The merged clock starts this long before the first rank's first event, on a whole second, so
+that ranks whose clocks are a little behind still get positive times."""
+STEP_PREFIX = "ProfilerStep#"
+_METADATA = {"process_name", "process_labels", "process_sort_index", "thread_name",
+             "thread_sort_index"}  # fmt: skip
+
+
+class RankLabel(TypedDict):
+    """Who a trace is from."""
+
+    rank: int
+    role: str
+    node: str
+
+
+class RankCount(TypedDict):
+    """What was kept of one rank's trace, and what was left out."""
+
+    rank: int
+    role: str
+    node: str
+    pid: int
+    events: int  # in its trace (without Kineto's process and thread names)
+    kept: int
+    below_min_us: int
+    over_max_events: int
+    clock: str  # "baseTimeNanoseconds" or "ts" (a trace without it)
+
+
+def wall_us(trace: dict[str, Any]) -> tuple[float, str]:
+    """What to add to a trace's ``ts`` for wall-clock microseconds, and where it came from."""
+    base = trace.get("baseTimeNanoseconds")
+    if isinstance(base, int | float) and not isinstance(base, bool) and base > 0:
+        return base / 1000.0, "baseTimeNanoseconds"
+    return 0.0, "ts"
+
+
+def origin_us(trace: dict[str, Any]) -> float:
+    """The merged clock's zero for a window whose first rank read is ``trace``: a whole second
+    ``MARGIN_US`` before its first event, in wall-clock microseconds."""
+    shift, _ = wall_us(trace)
+    first = min((e["ts"] for e in _events(trace) if _number(e.get("ts"))), default=0.0)
+    return math.floor((first + shift - MARGIN_US) / 1e6) * 1e6
+
+
+def rank_process(
+    trace: dict[str, Any],
+    label: RankLabel,
+    *,
+    pid: int,
+    origin: float,
+    min_us: float = 0.0,
+    max_events: int = DEFAULT_MAX_EVENTS,
+) -> tuple[list[dict[str, Any]], RankCount, dict[int, float]]:
+    """One rank's trace as process ``pid`` of the merged trace whose clock starts at
+    ``origin`` (wall-clock microseconds): its events, what was kept and left out, and its
+    steps' start times (step -> merged ``ts``) (see the module's example)."""
+    shift, clock = wall_us(trace)
+    delta = shift - origin  # first: the two are ~1.7e15 us, where a float keeps 0.25 us only
+    gpus, names, body = _kineto_names(trace)
+    kept, below, over = _bounded(body, min_us, max_events)
+    tracks: dict[tuple[Any, Any], int] = {}
+    out: list[dict[str, Any]] = []
+    steps: dict[int, float] = {}
+    scope = (label["rank"] + 1) << 32  # flow ids: unique per rank
+    for e in kept:
+        key = (e.get("pid"), e.get("tid"))
+        e = dict(e, pid=pid, tid=tracks.setdefault(key, len(tracks) + 1))
+        if _number(e.get("ts")):
+            e["ts"] = round(e["ts"] + delta, 3)
+        if "id" in e and e.get("ph") in ("s", "t", "f"):
+            e["id"] = scope + e["id"] if isinstance(e["id"], int) else f"{label['rank']}:{e['id']}"
+        step = _step(e)
+        if step is not None:
+            steps[step] = e["ts"]
+        out.append(e)
+    count = RankCount(
+        rank=label["rank"],
+        role=label["role"],
+        node=label["node"],
+        pid=pid,
+        events=len(body),
+        kept=len(out),
+        below_min_us=below,
+        over_max_events=over,
+        clock=clock,
+    )
+    return _track_names(pid, label, tracks, gpus, names) + out, count, steps
+
+
+def _kineto_names(
+    trace: dict[str, Any],
+) -> tuple[dict[Any, str], dict[tuple[Any, Any], str], list[dict[str, Any]]]:
+    """A trace's GPU processes (device pid -> "GPU d"), its thread names, and its other
+    events (Kineto's process and thread names left out: the merged trace has its own)."""
+    gpus: dict[Any, str] = {}
+    names: dict[tuple[Any, Any], str] = {}
+    body: list[dict[str, Any]] = []
+    for e in _events(trace):
+        if e.get("ph") == "M" and e.get("name") in _METADATA:
+            args = e.get("args") or {}
+            if e["name"] == "process_labels" and str(args.get("labels", "")).startswith("GPU"):
+                gpus[e.get("pid")] = str(args["labels"])
+            elif e["name"] == "thread_name" and args.get("name"):
+                names[(e.get("pid"), e.get("tid"))] = str(args["name"])
+        else:
+            body.append(e)
+    return gpus, names, body
+
+
+def _track_names(
+    pid: int,
+    label: RankLabel,
+    tracks: dict[tuple[Any, Any], int],
+    gpus: dict[Any, str],
+    names: dict[tuple[Any, Any], str],
+) -> list[dict[str, Any]]:
+    """The rank's process and track names, its CPU threads first, then its GPU streams."""
+    title = f"rank {label['rank']} · {label['role']} · {label['node']}"
+    meta = [_meta(pid, 0, "process_name", name=title),
+            _meta(pid, 0, "process_sort_index", sort_index=pid)]  # fmt: skip
+    ordered = sorted(tracks, key=lambda k: (k[0] in gpus, tracks[k]))
+    for order, key in enumerate(ordered):
+        gpu = gpus.get(key[0])
+        name = f"{gpu} stream {key[1]}" if gpu else names.get(key, f"thread {key[1]}")
+        meta += [_meta(pid, tracks[key], "thread_name", name=name),
+                 _meta(pid, tracks[key], "thread_sort_index", sort_index=order)]  # fmt: skip
+    return meta
+
+
+def step_spread(starts: list[dict[int, float]]) -> dict[int, float]:
+    """Each step's start spread over the ranks that recorded it (two or more), microseconds:
+    the clocks' disagreement plus the ranks' real skew.
+
+    >>> step_spread([{3: 10.0, 4: 60.0}, {3: 10.4, 4: 61.0}, {3: 9.9}])
+    {3: 0.5, 4: 1.0}
+    """
+    by_step: dict[int, list[float]] = {}
+    for ranks in starts:
+        for step, ts in ranks.items():
+            by_step.setdefault(step, []).append(ts)
+    return {s: round(max(v) - min(v), 3) for s, v in sorted(by_step.items()) if len(v) > 1}
+
+
+def _bounded(
+    body: list[dict[str, Any]], min_us: float, max_events: int
+) -> tuple[list[dict[str, Any]], int, int]:
+    """The events kept (in their order), and how many were under ``min_us`` and over
+    ``max_events``. Steps are always kept; then the longest; events without a duration last."""
+    long = [e for e in body if _step(e) is not None or _at_least(_dur(e), min_us)]
+    below = len(body) - len(long)
+    if len(long) <= max_events:
+        return long, below, 0
+    rank = heapq.nlargest(max_events, range(len(long)), key=lambda i: _priority(long[i]))
+    return [long[i] for i in sorted(rank)], below, len(long) - max_events
+
+
+def _priority(e: dict[str, Any]) -> tuple[bool, float]:
+    d = _dur(e)
+    return _step(e) is not None, -1.0 if d is None else d
+
+
+def _at_least(d: float | None, min_us: float) -> bool:
+    return d is None or d >= min_us
+
+
+def _dur(e: dict[str, Any]) -> float | None:
+    d = e.get("dur")
+    return float(d) if e.get("ph") == "X" and isinstance(d, int | float) else None
+
+
+def _step(e: dict[str, Any]) -> int | None:
+    name = e.get("name")
+    if e.get("ph") == "X" and isinstance(name, str) and name.startswith(STEP_PREFIX):
+        tail = name[len(STEP_PREFIX) :]
+        return int(tail) if tail.isdigit() else None
+    return None
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _events(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    events = trace.get("traceEvents")
+    if not isinstance(events, list):
+        raise ValueError("not a Chrome trace: no traceEvents list")
+    return [e for e in events if isinstance(e, dict)]
+
+
+def _meta(pid: int, tid: int, kind: str, **args: Any) -> dict[str, Any]:
+    return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "ts": 0, "args": args}

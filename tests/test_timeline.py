@@ -1,0 +1,162 @@
+"""A window's ranks merged into one Chrome trace (coordinator/core/timeline.py and
+coordinator/ops/timeline.py), on real GPU traces (tests/data/gpu-traces): HTA's two-rank
+window (wall-clock ``ts``, no ``baseTimeNanoseconds``) and its NCCL rank
+(``baseTimeNanoseconds``, flow arrows)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections import Counter
+
+import pytest
+
+from coordinator.core.timeline import DEFAULT_MAX_EVENTS, RankLabel
+from coordinator.ops.timeline import MIN_PER_RANK, TOTAL_EVENTS, write_timeline
+from tests.conftest import ROOT
+
+TRACES = os.path.join(ROOT, "tests", "data", "gpu-traces")
+TWO = [os.path.join(TRACES, "two-ranks", f"sampled_rank-{r}.json.gz") for r in (0, 1)]
+NCCL = os.path.join(TRACES, "one-rank-nccl", "nccl_rank0_of_2.json.gz")
+KINETO_NAMES = {"process_name", "process_labels", "process_sort_index", "thread_name",
+                "thread_sort_index"}  # fmt: skip
+
+
+def load(path: str) -> dict:
+    with gzip.open(path) if path.endswith(".gz") else open(path, "rb") as f:
+        return json.load(f)
+
+
+def body(trace: dict) -> list[dict]:
+    return [e for e in trace["traceEvents"] if not (e["ph"] == "M" and e["name"] in KINETO_NAMES)]
+
+
+def label(rank: int, role: str = "policy", node: str = "10.0.0.1") -> RankLabel:
+    return RankLabel(rank=rank, role=role, node=node)
+
+
+def test_two_real_gpu_ranks_become_two_processes_on_one_clock_with_every_event(tmp_path):
+    out = str(tmp_path / "window.json.gz")
+    res = write_timeline([(label(0), TWO[0]), (label(1, node="10.0.0.2"), TWO[1])], out)
+    merged = load(out)
+    assert res["bytes"] == os.path.getsize(out) and res["events"] == len(merged["traceEvents"])
+    events = merged["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {1: "rank 0 · policy · 10.0.0.1", 2: "rank 1 · policy · 10.0.0.2"}
+    base_us = merged["baseTimeNanoseconds"] / 1000
+    for pid, path in ((1, TWO[0]), (2, TWO[1])):
+        original = body(load(path))
+        mine = [e for e in events if e["pid"] == pid and e["ph"] != "M"]
+        # every event kept, in its order, on the wall clock (these traces' ts are wall clock)
+        assert [e["name"] for e in mine] == [e["name"] for e in original]
+        assert all(
+            abs(m["ts"] + base_us - o["ts"]) < 0.002 for m, o in zip(mine, original, strict=True)
+        )
+        assert [e.get("dur") for e in mine] == [e.get("dur") for e in original]
+        # its GPU streams are tracks of its process, after its CPU threads
+        tracks = {e["tid"]: e["args"]["name"] for e in events if e["pid"] == pid
+                  and e["name"] == "thread_name"}  # fmt: skip
+        order = {e["tid"]: e["args"]["sort_index"] for e in events if e["pid"] == pid
+                 and e["name"] == "thread_sort_index"}  # fmt: skip
+        gpu = {t for t, n in tracks.items() if n.startswith("GPU ")}
+        devices = {e["pid"] for e in load(path)["traceEvents"] if e["name"] == "process_labels"
+                   and e["args"]["labels"].startswith("GPU")}  # fmt: skip
+        streams = {(e["pid"], e["tid"]) for e in original if e["pid"] in devices}
+        assert len(gpu) == len(streams) >= 1
+        assert max(order[t] for t in tracks if t not in gpu) < min(order[t] for t in gpu)
+        assert all(
+            (m["tid"] in gpu) == (o["pid"] in devices) for m, o in zip(mine, original, strict=True)
+        )
+    about = merged["rayProfiler"]
+    assert [(r["rank"], r["kept"], r["below_min_us"], r["over_max_events"]) for r in
+            about["ranks"]] == [(0, len(body(load(TWO[0]))), 0, 0),
+                                (1, len(body(load(TWO[1]))), 0, 0)]  # fmt: skip
+    assert [r["clock"] for r in about["ranks"]] == ["ts", "ts"]
+    # Both ranks recorded steps 551 and 552: their start spread is there, and small.
+    assert set(about["step_start_spread_us"]) == {"551", "552"}
+    assert res["step_start_spread_us"][551] == about["step_start_spread_us"]["551"]
+
+
+def test_base_time_aligns_and_flow_ids_stay_within_their_rank(tmp_path):
+    out = str(tmp_path / "w.json")
+    write_timeline([(label(0), NCCL), (label(1), NCCL)], out)  # two ranks, the same recording
+    merged = load(out)
+    original = load(NCCL)
+    shift = original["baseTimeNanoseconds"] / 1000 - merged["baseTimeNanoseconds"] / 1000
+    first = next(e for e in body(original) if e["ph"] == "X")
+    copies = [e for e in merged["traceEvents"] if e["ph"] == "X" and e["name"] == first["name"]
+              and e.get("dur") == first.get("dur")]  # fmt: skip
+    assert {e["pid"] for e in copies} == {1, 2}
+    assert all(abs(e["ts"] - (first["ts"] + shift)) < 0.002 for e in copies)
+    assert merged["rayProfiler"]["ranks"][0]["clock"] == "baseTimeNanoseconds"
+    flows = [e for e in merged["traceEvents"] if e["ph"] in ("s", "f")]
+    assert len(flows) == 2 * sum(e["ph"] in ("s", "f") for e in original["traceEvents"])
+    by_id = {}
+    for e in flows:
+        by_id.setdefault(e["id"], set()).add(e["pid"])
+    assert all(len(pids) == 1 for pids in by_id.values())  # no arrow joins two ranks
+
+
+def test_short_events_and_events_over_the_limit_are_left_out_and_counted(tmp_path):
+    original = body(load(NCCL))
+    timed = [e for e in original if e["ph"] == "X"]
+    steps = [e for e in timed if e["name"].startswith("ProfilerStep#")]
+    short = [e for e in timed if e["dur"] < 10 and e not in steps]
+    out = str(tmp_path / "w.json.gz")
+    res = write_timeline([(label(0), NCCL)], out, min_us=10)
+    (count,) = res["ranks"]
+    assert count["below_min_us"] == len(short) > 0
+    assert count["kept"] == len(original) - len(short)
+    kept = [e for e in load(out)["traceEvents"] if e["ph"] == "X"]
+    assert min(e["dur"] for e in kept if not e["name"].startswith("ProfilerStep#")) >= 10
+    # At most 500 events: the steps, then the longest.
+    res = write_timeline([(label(0), NCCL)], out, max_events=500)
+    (count,) = res["ranks"]
+    assert count["kept"] == 500 and count["over_max_events"] == len(original) - 500
+    kept = [e for e in load(out)["traceEvents"] if e["ph"] != "M"]
+    assert {e["name"] for e in steps} <= {e["name"] for e in kept}
+    others = sorted((e["dur"] for e in timed if e not in steps), reverse=True)
+    cut = others[500 - len(steps) - 1]
+    assert all(e["dur"] >= cut for e in kept if e["ph"] == "X")
+    assert sum(e["ph"] == "X" for e in kept) == 500  # flows and instants went first
+    assert load(out)["rayProfiler"]["max_events_per_rank"] == 500
+
+
+def test_the_default_limit_shares_a_budget_over_the_ranks():
+    from coordinator.ops.timeline import _per_rank
+
+    assert _per_rank(None, 2) == DEFAULT_MAX_EVENTS
+    assert _per_rank(None, 64) == TOTAL_EVENTS // 64 == DEFAULT_MAX_EVENTS
+    assert _per_rank(None, 1024) == TOTAL_EVENTS // 1024
+    assert _per_rank(None, 100_000) == MIN_PER_RANK
+    assert _per_rank(7, 1024) == 7
+
+
+def test_bad_input_is_refused_with_a_reason(tmp_path):
+    bad = tmp_path / "rank0.json"
+    bad.write_text(json.dumps({"not": "a trace"}))
+    with pytest.raises(ValueError, match="no traceEvents"):
+        write_timeline([(label(0), str(bad))], str(tmp_path / "out.json"))
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a Chrome trace"):
+        write_timeline([(label(0), str(bad))], str(tmp_path / "out.json"))
+    with pytest.raises(ValueError, match="min_us"):
+        write_timeline([(label(0), NCCL)], str(tmp_path / "out.json"), min_us=-1)
+    with pytest.raises(ValueError, match="max_events"):
+        write_timeline([(label(0), NCCL)], str(tmp_path / "out.json"), max_events=0)
+    with pytest.raises(ValueError, match="no trace"):
+        write_timeline([], str(tmp_path / "out.json"))
+
+
+def test_a_rank_whose_clock_is_behind_still_gets_positive_times(tmp_path):
+    trace = load(NCCL)
+    behind = dict(trace, baseTimeNanoseconds=trace["baseTimeNanoseconds"] - 30_000_000_000)
+    path = tmp_path / "behind.json"
+    path.write_text(json.dumps(behind))
+    out = str(tmp_path / "w.json")
+    write_timeline([(label(0), NCCL), (label(1), str(path))], out)
+    events = load(out)["traceEvents"]
+    assert min(e["ts"] for e in events if e["ph"] != "M") > 0
+    starts = Counter(e["pid"] for e in events if e["ph"] == "X")
+    assert starts[1] == starts[2]
