@@ -420,6 +420,46 @@ def test_the_pages_in_a_real_browser(served, tmp_path):
 
 
 @pytest.mark.subprocess
+def test_the_run_page_fits_a_1280_pixel_screen_and_links_each_window_s_timeline(served):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(served.url + "/")
+            page.wait_for_selector("a[href='#/window/1']", timeout=30_000)
+            # An RL run's windows on object storage: a long URL per window, two roles each
+            # with marks. Long paths and role lists are folded: nothing runs off the edge.
+            st = served.http("GET", "/api/status")[1]
+            marked = two_role_window_marked_on_rollout()["roles"]["gen"]["regression"]
+            for w in st["windows"]:
+                w["trace_dir"] = (
+                    "s3://a_training_bucket/team_post_training/profiles/llama3_70b_instruct_"
+                    "grpo_math_reasoning_v2/experiment_20261203/"
+                    f"run_20261203_101010/window_{w['index']:04d}_steps_6-7"
+                )
+                policy = next(iter(w["roles"].values()))
+                w["roles"]["rollout"] = dict(policy, role="rollout-vllm-engine", regression=marked)
+            js = """st => { const m = document.querySelector("main"); m.replaceChildren();
+                runPage(m, st); const where = m.querySelector("td.where");
+                const link = m.querySelector("a.timeline");
+                return [document.documentElement.scrollWidth, where?.title ?? "",
+                        where?.textContent ?? "", link?.getAttribute("href")]; }"""
+            width, title, shown, href = page.evaluate(js, st)
+            assert width <= 1280, width
+            assert title.endswith("window_0001_steps_6-7") and len(shown) < len(title)
+            assert href == "/api/windows/1/timeline.json.gz"
+            page.goto(served.url + "/#/window/1")
+            page.wait_for_selector("a.timeline", timeout=30_000)
+            assert page.locator("a.timeline").get_attribute("href") == (
+                "/api/windows/1/timeline.json.gz"
+            )
+            assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+        finally:
+            browser.close()
+
+
 def test_ray_profiler_serve_as_a_user_starts_it(served, ray_session):
     port = free_port()
     env = {

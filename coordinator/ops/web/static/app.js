@@ -36,7 +36,8 @@ function table(headers, rows, rowClass) {
   const body = rows.map(r => el("tr", { class: rowClass ? rowClass(r) : null },
     headers.map(h => {
       const v = h.get(r);
-      return el("td", { class: h.num ? "num" : null }, v instanceof Node ? v : String(v ?? ""));
+      return el("td", { class: h.cls ?? (h.num ? "num" : null), title: h.title ? h.title(r) : null },
+        v instanceof Node ? v : String(v ?? ""));
     })));
   return el("table", {}, el("thead", {}, head), el("tbody", {}, body));
 }
@@ -87,6 +88,12 @@ function regressionText(r) {
 }
 
 // Each role's marks of a window ("role: ..." when it has several roles).
+// A long path or URL folded to its last two parts (the whole of it in the cell's title).
+function folded(path) {
+  if (!path || path.length <= 48) return path ?? "";
+  return "…/" + path.replace(/\/+$/, "").split("/").slice(-2).join("/");
+}
+
 function marksText(w) {
   const parts = Object.values(w.roles || {});
   const texts = parts.map(p => [p.role, regressionText(p.regression)]).filter(([, t]) => t);
@@ -128,8 +135,11 @@ function runPage(main, st) {
      { label: "traces", get: w => w.steps && !st.config.export_type.startsWith("none")
          ? el("span", { class: "pills" }, Object.values(w.roles || {}).map(p =>
              el("a", { href: `/api/windows/${w.index}/traces.tar.gz?role=${encodeURIComponent(p.role)}` },
-                `${p.role}.tar.gz`))) : "" },
-     { label: "where", get: w => w.trace_dir ?? w.reason ?? "" }],
+                `${p.role}.tar.gz`)),
+             el("a", { href: `/api/windows/${w.index}/timeline.json.gz`, class: "timeline",
+                       title: "every rank of the window in one trace, for Perfetto" }, "timeline")) : "" },
+     { label: "where", cls: "where", get: w => w.trace_dir ? folded(w.trace_dir) : w.reason ?? "",
+       title: w => w.trace_dir ?? null }],
     st.windows.slice().reverse()));
   if (st.stalls.length) {
     main.append(el("p", {}, el("a", { href: "#/stalls", class: "error" },
@@ -153,6 +163,9 @@ async function windowPage(main, index, role, by) {
     main.append(el("p", {}, "traces: ", el("a", { href: `/api/windows/${index}/traces.tar.gz` +
       `?role=${encodeURIComponent(ks.role ?? "policy")}` }, "download every rank's trace (.tar.gz)"),
       el("span", { class: "muted" }, " then open one rank's file at https://ui.perfetto.dev (Open trace file)")));
+    main.append(el("p", {}, "timeline: ", el("a", { href: `/api/windows/${index}/timeline.json.gz`,
+      class: "timeline" }, "every rank of every role in one trace (.json.gz)"),
+      el("span", { class: "muted" }, " open it in Perfetto: one process per rank, on one clock")));
     const part = Object.values(entry.roles || {}).find(p => p.role === (ks.role ?? "policy"));
     const mark = regressionText(part ? part.regression : null);
     if (mark) main.append(el("p", { class: "slower" }, mark));
