@@ -83,6 +83,19 @@ def test_two_nodes_upload_to_s3_and_collect_names_the_ranks_of_a_removed_node():
     assert out["collected_dir"] == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
     assert sorted(out["missing"]) == ["2", "3"]
     assert all("is gone" in why for why in out["missing"].values()), out["missing"]
+    # node-local window 0 merged by each node's agent and joined: every rank, on one clock;
+    # once node 2 has gone, its ranks are named missing and the others still merged
+    lm = out["local_merge"]
+    assert [r[:2] for r in lm["ranks"]] == [[0, 1], [1, 2], [2, 3], [3, 4]] and not lm["missing"]
+    assert all(kept == events > 0 for _, _, kept, events in lm["ranks"]) and lm["pids"] == [
+        1,
+        2,
+        3,
+        4,
+    ]
+    assert all(d < 0.01 for d in lm["aligned_us"].values()), lm["aligned_us"]
+    assert lm["after"] == [0, 1] and sorted(lm["after_missing"]) == ["policy 2", "policy 3"]
+    assert all("is gone" in why for why in lm["after_missing"].values()), lm["after_missing"]
     assert out["torch_loaded"] is False
 
 

@@ -3,6 +3,7 @@
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -293,3 +294,46 @@ def test_collecting_a_large_trace_streams_it_in_chunks(ray_session, tmp_path):
     with open(src, "rb") as a, open(target, "rb") as b:
         assert a.read() == b.read()
     assert peak < 3 * CHUNK_BYTES  # a chunk or two in memory at a time, never the file
+
+
+def test_a_node_agent_merges_its_ranks_into_a_piece_and_refuses_what_is_not_a_trace(
+    ray_session, tmp_path
+):
+    """The node agent's piece of a merged timeline (``merge_traces``): real GPU traces placed
+    in a window directory of this node, read back a chunk at a time, then dropped; a path
+    outside the trace layout and an unknown piece are refused, and a rank whose file is not a
+    trace is named while the others are merged."""
+    from coordinator.protocol.names import AGENT_NAMESPACE, agent_name
+    from worker_ext.rank.agent_link import NodeAgentLink
+
+    ray = ray_session
+    NodeAgentLink().prepare()
+    agent = ray.get_actor(agent_name(ray.get_runtime_context().get_node_id()),
+                          namespace=AGENT_NAMESPACE)  # fmt: skip
+    wdir = tmp_path / "window_0003_steps_551-552" / "policy"
+    wdir.mkdir(parents=True)
+    traces = os.path.join(ROOT, "tests", "data", "gpu-traces", "two-ranks")
+    for r in (0, 1):
+        shutil.copy(os.path.join(traces, f"sampled_rank-{r}.json.gz"),
+                    wdir / f"rank{r}.pt.trace.json.gz")  # fmt: skip
+    (wdir / "rank2.pt.trace.json").write_text("{not json")
+    ranks = [
+        {"label": {"rank": r, "role": "policy", "node": "n"}, "pid": r + 1,
+         "path": str(wdir / (f"rank{r}.pt.trace.json.gz" if r < 2 else "rank2.pt.trace.json"))}
+        for r in (0, 1, 2)
+    ]  # fmt: skip
+    piece = ray.get(agent.merge_traces.remote(ranks, 0.0, 100_000))
+    assert [c["rank"] for c in piece["ranks"]] == [0, 1] and list(piece["failed"]) == [3]
+    assert "not JSON" in piece["failed"][3]
+    got, offset = b"", 0
+    while chunk := ray.get(agent.read_piece_chunk.remote(piece["piece"], offset, 50_000)):
+        got, offset = got + chunk, offset + len(chunk)
+    merged = json.loads(gzip.decompress(got))
+    assert len(got) == piece["bytes"] and len(merged["traceEvents"]) == piece["events"]
+    assert {e["pid"] for e in merged["traceEvents"]} == {1, 2}
+    assert ray.get(agent.drop_piece.remote(piece["piece"])) is True
+    with pytest.raises(ray.exceptions.RayTaskError, match="no piece"):
+        ray.get(agent.read_piece_chunk.remote(piece["piece"], 0, 10))
+    bad = [dict(ranks[0], path="/etc/passwd")]
+    with pytest.raises(ray.exceptions.RayTaskError, match="not trace files"):
+        ray.get(agent.merge_traces.remote(bad, 0.0, 100_000))

@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Any, TypedDict
+from typing import Any
+
+from coordinator.protocol.timeline import RankCount, RankLabel
 
 DEFAULT_MAX_EVENTS = 100_000
 """Events kept per rank unless asked otherwise: a 64-rank window stays under 200 MB gzipped."""
@@ -51,28 +53,6 @@ that ranks whose clocks are a little behind still get positive times."""
 STEP_PREFIX = "ProfilerStep#"
 _METADATA = {"process_name", "process_labels", "process_sort_index", "thread_name",
              "thread_sort_index"}  # fmt: skip
-
-
-class RankLabel(TypedDict):
-    """Who a trace is from."""
-
-    rank: int
-    role: str
-    node: str
-
-
-class RankCount(TypedDict):
-    """What was kept of one rank's trace, and what was left out."""
-
-    rank: int
-    role: str
-    node: str
-    pid: int
-    events: int  # in its trace (without Kineto's process and thread names)
-    kept: int
-    below_min_us: int
-    over_max_events: int
-    clock: str  # "baseTimeNanoseconds" or "ts" (a trace without it)
 
 
 def wall_us(trace: dict[str, Any]) -> tuple[float, str]:

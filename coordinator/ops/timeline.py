@@ -1,40 +1,36 @@
 """A window's ranks merged into one Chrome trace, for Perfetto: every rank a process, on one
 clock (``coordinator/core/timeline.py`` says how, and what is left out).
 
-``merge_window`` collects the window's traces from the nodes that wrote them (as ``collect``
-does), then reads them one rank at a time and writes the merged file as it goes: memory is one
-rank's trace, whatever the window's size. It runs in the process that asks (the CLI, the web
-view's server), never in the coordinator.
+``merge_window`` asks each node's agent to merge the ranks whose traces it holds into one piece
+(``NodeAgent.merge_traces``: on the node, on its lowest-priority lane, all nodes at once), merges
+the traces already uploaded to ``save_path``'s bucket itself, then pulls the pieces a chunk at a
+time and joins them where it was asked (the CLI, the web view's server). Every merge reads one
+rank's trace at a time, so memory is one trace (or one piece), whatever the window's size. The
+coordinator never reads a trace.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gzip
-import json
 import os
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Iterator
-from typing import IO, Any, TypedDict
+from collections.abc import Iterable
+from typing import Any, TypedDict
 
-import msgspec
-
-from coordinator.core.storage import filesystem
-from coordinator.core.timeline import (
-    DEFAULT_MAX_EVENTS,
-    RankCount,
-    RankLabel,
-    origin_us,
-    rank_process,
-    step_spread,
-)
+from coordinator.core.storage import is_remote
+from coordinator.core.timeline import DEFAULT_MAX_EVENTS, step_spread
+from coordinator.ops.collect import _node_alive, _traces, _wanted, _window_entry, collect_window
+from coordinator.protocol.names import AGENT_NAMESPACE, agent_name
+from coordinator.protocol.timeline import PieceRank, RankCount, RankLabel, TimelinePiece
+from worker_ext.agent.timeline_file import join_pieces, write_piece
 
 TOTAL_EVENTS = 6_400_000
 """Without ``max_events``, a rank keeps at most this many over the window's ranks (and at most
-``DEFAULT_MAX_EVENTS``): 64 ranks of 100,000 events, about 200 MB gzipped at most."""
+``DEFAULT_MAX_EVENTS``): 64 ranks of 100,000 events, about 110 MB gzipped."""
 MIN_PER_RANK = 1_000
-_CHUNK = 2_000
+PIECE_TIMEOUT_S = 600.0
+CHUNK_BYTES = 4 << 20
 
 
 class TooManyRanks(ValueError):
@@ -77,8 +73,7 @@ def merge_window(
         min_us: leave out events shorter than this (steps always stay).
         max_events: keep at most this many events per rank, the longest; by default
             ``TOTAL_EVENTS`` over the ranks, at most ``DEFAULT_MAX_EVENTS``.
-        keep: also keep the collected per-rank traces in this directory (one subdirectory per
-            role when there are several); by default they are removed once merged.
+        keep: also collect the per-rank traces here (as ``collect_window``; per role).
         max_ranks: refuse (``TooManyRanks``) a merge of more ranks than this.
 
     Returns:
@@ -95,75 +90,26 @@ def merge_window(
         res = merge_window(connect(address="auto"), 3, "window3.json.gz", min_us=5)
         # then open window3.json.gz in Perfetto: one process per rank
     """
-    from coordinator.ops.collect import _window_entry
-
-    entry, run_name, _ = _window_entry(coordinator, window, run, wait_s)
+    entry, run_name, options = _window_entry(coordinator, window, run, wait_s)
+    options = dict(storage_options) if storage_options is not None else options
     parts = _parts(entry, roles, ranks, max_ranks)
-    with contextlib.ExitStack() as stack:
-        base = keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="ray-profiler-"))
-        sources, missing = _collected(
-            coordinator, window, run_name, parts, base, keep is None or len(parts) > 1,
-            ranks=ranks, wait_s=wait_s, storage_options=storage_options,
-        )  # fmt: skip
-        if not sources:
-            why = "; ".join(f"rank {r}: {w}" for r, w in sorted(missing.items()))
-            raise ValueError(f"window {window} of run {run_name}: no trace to merge ({why})")
-        res = write_timeline(
-            sources, out, min_us=min_us, max_events=max_events, storage_options=storage_options
+    if keep is not None:
+        _keep(coordinator, window, run_name, parts, keep, ranks, wait_s, storage_options)
+    plan, missing = _plan(parts, ranks, wait_s)
+    _some(plan, window, run_name, missing)
+    per_rank = _per_rank(max_events, len(plan))
+    who = {r["pid"]: r["label"] for _, r in plan}
+    with tempfile.TemporaryDirectory(prefix="ray-profiler-merge-") as work:
+        pieces, failed = _pieces(plan, work, min_us, per_rank, options)
+        missing.update({_name(who[pid]): why for pid, why in failed.items()})
+        _some(pieces, window, run_name, missing)
+        pieces.sort(key=lambda p: min(c["pid"] for c in p["ranks"]))
+        size, events, spread = join_pieces(
+            pieces, out, min_us=min_us, max_events=per_rank, storage_options=storage_options
         )
-    res["run"], res["window"], res["missing"] = run_name, window, missing
-    return res
-
-
-def _parts(
-    entry: dict[str, Any], roles: list[str] | None, ranks: list[int] | None, most: int | None
-) -> list[dict[str, Any]]:
-    """The window's parts (roles) to merge; ValueError for a role it does not have,
-    ``TooManyRanks`` for more than ``most`` ranks."""
-    window = entry["index"]
-    parts = list(entry.get("roles", {}).values()) or [dict(entry, role="")]
-    have = [p["role"] for p in parts]
-    if roles:
-        unknown = sorted(set(roles) - set(have))
-        if unknown:
-            raise ValueError(f"window {window} has no role {unknown[0]!r}: its roles are {have}")
-        parts = [p for p in parts if p["role"] in roles]
-    count = sum(len(ranks if ranks is not None else p["ranks"]) for p in parts)
-    if most is not None and count > most:
-        raise TooManyRanks(
-            f"window {window} has {count} ranks to merge; at most {most} here: "
-            f"ask for some (ranks=), or run ray-profiler collect --merge"
-        )
-    return parts
-
-
-def _collected(
-    coordinator: Any,
-    window: int,
-    run: str,
-    parts: list[dict[str, Any]],
-    base: str,
-    by_role: bool,
-    **kw: Any,
-) -> tuple[list[tuple[RankLabel, str]], dict[str, str]]:
-    """Each part's (role's) traces collected under ``base`` (a directory per role when
-    ``by_role``): (who, file) per rank, and "role rank" -> why for those missing."""
-    from coordinator.ops.collect import collect_window
-
-    nodes = _node_names()
-    missing: dict[str, str] = {}
-    sources: list[tuple[RankLabel, str]] = []
-    for part in parts:
-        role = part["role"]
-        dest = os.path.join(base, role) if by_role else base
-        got = collect_window(coordinator, window, dest, run=run, role=role or None, **kw)
-        missing.update({f"{role} {r}".strip(): why for r, why in got["missing"].items()})
-        traces = {int(r): t for r, t in part["traces"].items()}
-        for rank, path in sorted(got["files"].items()):
-            node = (traces.get(rank) or {}).get("node") or ""
-            label = RankLabel(rank=rank, role=role, node=nodes.get(node, node[:8] or "?"))
-            sources.append((label, path))
-    return sources, missing
+    counts = sorted((c for p in pieces for c in p["ranks"]), key=lambda c: c["pid"])
+    return TimelineResult(run=run_name, window=window, out=out, bytes=size, events=events,
+                          ranks=counts, missing=missing, step_start_spread_us=spread)  # fmt: skip
 
 
 def write_timeline(
@@ -197,72 +143,161 @@ def write_timeline(
     sources = list(sources)
     if not sources:
         raise ValueError("no trace to merge")
-    max_events = _per_rank(max_events, len(sources))
-    if min_us < 0 or max_events < 1:
-        raise ValueError(f"min_us must be >= 0 and max_events >= 1 (got {min_us}, {max_events})")
-    with _open_out(out, storage_options) as f:
-        events, counts, starts, origin = _write_ranks(
-            f, sources, min_us, max_events, storage_options
+    per_rank = _per_rank(max_events, len(sources))
+    ranks = [PieceRank(label=label, pid=i, path=path) for i, (label, path) in
+             enumerate(sources, start=1)]  # fmt: skip
+    piece = write_piece(
+        ranks, out, min_us=min_us, max_events=per_rank, storage_options=storage_options
+    )
+    return TimelineResult(run=None, window=None, out=out, bytes=piece["bytes"],
+                          events=piece["events"], ranks=piece["ranks"], missing={},
+                          step_start_spread_us=step_spread(piece["starts"]))  # fmt: skip
+
+
+def _parts(
+    entry: dict[str, Any], roles: list[str] | None, ranks: list[int] | None, most: int | None
+) -> list[dict[str, Any]]:
+    """The window's parts (roles) to merge; ValueError for a role or rank it does not have,
+    ``TooManyRanks`` for more than ``most`` ranks."""
+    window = entry["index"]
+    parts = list(entry.get("roles", {}).values()) or [dict(entry, role="")]
+    have = [p["role"] for p in parts]
+    if roles:
+        unknown = sorted(set(roles) - set(have))
+        if unknown:
+            raise ValueError(f"window {window} has no role {unknown[0]!r}: its roles are {have}")
+        parts = [p for p in parts if p["role"] in roles]
+    if ranks is not None:
+        for p in parts:
+            _wanted(p, ranks, window)
+    count = sum(len(ranks if ranks is not None else p["ranks"]) for p in parts)
+    if most is not None and count > most:
+        raise TooManyRanks(
+            f"window {window} has {count} ranks to merge; at most {most} here: "
+            f"ask for some (ranks=), or run ray-profiler collect --merge"
         )
-        spread = step_spread(starts)
-        f.write(b"]," + json.dumps(_tail(counts, min_us, max_events, spread, origin))[1:].encode())
-    size = _size(out, storage_options)
-    return TimelineResult(run=None, window=None, out=out, bytes=size, events=events,
-                          ranks=counts, missing={}, step_start_spread_us=spread)  # fmt: skip
+    return parts
 
 
-def _write_ranks(
-    f: IO[bytes] | gzip.GzipFile,
-    sources: list[tuple[RankLabel, str]],
+def _plan(
+    parts: list[dict[str, Any]], ranks: list[int] | None, wait_s: float
+) -> tuple[list[tuple[str, PieceRank]], dict[str, str]]:
+    """Where each rank's trace is: ("" for a URL, else the node that holds it, PieceRank),
+    processes numbered in role then rank order; and "role rank" -> why for those without one."""
+    nodes = _node_names()
+    plan: list[tuple[str, PieceRank]] = []
+    missing: dict[str, str] = {}
+    for part in parts:
+        role, lost = part["role"], dict[int, str]()
+        traces = _traces(part, set(part["ranks"] if ranks is None else ranks), wait_s, lost)
+        missing.update({_name(RankLabel(rank=r, role=role, node="")): w for r, w in lost.items()})
+        for rank, t in sorted(traces.items()):
+            uploaded = t["path"] is not None and is_remote(t["path"]) and not t["error"]
+            src = t["path"] if uploaded else (t["local_path"] or t["path"])
+            node = t["node"] or ""
+            label = RankLabel(rank=rank, role=role, node=nodes.get(node, node[:8] or "?"))
+            if not src:
+                missing[_name(label)] = "no trace: " + str((t["error"] or {}).get("message", ""))
+                continue
+            plan.append(("" if uploaded else node, PieceRank(label=label, pid=0, path=src)))
+    for pid, (_, r) in enumerate(plan, start=1):
+        r["pid"] = pid
+    return plan, missing
+
+
+def _pieces(
+    plan: list[tuple[str, PieceRank]],
+    work: str,
     min_us: float,
-    max_events: int,
+    per_rank: int,
+    options: dict[str, Any],
+) -> tuple[list[TimelinePiece], dict[int, str]]:
+    """Each node's piece from its agent (all at once), and the uploaded traces' piece made
+    here; pulled into ``work``. The pieces, and pid -> why for the ranks none of them has."""
+    import ray
+
+    by_node: dict[str, list[PieceRank]] = {}
+    for node, r in plan:
+        by_node.setdefault(node, []).append(r)
+    failed: dict[int, str] = {}
+    asked = {}
+    for node, ranks in by_node.items():
+        if node:
+            agent = _agent(ray, node)
+            if agent is None:
+                failed.update({r["pid"]: f"node {node[:12]} is gone" for r in ranks})
+            else:
+                asked[node] = (agent, agent.merge_traces.remote(ranks, min_us, per_rank))
+    pieces = []
+    if "" in by_node:  # uploaded: read from the bucket here
+        local = os.path.join(work, "uploaded.json.gz")
+        pieces.append(write_piece(by_node[""], local, min_us=min_us, max_events=per_rank,
+                                  storage_options=options, strict=False))  # fmt: skip
+    for node, (agent, ref) in asked.items():
+        try:
+            piece = ray.get(ref, timeout=PIECE_TIMEOUT_S)
+            piece["path"] = _pull(ray, agent, piece["piece"], os.path.join(work, f"{node}.json.gz"))
+        except Exception as exc:
+            why = f"node {node[:12]} could not merge its ranks: {type(exc).__name__}: {exc}"
+            failed.update({r["pid"]: why[:300] for r in by_node[node]})
+            continue
+        pieces.append(piece)
+    for p in pieces:
+        failed.update(p["failed"])
+    return [p for p in pieces if p["ranks"]], failed
+
+
+def _pull(ray: Any, agent: Any, name: str, dest: str) -> str:
+    """Copy an agent's piece to ``dest`` a chunk at a time, then let the agent drop it."""
+    try:
+        with open(dest, "wb") as f:
+            offset = 0
+            while chunk := ray.get(agent.read_piece_chunk.remote(name, offset, CHUNK_BYTES),
+                                   timeout=PIECE_TIMEOUT_S):  # fmt: skip
+                f.write(chunk)
+                offset += len(chunk)
+    finally:
+        with contextlib.suppress(Exception):
+            agent.drop_piece.remote(name)
+    return dest
+
+
+def _agent(ray: Any, node: str) -> Any:
+    """The node agent of ``node``, or None when the node or its agent has gone."""
+    if not _node_alive(ray, node):
+        return None
+    try:
+        return ray.get_actor(agent_name(node), namespace=AGENT_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _keep(
+    coordinator: Any,
+    window: int,
+    run: str,
+    parts: list[dict[str, Any]],
+    keep: str,
+    ranks: list[int] | None,
+    wait_s: float,
     options: dict[str, Any] | None,
-) -> tuple[int, list[RankCount], list[dict[int, float]], float | None]:
-    """Write the events array's head and every rank's events, one rank read at a time: the
-    events written, each rank's count and step starts, and the merged clock's origin."""
-    counts: list[RankCount] = []
-    starts: list[dict[int, float]] = []
-    origin: float | None = None
-    events = 0
-    f.write(b'{"traceEvents":[')
-    for pid, (label, path) in enumerate(sources, start=1):
-        trace = _load(path, options)
-        if origin is None:
-            origin = origin_us(trace)
-        merged, count, steps = rank_process(
-            trace, label, pid=pid, origin=origin, min_us=min_us, max_events=max_events
-        )
-        del trace
-        for i in range(0, len(merged), _CHUNK):
-            chunk = msgspec.json.encode(merged[i : i + _CHUNK])[1:-1]
-            f.write(b"," + chunk if events or i else chunk)
-        events += len(merged)
-        counts.append(count)
-        starts.append(steps)
-    return events, counts, starts, origin
+) -> None:
+    """``--to`` with ``--merge``: the per-rank traces collected too."""
+    for part in parts:
+        dest = os.path.join(keep, part["role"]) if len(parts) > 1 else keep
+        collect_window(coordinator, window, dest, run=run, role=part["role"] or None,
+                       ranks=ranks, wait_s=wait_s, storage_options=options)  # fmt: skip
 
 
-def _tail(
-    counts: list[RankCount],
-    min_us: float,
-    max_events: int,
-    spread: dict[int, float],
-    origin: float | None,
-) -> dict[str, Any]:
-    """The merged file's keys after its events: its clock, and what it holds of each rank."""
-    about = {
-        "ranks": counts,
-        "min_us": min_us,
-        "max_events_per_rank": max_events,
-        "step_start_spread_us": {str(k): v for k, v in spread.items()},
-        "clock": "each rank's wall clock (Kineto's ts + baseTimeNanoseconds); ranks on two "
-        "nodes agree as well as the nodes' clocks do",
-    }
-    return {
-        "displayTimeUnit": "ms",
-        "baseTimeNanoseconds": int((origin or 0.0) * 1000),
-        "rayProfiler": about,
-    }
+def _some(found: list[Any], window: int, run: str, missing: dict[str, str]) -> None:
+    """ValueError, saying why, when nothing was ``found`` to merge."""
+    if not found:
+        why = "; ".join(f"{r}: {w}" for r, w in sorted(missing.items()))
+        raise ValueError(f"window {window} of run {run}: no trace to merge ({why})")
+
+
+def _name(label: RankLabel) -> str:
+    return f"{label['role']} {label['rank']}".strip()
 
 
 def _per_rank(max_events: int | None, ranks: int) -> int:
@@ -270,41 +305,6 @@ def _per_rank(max_events: int | None, ranks: int) -> int:
     if max_events is not None:
         return max_events
     return min(DEFAULT_MAX_EVENTS, max(MIN_PER_RANK, TOTAL_EVENTS // max(ranks, 1)))
-
-
-def _load(path: str, options: dict[str, Any] | None) -> dict[str, Any]:
-    fs, p = filesystem(path, options or {})
-    with fs.open(p, "rb") as raw:
-        data = raw.read()
-    if path.endswith(".gz"):
-        data = gzip.decompress(data)
-    trace = msgspec.json.decode(data)
-    if not isinstance(trace, dict):
-        raise ValueError(f"{path} is not a Chrome trace (a JSON object)")
-    return trace
-
-
-@contextlib.contextmanager
-def _open_out(out: str, options: dict[str, Any] | None) -> Iterator[IO[bytes] | gzip.GzipFile]:
-    fs, p = filesystem(out, options or {})
-    parent = os.path.dirname(p)
-    if parent:
-        with contextlib.suppress(Exception):
-            fs.makedirs(parent, exist_ok=True)
-    with fs.open(p, "wb") as raw:
-        if out.endswith(".gz"):
-            with gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6) as gz:
-                yield gz
-        else:
-            yield raw
-
-
-def _size(out: str, options: dict[str, Any] | None) -> int:
-    fs, p = filesystem(out, options or {})
-    try:
-        return int(fs.size(p))
-    except Exception:
-        return -1
 
 
 def _node_names() -> dict[str, str]:

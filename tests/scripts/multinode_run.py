@@ -113,13 +113,29 @@ def main(endpoint: str) -> None:
         ray.get(coord.start.remote("t", 0))
         live = list(workers)
         for k in range(7):  # windows: warmup 0, record 1-2 | warmup 3, record 4-5 | ...
-            if k == 4:
+            if k == 4:  # window 0 merged by both nodes' agents, joined here; then node 2 goes
+                local = merge_window(coord, 0, os.path.join(save, "local0.json"))
                 cluster.remove_node(node2)
                 live = workers[:2]
             ray.get([w.train_step.remote() for w in live])
             ray.get(coord.step.remote("t", k))
         ray.get(coord.stop.remote("t"))
         st = wait_for_windows(ray, coord, timeout=120)
+        after = merge_window(coord, 0, os.path.join(save, "local0-after.json.gz"))
+        with open(os.path.join(save, "local0.json")) as f:
+            joined = json.load(f)
+        local_aligned = {}  # rank -> |merged - its own trace| of its first step's start (us)
+        for r in range(4):
+            path = os.path.join(
+                save, "run", "window_0000_steps_1-2", "policy", f"rank{r}.pt.trace.json"
+            )
+            with open(path) as f:
+                original = json.load(f)
+            first = next(e for e in original["traceEvents"] if e.get("name") == "ProfilerStep#1")
+            mine = next(e for e in joined["traceEvents"]
+                        if e["pid"] == r + 1 and e["name"] == "ProfilerStep#1")  # fmt: skip
+            wall = first["ts"] + original["baseTimeNanoseconds"] / 1000
+            local_aligned[str(r)] = abs(mine["ts"] + joined["baseTimeNanoseconds"] / 1000 - wall)
         dest = tempfile.mkdtemp(prefix="collected-")
         collected = collect_window(coord, 0, dest)
         out = {
@@ -147,6 +163,14 @@ def main(endpoint: str) -> None:
             "files": {
                 d: sorted(os.listdir(os.path.join(save, "run", d, "policy")))
                 for d in sorted(os.listdir(os.path.join(save, "run")))
+            },
+            "local_merge": {
+                "ranks": [[c["rank"], c["pid"], c["kept"], c["events"]] for c in local["ranks"]],
+                "missing": local["missing"],
+                "aligned_us": local_aligned,
+                "pids": sorted({e["pid"] for e in joined["traceEvents"]}),
+                "after": [c["rank"] for c in after["ranks"]],
+                "after_missing": after["missing"],
             },
             "collected": {str(k): v for k, v in collected["files"].items()},
             "collected_dir": sorted(os.listdir(dest)),

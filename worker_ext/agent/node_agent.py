@@ -39,6 +39,7 @@ from coordinator.protocol.reasons import reason
 from coordinator.protocol.replies import Reason
 from coordinator.protocol.stack_replies import ProcessStack, StackRequest
 from coordinator.protocol.summary_codec import RankSummary, decode_summary
+from coordinator.protocol.timeline import PieceRank, TimelinePiece
 from coordinator.raylink.handle_stubs import install_handle_stubs
 from worker_ext.agent.idle_exit import IDLE_EXIT_S, IdleExit
 from worker_ext.agent.partials import (
@@ -52,6 +53,7 @@ from worker_ext.agent.partials import (
 )
 from worker_ext.agent.rank_fanout import RankFanOut, command_problem
 from worker_ext.agent.stack_reader import check_request, read_stacks, sweep_dumps
+from worker_ext.agent.timeline_pieces import PieceStore
 from worker_ext.agent.trace_jobs import (
     JobResult,
     TraceJob,
@@ -95,6 +97,7 @@ class NodeAgent(AgentRPC):
         self._traces = TraceReports(self._send_traces)
         self._in_flight = 0  # trace jobs being processed
         self._owners: set[tuple[str, str]] = set()
+        self._pieces = PieceStore()  # merged window traces of this node's ranks
 
     @control_lane
     async def ping(self) -> int:
@@ -176,6 +179,26 @@ class NodeAgent(AgentRPC):
             raise ValueError("offset must be an int >= 0 and size an int >= 1")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, _read_chunk, path, offset, min(size, MAX_CHUNK))
+
+    async def merge_traces(
+        self, ranks: list[PieceRank], min_us: float, max_events: int
+    ) -> TimelinePiece:
+        """This node's ranks of a window merged into one piece (``coordinator.ops.timeline``),
+        on the file lane (it yields the CPU to training); read it with ``read_piece_chunk``,
+        then ``drop_piece``."""
+        self._idle.touch()
+        make = functools.partial(self._pieces.make, ranks, min_us, max_events, is_trace_file)
+        return await asyncio.get_running_loop().run_in_executor(self._files, make)
+
+    async def read_piece_chunk(self, piece: str, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes of a piece ``merge_traces`` made, from ``offset``."""
+        self._idle.touch()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self._pieces.read, piece, offset, size)
+
+    async def drop_piece(self, piece: str) -> bool:
+        """Remove a piece once read; whether it was there."""
+        return self._pieces.drop(piece)
 
     async def process(self, job: TraceJob) -> JobResult:
         """Summarise and push (in its node partial), then finish and upload the trace file;
