@@ -121,6 +121,14 @@ def test_short_events_and_events_over_the_limit_are_left_out_and_counted(tmp_pat
     assert all(e["dur"] >= cut for e in kept if e["ph"] == "X")
     assert sum(e["ph"] == "X" for e in kept) == 500  # flows and instants went first
     assert load(out)["rayProfiler"]["max_events_per_rank"] == 500
+    # A limit of as many events as steps keeps the steps, not the longer profiler span around
+    # them; and no --min-us drops a step.
+    write_timeline([(label(0), NCCL)], out, max_events=len(steps))
+    kept = [e["name"] for e in load(out)["traceEvents"] if e["ph"] == "X"]
+    assert sorted(kept) == sorted(e["name"] for e in steps)
+    write_timeline([(label(0), NCCL)], out, min_us=1e9)
+    kept = [e["name"] for e in load(out)["traceEvents"] if e["ph"] == "X"]
+    assert sorted(kept) == sorted(e["name"] for e in steps)  # (untimed events stay)
 
 
 def test_the_default_limit_shares_a_budget_over_the_ranks():
@@ -160,3 +168,31 @@ def test_a_rank_whose_clock_is_behind_still_gets_positive_times(tmp_path):
     assert min(e["ts"] for e in events if e["ph"] != "M") > 0
     starts = Counter(e["pid"] for e in events if e["ph"] == "X")
     assert starts[1] == starts[2]
+
+
+def test_pieces_on_two_clocks_are_joined_on_one(tmp_path):
+    # Two nodes' pieces whose first events are 90 s apart have origins 90 s apart: joined, each
+    # event still reads its rank's own wall-clock time.
+    from worker_ext.agent.timeline_file import join_pieces, write_piece
+
+    trace = load(NCCL)
+    ahead = dict(trace, baseTimeNanoseconds=trace["baseTimeNanoseconds"] + 90_000_000_000)
+    (tmp_path / "ahead.json").write_text(json.dumps(ahead))
+    pieces = [
+        write_piece([{"label": label(r), "pid": r + 1, "path": path}],
+                    str(tmp_path / f"piece{r}.json.gz"), min_us=0.0, max_events=100_000)
+        for r, path in ((0, NCCL), (1, str(tmp_path / "ahead.json")))
+    ]  # fmt: skip
+    assert pieces[1]["origin"] - pieces[0]["origin"] == 90_000_000.0
+    out = str(tmp_path / "joined.json")
+    size, events, spread = join_pieces(pieces, out, min_us=0.0, max_events=100_000)
+    joined = load(out)
+    assert size == os.path.getsize(out) and events == len(joined["traceEvents"])
+    base = joined["baseTimeNanoseconds"] / 1000
+    first = next(e for e in body(trace) if e["ph"] == "X")
+    for pid, src in ((1, trace), (2, ahead)):
+        mine = next(e for e in joined["traceEvents"] if e["pid"] == pid and e["ph"] == "X")
+        wall = first["ts"] + src["baseTimeNanoseconds"] / 1000
+        assert abs(mine["ts"] + base - wall) < 0.002
+    assert all(abs(v - 90_000_000.0) < 1.0 for v in spread.values()) and spread
+    assert [c["pid"] for c in joined["rayProfiler"]["ranks"]] == [1, 2]
