@@ -161,8 +161,7 @@ def _collect_one(
     ray: Any, t: dict[str, Any], dest: str, options: dict[str, Any]
 ) -> tuple[str, int]:
     """Copy one rank's trace to ``dest``; the destination path and the bytes written."""
-    uploaded = t["path"] is not None and is_remote(t["path"]) and not t["error"]
-    src = t["path"] if uploaded else (t["local_path"] or t["path"])
+    src, uploaded = trace_source(t)
     if not src:
         raise _Missing(f"no trace: {(t['error'] or {}).get('message', 'nothing was written')}")
     name = src.rstrip("/").rsplit("/", 1)[-1]
@@ -179,14 +178,9 @@ def _collect_one(
     node = t["node"]
     if not node:
         raise _Missing(f"the node that wrote {src} is unknown")
-    from coordinator.protocol.names import AGENT_NAMESPACE, agent_name
-
-    if not _node_alive(ray, node):
-        raise _Missing(f"node {node[:12]} is gone; its trace {src} went with it")
-    try:
-        agent = ray.get_actor(agent_name(node), namespace=AGENT_NAMESPACE)
-    except ValueError:
-        raise _Missing(f"node {node[:12]} is gone (its node agent cannot be reached)") from None
+    agent, gone = node_agent(ray, node)
+    if agent is None:
+        raise _Missing(f"{gone}; its trace {src} went with it")
     try:
         with _writer(target, options) as fout:
             offset = 0
@@ -208,6 +202,25 @@ def _collect_one(
         raise _Missing(
             f"cannot read {src} on node {node[:12]}: {type(exc).__name__}: {exc}"
         ) from None
+
+
+def trace_source(t: dict[str, Any]) -> tuple[str | None, bool]:
+    """Where a rank's trace (its ``traces`` entry in ``status()``) is read from, and whether
+    that is its uploaded copy (a URL) rather than the node-local file."""
+    uploaded = t["path"] is not None and is_remote(t["path"]) and not t["error"]
+    return (t["path"] if uploaded else (t["local_path"] or t["path"])), uploaded
+
+
+def node_agent(ray: Any, node: str) -> tuple[Any, str]:
+    """The node agent of ``node``, or None and why (the node, or its agent, has gone)."""
+    from coordinator.protocol.names import AGENT_NAMESPACE, agent_name
+
+    if not _node_alive(ray, node):
+        return None, f"node {node[:12]} is gone"
+    try:
+        return ray.get_actor(agent_name(node), namespace=AGENT_NAMESPACE), ""
+    except ValueError:
+        return None, f"node {node[:12]} is gone (its node agent cannot be reached)"
 
 
 def _node_alive(ray: Any, node: str) -> bool:

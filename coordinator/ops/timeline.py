@@ -18,10 +18,15 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any, TypedDict
 
-from coordinator.core.storage import is_remote
 from coordinator.core.timeline import DEFAULT_MAX_EVENTS, step_spread
-from coordinator.ops.collect import _node_alive, _traces, _wanted, _window_entry, collect_window
-from coordinator.protocol.names import AGENT_NAMESPACE, agent_name
+from coordinator.ops.collect import (
+    _traces,
+    _wanted,
+    _window_entry,
+    collect_window,
+    node_agent,
+    trace_source,
+)
 from coordinator.protocol.timeline import PieceRank, RankCount, RankLabel, TimelinePiece
 from worker_ext.agent.timeline_file import join_pieces, write_piece
 
@@ -192,8 +197,7 @@ def _plan(
         traces = _traces(part, set(part["ranks"] if ranks is None else ranks), wait_s, lost)
         missing.update({_name(RankLabel(rank=r, role=role, node="")): w for r, w in lost.items()})
         for rank, t in sorted(traces.items()):
-            uploaded = t["path"] is not None and is_remote(t["path"]) and not t["error"]
-            src = t["path"] if uploaded else (t["local_path"] or t["path"])
+            src, uploaded = trace_source(t)
             node = t["node"] or ""
             label = RankLabel(rank=rank, role=role, node=nodes.get(node, node[:8] or "?"))
             if not src:
@@ -223,9 +227,9 @@ def _pieces(
     asked = {}
     for node, ranks in by_node.items():
         if node:
-            agent = _agent(ray, node)
+            agent, gone = node_agent(ray, node)
             if agent is None:
-                failed.update({r["pid"]: f"node {node[:12]} is gone" for r in ranks})
+                failed.update({r["pid"]: gone for r in ranks})
             else:
                 asked[node] = (agent, agent.merge_traces.remote(ranks, min_us, per_rank))
     pieces = []
@@ -260,16 +264,6 @@ def _pull(ray: Any, agent: Any, name: str, dest: str) -> str:
         with contextlib.suppress(Exception):
             agent.drop_piece.remote(name)
     return dest
-
-
-def _agent(ray: Any, node: str) -> Any:
-    """The node agent of ``node``, or None when the node or its agent has gone."""
-    if not _node_alive(ray, node):
-        return None
-    try:
-        return ray.get_actor(agent_name(node), namespace=AGENT_NAMESPACE)
-    except ValueError:
-        return None
 
 
 def _keep(

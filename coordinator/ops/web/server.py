@@ -65,6 +65,20 @@ class CoordinatorLink:
     def __init__(self, name: str, namespace: str, handle: Any = None) -> None:
         self.name, self.namespace, self._handle = name, namespace, handle
 
+    def handle(self) -> Any:
+        """The handle, looked up now if need be (blocking: for the server's worker threads);
+        Unavailable when there is none."""
+        import ray
+
+        if self._handle is None:
+            try:
+                self._handle = ray.get_actor(self.name, namespace=self.namespace)
+            except ValueError as exc:
+                raise Unavailable(
+                    f"the coordinator {self.name!r} cannot be reached: {exc}"
+                ) from None
+        return self._handle
+
     async def call(
         self, method: str, *args: Any, timeout: float = CALL_TIMEOUT_S, **kw: Any
     ) -> Any:
@@ -309,16 +323,12 @@ async def _send_file(request: web.Request, path: str, name: str) -> web.StreamRe
 
 def _merged(link: CoordinatorLink, window: int, work: str, **kw: Any) -> tuple[str, str]:
     """Merge the window's ranks into one trace in ``work``; its path and name."""
-    import ray
-
     from coordinator.ops.timeline import TooManyRanks, merge_window
 
-    if link._handle is None:
-        link._handle = ray.get_actor(link.name, namespace=link.namespace)
-    name = f"window_{window:04d}.timeline.json.gz"
+    name, handle = f"window_{window:04d}.timeline.json.gz", link.handle()
     path = os.path.join(work, name)
     try:
-        merge_window(link._handle, window, path, wait_s=30, max_ranks=TIMELINE_RANKS, **kw)
+        merge_window(handle, window, path, wait_s=30, max_ranks=TIMELINE_RANKS, **kw)
     except TooManyRanks as exc:
         raise TooLarge(str(exc)) from None
     except ValueError as exc:
@@ -330,15 +340,11 @@ def _archive(
     link: CoordinatorLink, window: int, role: str | None, run: str | None, work: str
 ) -> tuple[str, str]:
     """Collect the window's traces into ``work`` and pack them; the archive's path and name."""
-    import ray
-
     from coordinator.ops.collect import collect_window
 
-    if link._handle is None:
-        link._handle = ray.get_actor(link.name, namespace=link.namespace)
-    dest = os.path.join(work, f"window_{window:04d}_{role or 'policy'}")
+    dest, handle = os.path.join(work, f"window_{window:04d}_{role or 'policy'}"), link.handle()
     try:
-        res = collect_window(link._handle, window, dest, run=run, role=role, wait_s=30)
+        res = collect_window(handle, window, dest, run=run, role=role, wait_s=30)
     except ValueError as exc:
         raise NotFound(str(exc).strip().splitlines()[-1]) from None
     if not res["files"]:
