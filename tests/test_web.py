@@ -4,6 +4,8 @@ pages in a real headless Chromium, and ``ray-profiler serve`` as a user starts i
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import gzip
 import io
 import json
@@ -15,6 +17,7 @@ import tarfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 
@@ -347,117 +350,116 @@ def chromium() -> str:
     return path
 
 
-def test_the_pages_in_a_real_browser(served, tmp_path):
+@contextlib.contextmanager
+def chromium_browser():
+    """Debian's headless Chromium, driven by Playwright; closed on the way out."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 2200})
-            errors: list[str] = []
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            # the run page lists the windows, and refreshes by itself
-            page.goto(served.url + "/")
-            page.wait_for_selector("a[href='#/window/1']", timeout=30_000)
-            page.wait_for_function("document.getElementById('live').textContent.includes('step 7')")
-            # the window page: the kernel table and the charts
-            page.goto(served.url + "/#/window/1")
-            page.wait_for_selector("text=aten::addmm", timeout=30_000)
-            page.wait_for_selector("text=Rank x top kernel")
-            assert page.locator("canvas").count() == 4  # spread, heat map, breakdown, steps
-            page.screenshot(path=str(tmp_path / "window.png"), full_page=True)
-            assert (tmp_path / "window.png").stat().st_size > 20_000
-            # the op table's route (a CPU window: the op table is the kernel table)
-            page.click("#by-op")
-            page.wait_for_function("location.hash.endsWith('/policy/op')")
-            page.wait_for_selector("text=aten::addmm", timeout=30_000)
-            assert page.locator("canvas").count() == 4
-            # captures: refused without the token, accepted with it, then cancelled
-            page.goto(served.url + "/#/captures")
-            page.fill("input[name=start_step]", "200000")
-            page.fill("input[name=token]", "")
-            page.click("button[type=submit]")
-            page.wait_for_selector("#capture-answer.error")
-            assert "refused (401)" in page.inner_text("#capture-answer")
-            page.fill("input[name=token]", TOKEN)
-            page.click("button[type=submit]")
-            page.wait_for_selector("#capture-answer.ok")
-            answer = page.inner_text("#capture-answer")
-            assert "accepted: window" in answer and "steps 200000-200001" in answer
-            page.click("button[id^=cancel-]")
-            page.wait_for_selector("text=cancelled")
-            # the diff page
-            page.goto(served.url + "/#/diff/0/1")
-            page.wait_for_selector("text=against window 0", timeout=30_000)
-            assert page.locator("canvas").count() >= 1
-            page.screenshot(path=str(tmp_path / "diff.png"), full_page=True)
-            # the phase times of the last steps: both regions, in the table and the chart
-            page.goto(served.url + "/#/phases")
-            page.wait_for_selector("text=Phase times: the last 8 steps (8 seen)", timeout=30_000)
-            rows = page.locator("table tr").all_inner_texts()
-            assert any(r.startswith("train") for r in rows) and any(
-                r.startswith("log") for r in rows
-            )
-            assert page.locator("canvas").count() == 1
-            # the stall: the run page points to it, the stalls page shows its stacks
-            page.goto(served.url + "/")
-            page.click("a[href='#/stalls']", timeout=30_000)
-            page.wait_for_selector("text=Stall 1: trainer t, after step 7, still stalled")
-            stall = served.http("GET", "/api/status")[1]["stalls"][0]
-            assert page.inner_text("pre").splitlines()[0] == stall["lines"][0]
-            # marks are per role: a window whose rollout alone was marked names the rollout,
-            # and the policy's part (its window page) shows none
-            window = two_role_window_marked_on_rollout()
-            js = "w => [marksText(w), regressionText(w.roles.t.regression)]"
-            texts = page.evaluate(js, window)
-            assert texts[0].startswith("rollout: SLOWER than windows 0-7 (8): aten::mm x1.5"), texts
-            assert texts[1] == "" and "policy" not in texts[0]
+            yield browser
         finally:
             browser.close()
+
+
+def test_the_pages_in_a_real_browser(served, tmp_path):
+    with chromium_browser() as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 2200})
+        errors: list[str] = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        # the run page lists the windows, and refreshes by itself
+        page.goto(served.url + "/")
+        page.wait_for_selector("a[href='#/window/1']", timeout=30_000)
+        page.wait_for_function("document.getElementById('live').textContent.includes('step 7')")
+        # the window page: the kernel table and the charts
+        page.goto(served.url + "/#/window/1")
+        page.wait_for_selector("text=aten::addmm", timeout=30_000)
+        page.wait_for_selector("text=Rank x top kernel")
+        assert page.locator("canvas").count() == 4  # spread, heat map, breakdown, steps
+        page.screenshot(path=str(tmp_path / "window.png"), full_page=True)
+        assert (tmp_path / "window.png").stat().st_size > 20_000
+        # the op table's route (a CPU window: the op table is the kernel table)
+        page.click("#by-op")
+        page.wait_for_function("location.hash.endsWith('/policy/op')")
+        page.wait_for_selector("text=aten::addmm", timeout=30_000)
+        assert page.locator("canvas").count() == 4
+        # captures: refused without the token, accepted with it, then cancelled
+        page.goto(served.url + "/#/captures")
+        page.fill("input[name=start_step]", "200000")
+        page.fill("input[name=token]", "")
+        page.click("button[type=submit]")
+        page.wait_for_selector("#capture-answer.error")
+        assert "refused (401)" in page.inner_text("#capture-answer")
+        page.fill("input[name=token]", TOKEN)
+        page.click("button[type=submit]")
+        page.wait_for_selector("#capture-answer.ok")
+        answer = page.inner_text("#capture-answer")
+        assert "accepted: window" in answer and "steps 200000-200001" in answer
+        page.click("button[id^=cancel-]")
+        page.wait_for_selector("text=cancelled")
+        # the diff page
+        page.goto(served.url + "/#/diff/0/1")
+        page.wait_for_selector("text=against window 0", timeout=30_000)
+        assert page.locator("canvas").count() >= 1
+        page.screenshot(path=str(tmp_path / "diff.png"), full_page=True)
+        # the phase times of the last steps: both regions, in the table and the chart
+        page.goto(served.url + "/#/phases")
+        page.wait_for_selector("text=Phase times: the last 8 steps (8 seen)", timeout=30_000)
+        rows = page.locator("table tr").all_inner_texts()
+        assert any(r.startswith("train") for r in rows) and any(r.startswith("log") for r in rows)
+        assert page.locator("canvas").count() == 1
+        # the stall: the run page points to it, the stalls page shows its stacks
+        page.goto(served.url + "/")
+        page.click("a[href='#/stalls']", timeout=30_000)
+        page.wait_for_selector("text=Stall 1: trainer t, after step 7, still stalled")
+        stall = served.http("GET", "/api/status")[1]["stalls"][0]
+        assert page.inner_text("pre").splitlines()[0] == stall["lines"][0]
+        # marks are per role: a window whose rollout alone was marked names the rollout,
+        # and the policy's part (its window page) shows none
+        window = two_role_window_marked_on_rollout()
+        js = "w => [marksText(w), regressionText(w.roles.t.regression)]"
+        texts = page.evaluate(js, window)
+        assert texts[0].startswith("rollout: SLOWER than windows 0-7 (8): aten::mm x1.5"), texts
+        assert texts[1] == "" and "policy" not in texts[0]
     # the capture refused without a token is the one error the page is expected to log
     assert [e for e in errors if "401" not in e] == [], errors
 
 
 @pytest.mark.subprocess
 def test_the_run_page_fits_a_1280_pixel_screen_and_links_each_window_s_timeline(served):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(served.url + "/")
-            page.wait_for_selector("a[href='#/window/1']", timeout=30_000)
-            # An RL run's windows on object storage: a long URL per window, two roles each
-            # with marks. Long paths and role lists are folded: nothing runs off the edge.
-            st = served.http("GET", "/api/status")[1]
-            marked = two_role_window_marked_on_rollout()["roles"]["gen"]["regression"]
-            for w in st["windows"]:
-                w["trace_dir"] = (
-                    "s3://a_training_bucket/team_post_training/profiles/llama3_70b_instruct_"
-                    "grpo_math_reasoning_v2/experiment_20261203/"
-                    f"run_20261203_101010/window_{w['index']:04d}_steps_6-7"
-                )
-                policy = next(iter(w["roles"].values()))
-                w["roles"]["rollout"] = dict(policy, role="rollout-vllm-engine", regression=marked)
-            js = """st => { const m = document.querySelector("main"); m.replaceChildren();
-                runPage(m, st); const where = m.querySelector("td.where");
-                const link = m.querySelector("a.timeline");
-                return [document.documentElement.scrollWidth, where?.title ?? "",
-                        where?.textContent ?? "", link?.getAttribute("href")]; }"""
-            width, title, shown, href = page.evaluate(js, st)
-            assert width <= 1280, width
-            assert title.endswith("window_0001_steps_6-7") and len(shown) < len(title)
-            assert href == "/api/windows/1/timeline.json.gz"
-            page.goto(served.url + "/#/window/1")
-            page.wait_for_selector("a.timeline", timeout=30_000)
-            assert page.locator("a.timeline").get_attribute("href") == (
-                "/api/windows/1/timeline.json.gz"
+    with chromium_browser() as browser:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(served.url + "/")
+        page.wait_for_selector("a[href='#/window/1']", timeout=30_000)
+        # An RL run's windows on object storage: a long URL per window, two roles each
+        # with marks. Long paths and role lists are folded: nothing runs off the edge.
+        st = served.http("GET", "/api/status")[1]
+        marked = two_role_window_marked_on_rollout()["roles"]["gen"]["regression"]
+        for w in st["windows"]:
+            w["trace_dir"] = (
+                "s3://a_training_bucket/team_post_training/profiles/llama3_70b_instruct_"
+                "grpo_math_reasoning_v2/experiment_20261203/"
+                f"run_20261203_101010/window_{w['index']:04d}_steps_6-7"
             )
-            assert page.evaluate("document.documentElement.scrollWidth") <= 1280
-        finally:
-            browser.close()
+            policy = next(iter(w["roles"].values()))
+            w["roles"]["rollout"] = dict(policy, role="rollout-vllm-engine", regression=marked)
+        js = """st => { const m = document.querySelector("main"); m.replaceChildren();
+            runPage(m, st); const where = m.querySelector("td.where");
+            const link = m.querySelector("a.timeline");
+            return [document.documentElement.scrollWidth, where?.title ?? "",
+                    where?.textContent ?? "", link?.getAttribute("href")]; }"""
+        width, title, shown, href = page.evaluate(js, st)
+        assert width <= 1280, width
+        assert title.endswith("window_0001_steps_6-7") and len(shown) < len(title)
+        assert href == "/api/windows/1/timeline.json.gz"
+        page.goto(served.url + "/#/window/1")
+        page.wait_for_selector("a.timeline", timeout=30_000)
+        assert page.locator("a.timeline").get_attribute("href") == (
+            "/api/windows/1/timeline.json.gz"
+        )
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1280
 
 
 def test_ray_profiler_serve_as_a_user_starts_it(served, ray_session):
@@ -526,3 +528,98 @@ def two_role_window_marked_on_rollout() -> dict:
             "gen": {"role": "rollout", "regression": b},
         },
     }
+
+
+def _open(url: str, headers: dict | None = None):
+    """(status, headers, body) of a GET, without following a redirect's answer's errors."""
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers, r.read(), r.url
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, exc.read(), url
+
+
+def test_perfetto_is_served_from_the_extra_under_its_own_policy(served):
+    import hashlib
+
+    status, viewer = served.http("GET", "/api/viewer")
+    assert status == 200 and viewer == {"perfetto": "/perfetto/", "install": None}
+    status, headers, body, where = _open(served.url + "/perfetto")
+    assert status == 200 and where.endswith("/perfetto/")  # redirected to the UI's folder
+    assert headers["Content-Type"].startswith("text/html") and b"Perfetto UI" in body
+    policy = dict(p.strip().split(" ", 1) for p in headers["Content-Security-Policy"].split(";"))
+    loader = body.split(b'<script type="text/javascript">')[1].split(b"</script>")[0]
+    digest = base64.b64encode(hashlib.sha256(loader).digest()).decode()
+    assert policy["script-src"].split() == [
+        "'self'", "'wasm-unsafe-eval'", f"'sha256-{digest}'"]  # fmt: skip
+    assert policy["default-src"] == "'self'" and policy["object-src"] == "'none'"
+    assert "http" not in policy["connect-src"] and "*" not in headers["Content-Security-Policy"]
+    version = json.loads(body.split(b"data-perfetto_version='")[1].split(b"'")[0])["stable"]
+    status, headers, wasm, _ = _open(f"{served.url}/perfetto/{version}/trace_processor.wasm")
+    assert status == 200 and headers["Content-Type"] == "application/wasm"
+    assert wasm[:4] == b"\0asm"
+    for bad in ("nothing.js", ".hidden", f"{version}/../../../server.py", "%2e%2e/server.py"):
+        assert _open(f"{served.url}/perfetto/{bad}")[0] == 404, bad
+    # the same rules as the rest: a foreign Host is refused
+    assert _open(served.url + "/perfetto/", {"Host": "evil.example"})[0] == 403
+    # where the extra is not installed: 404 saying how to install it, and the pages know
+    saved, served.web.server.perfetto = served.web.server.perfetto, None
+    try:
+        status, body = served.http("GET", "/perfetto/")
+        assert status == 404 and "pip install 'ray-profiler[perfetto]'" in body["error"]
+        status, viewer = served.http("GET", "/api/viewer")
+        assert viewer["perfetto"] is None and "ray-profiler[perfetto]" in viewer["install"]
+    finally:
+        served.web.server.perfetto = saved
+
+
+def _decoded_target(href: str) -> str:
+    """The trace URL a ``/perfetto/#!/?url=...`` link opens."""
+    assert href.startswith("/perfetto/#!/?url="), href
+    return urllib.parse.unquote(href.split("?url=", 1)[1])
+
+
+@pytest.mark.subprocess
+def test_the_served_perfetto_shows_one_process_per_rank_of_a_real_window(served):
+    with chromium_browser() as browser:
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        outside: list[tuple[str, str]] = []  # (url, what became of it): nothing may load
+        context.on("response", lambda r: outside.append((r.url, str(r.status)))
+                   if not r.url.startswith(served.url) else None)  # fmt: skip
+        context.on("requestfailed", lambda r: outside.append((r.url, r.failure or ""))
+                   if not r.url.startswith(served.url) else None)  # fmt: skip
+        page = context.new_page()
+        page.goto(served.url + "/")
+        page.wait_for_selector("a[href='#/window/1']", timeout=30_000)
+        row = page.locator("tr", has=page.locator("a[href='#/window/1']"))
+        href = row.locator("a.perfetto").get_attribute("href")
+        assert _decoded_target(href) == served.url + "/api/windows/1/timeline.json.gz"
+        page.goto(served.url + href)  # the real two-rank window, merged by the server
+        for r in (0, 1):
+            page.get_by_text(f"rank {r} · policy").first.wait_for(timeout=120_000)
+        # one rank's link, from the window page's rank table: that rank alone
+        page.goto(served.url + "/#/window/1")
+        link = page.locator("a.perfetto", has_text="rank 1")
+        link.wait_for(timeout=30_000)
+        href = link.get_attribute("href")
+        assert _decoded_target(href) == (
+            served.url + "/api/windows/1/timeline.json.gz?ranks=1&role=policy"
+        )
+        page.goto(served.url + "/")  # a new document: Perfetto opens the new trace
+        page.goto(served.url + href)
+        page.get_by_text("rank 1 · policy").first.wait_for(timeout=120_000)
+        assert page.get_by_text("rank 0 · policy").count() == 0
+        # Perfetto asks for a Google script: the policy blocks it, nothing else is tried
+        assert all(what == "csp" for _, what in outside), outside
+        # without the extra, the links download the trace and the page says how to get it
+        js = """() => { state.viewer = { perfetto: null, install: "pip install x" };
+            const m = document.querySelector("main"); m.replaceChildren();
+            runPage(m, state.status);
+            return [m.querySelector("a.perfetto").getAttribute("href"),
+                    m.querySelector("#perfetto-hint").textContent]; }"""
+        page.goto(served.url + "/")
+        page.wait_for_selector("a[href='#/window/1']", timeout=30_000)
+        href, hint = page.evaluate(js)
+        assert href.startswith("/api/windows/") and href.endswith("/timeline.json.gz")
+        assert "pip install x" in hint and "ui.perfetto.dev" in hint

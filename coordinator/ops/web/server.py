@@ -25,7 +25,7 @@ from aiohttp import web
 
 from coordinator.core.phases import EXACT_STEPS
 from coordinator.core.timeline import DEFAULT_MAX_EVENTS
-from coordinator.ops.web import auth
+from coordinator.ops.web import auth, perfetto
 from coordinator.ops.web.params import (
     MAX_BODY_BYTES,
     BadRequest,
@@ -137,6 +137,9 @@ class WebServer:
         self.hosts = auth.allowed_hosts(host, port)
         self.open_reads = auth.is_loopback(host)
         self.static = resources.files("coordinator.ops.web") / "static"
+        self.perfetto = perfetto.ui_dir()
+        index = self.perfetto / "index.html" if self.perfetto else None
+        self.perfetto_policy = perfetto.policy(index.read_bytes()) if index else None
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -146,6 +149,9 @@ class WebServer:
         r.add_get("/", self.page)
         r.add_get("/login", self.login)
         r.add_get("/static/{path:.+}", self.static_file)
+        r.add_get("/perfetto", self.perfetto_root)
+        r.add_get(perfetto.PREFIX + "{path:.*}", self.perfetto_file)
+        r.add_get("/api/viewer", self.viewer)
         r.add_get("/api/status", self.status)
         r.add_get("/api/windows/{window}/kernels", self.kernels)
         r.add_get("/api/windows/{window}/stragglers", self.stragglers)
@@ -201,6 +207,8 @@ class WebServer:
         response.headers.setdefault(
             "Content-Security-Policy", "default-src 'self'; img-src 'self' data:"
         )
+        response.headers.setdefault("Referrer-Policy", "no-referrer")
+        response.headers.setdefault("X-Frame-Options", "SAMEORIGIN")
         return response
 
     # ------------------------------------------------------------------ pages
@@ -232,6 +240,31 @@ class WebServer:
         kind = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
         ext = os.path.splitext(parts[-1])[1]
         return web.Response(body=node.read_bytes(), content_type=kind.get(ext, "text/plain"))
+
+    async def perfetto_root(self, request: web.Request) -> web.StreamResponse:
+        raise web.HTTPFound(perfetto.PREFIX)
+
+    async def perfetto_file(self, request: web.Request) -> web.StreamResponse:
+        """Perfetto's UI (``/perfetto/``, from the ``perfetto`` extra), under its own, documented
+        security policy; 404 with how to install it when it is not installed."""
+        if self.perfetto is None or self.perfetto_policy is None:
+            raise NotFound(f"Perfetto's UI is not installed here: {perfetto.INSTALL}")
+        path = perfetto.file_in(self.perfetto, request.match_info["path"])
+        if path is None:
+            raise NotFound("no such file")
+        headers = {
+            "Content-Type": perfetto.content_type(path),
+            "Content-Security-Policy": self.perfetto_policy,
+        }
+        if path.name != "index.html":  # the build's files, under their version's folder
+            headers["Cache-Control"] = "private, max-age=3600"
+
+        return web.FileResponse(path, headers=headers)
+
+    async def viewer(self, request: web.Request) -> web.StreamResponse:
+        """Where the pages open traces: the served Perfetto, or None and how to install it."""
+        served = perfetto.PREFIX if self.perfetto is not None else None
+        return reply({"perfetto": served, "install": None if served else perfetto.INSTALL})
 
     # -------------------------------------------------------------------- API
 

@@ -4,7 +4,7 @@
 
 const POLL_MS = 2000;
 const state = { token: sessionStorage.getItem("rayProfilerToken") || "", status: null,
-                charts: [], route: null, shown: null };
+                charts: [], route: null, shown: null, viewer: { perfetto: null, install: null } };
 
 // ------------------------------------------------------------------ helpers
 
@@ -94,6 +94,22 @@ function folded(path) {
   return "…/" + path.replace(/\/+$/, "").split("/").slice(-2).join("/");
 }
 
+// A merged timeline (``path``: this server's timeline.json.gz URL) opened in the Perfetto this
+// server serves; where it serves none, the download itself, and how to get Perfetto here.
+function traceLink(path, text, title) {
+  const ui = state.viewer.perfetto;
+  if (!ui) return el("a", { href: path, class: "perfetto download", title:
+    `download, then open it at https://ui.perfetto.dev; to serve Perfetto here: ${state.viewer.install}` }, text);
+  const url = `${ui}#!/?url=${encodeURIComponent(location.origin + path)}`;
+  return el("a", { href: url, class: "perfetto", target: "_blank", rel: "noopener", title }, text);
+}
+
+function perfettoHint() {
+  return state.viewer.perfetto ? null : el("p", { class: "muted", id: "perfetto-hint" },
+    `Perfetto is not served here: timelines download instead (open them at https://ui.perfetto.dev). ` +
+    `To view them here, with no internet: ${state.viewer.install}, then restart ray-profiler serve.`);
+}
+
 function marksText(w) {
   const parts = Object.values(w.roles || {});
   const texts = parts.map(p => [p.role, regressionText(p.regression)]).filter(([, t]) => t);
@@ -136,11 +152,15 @@ function runPage(main, st) {
          ? el("span", { class: "pills" }, Object.values(w.roles || {}).map(p =>
              el("a", { href: `/api/windows/${w.index}/traces.tar.gz?role=${encodeURIComponent(p.role)}` },
                 `${p.role}.tar.gz`)),
+             traceLink(`/api/windows/${w.index}/timeline.json.gz`, "Perfetto",
+                       "every rank of the window on one timeline, in Perfetto"),
              el("a", { href: `/api/windows/${w.index}/timeline.json.gz`, class: "timeline",
-                       title: "every rank of the window in one trace, for Perfetto" }, "timeline")) : "" },
+                       title: "every rank of the window in one trace (.json.gz)" }, "timeline")) : "" },
      { label: "where", cls: "where", get: w => w.trace_dir ? folded(w.trace_dir) : w.reason ?? "",
        title: w => w.trace_dir ?? null }],
     st.windows.slice().reverse()));
+  const hint = perfettoHint();
+  if (hint) main.append(hint);
   if (st.stalls.length) {
     main.append(el("p", {}, el("a", { href: "#/stalls", class: "error" },
       `${st.stalls.length} stall(s): see Stalls`)));
@@ -163,9 +183,13 @@ async function windowPage(main, index, role, by) {
     main.append(el("p", {}, "traces: ", el("a", { href: `/api/windows/${index}/traces.tar.gz` +
       `?role=${encodeURIComponent(ks.role ?? "policy")}` }, "download every rank's trace (.tar.gz)"),
       el("span", { class: "muted" }, " then open one rank's file at https://ui.perfetto.dev (Open trace file)")));
-    main.append(el("p", {}, "timeline: ", el("a", { href: `/api/windows/${index}/timeline.json.gz`,
-      class: "timeline" }, "every rank of every role in one trace (.json.gz)"),
-      el("span", { class: "muted" }, " open it in Perfetto: one process per rank, on one clock")));
+    main.append(el("p", {}, "timeline: ",
+      traceLink(`/api/windows/${index}/timeline.json.gz`, "every rank of every role in Perfetto",
+                "one process per rank, on one clock"), " · ",
+      el("a", { href: `/api/windows/${index}/timeline.json.gz`, class: "timeline" },
+         "download it (.json.gz)")));
+    const hint = perfettoHint();
+    if (hint) main.append(hint);
     const part = Object.values(entry.roles || {}).find(p => p.role === (ks.role ?? "policy"));
     const mark = regressionText(part ? part.regression : null);
     if (mark) main.append(el("p", { class: "slower" }, mark));
@@ -260,7 +284,9 @@ function stragglers(main, ks) {
      { label: "compute x", get: r => num(r.compute_ratio, 2), num: true },
      { label: "comm share", get: r => pct(r.comm_share), num: true },
      { label: "flagged", get: r => r.flagged ? "straggler" : "" },
-     { label: "launch-bound steps", get: r => (r.launch_bound || []).join(", ") }],
+     { label: "launch-bound steps", get: r => (r.launch_bound || []).join(", ") },
+     { label: "trace", get: r => traceLink(`/api/windows/${ks.window}/timeline.json.gz?ranks=${r.rank}` +
+         `&role=${encodeURIComponent(ks.role ?? "policy")}`, `rank ${r.rank}`, `rank ${r.rank}'s trace in Perfetto`) }],
     rows, r => r.flagged ? "flagged" : null));
   main.append(el("h2", {}, "Step time per rank (ms)"));
   chart(main, { type: "bar", data: { labels: rows.map(r => `rank ${r.rank}`),
@@ -425,4 +451,11 @@ async function poll() {
 }
 
 window.addEventListener("hashchange", () => render());
-poll().then(() => setInterval(poll, POLL_MS));
+async function start() {
+  const res = await api("/api/viewer");
+  if (res.ok) state.viewer = res.body;
+  await poll();
+  setInterval(poll, POLL_MS);
+}
+
+start();
