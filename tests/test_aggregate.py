@@ -65,6 +65,28 @@ def test_per_rank_values_and_dropping_them():
     assert agg.to_dict(5, per_rank=True)["per_rank"] is None
 
 
+def test_each_rank_s_steps_are_kept_for_the_step_strip_and_survive_a_checkpoint():
+    import pickle
+
+    agg = WindowAggregate(0)
+    agg.add(summary(0, [("a", 1.0, 1)], steps_us=(1000.0, 1500.0)))
+    agg.add(summary(1, [("a", 1.0, 1)], steps_us=(1200.0, 4000.0)))
+    strip = {0: [[4, 1.0], [5, 1.5]], 1: [[4, 1.2], [5, 4.0]]}
+    assert agg.to_dict(5, per_rank=True)["rank_steps"] == strip
+    assert agg.to_dict(5)["rank_steps"] is None  # only with the per-rank views
+    restored = pickle.loads(pickle.dumps(agg))
+    assert restored.step_strip() == strip
+    agg.drop_detail()  # the per-rank kernel values go; the step times are small and stay
+    assert agg.to_dict(5, per_rank=True)["rank_steps"] == strip
+    older = WindowAggregate(0)  # a checkpoint from before the step times were kept
+    state = agg.__getstate__()
+    del state["rank_steps"]
+    older.__setstate__(state)
+    assert older.step_strip() == {}
+    older.add(summary(2, [("a", 1.0, 1)], steps_us=(900.0,)))
+    assert older.step_strip() == {2: [[4, 0.9]]}
+
+
 def test_stragglers_are_flagged_against_the_median():
     agg = WindowAggregate(0)
     for rank, kernel_us, step_us in ((0, 100.0, 1000.0), (1, 110.0, 1000.0), (2, 300.0, 1500.0)):

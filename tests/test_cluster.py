@@ -266,6 +266,12 @@ def test_capture_requested_from_another_process_while_training(head, tmp_path):
         assert strag.returncode == 0 and "x median" in strag.stdout
         watch = cli(head, "watch", "--count", "2", "--interval", "0.2")
         assert watch.returncode == 0 and watch.stdout.count("global step") == 2
+        # above the status, the step time over the run with its windows (a capture: c)
+        assert watch.stdout.count("step time, steps 0-") == 2, watch.stdout
+        bands = [ln for ln in watch.stdout.splitlines() if ln.startswith("  windows  ")]
+        assert len(bands) == 2 and all(set(b[10:]) == {" ", "c"} for b in bands), watch.stdout
+        bare = cli(head, "watch", "--count", "1", "--no-chart")
+        assert bare.returncode == 0 and "step time" not in bare.stdout
         assert "\x1b" not in watch.stdout  # into a pipe: plain text, no escape codes
         human = cli(head, "status")
         assert human.returncode == 0 and "phase" in human.stdout and "capture" in human.stdout

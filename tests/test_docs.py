@@ -113,6 +113,8 @@ def test_public_entry_points_say_what_they_take_return_and_raise(module, name):
         "coordinator.core.config",
         "coordinator.core.validate",
         "coordinator.core.timeline",
+        "coordinator.core.step_series",
+        "coordinator.ops.run_chart",
         "coordinator.client.attach",
         "trainers.hooks",
     ],

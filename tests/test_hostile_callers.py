@@ -58,6 +58,7 @@ METHODS = {
     "ping": 0,
     "stacks": 6,
     "phase_times": 3,
+    "step_series": 2,
     "kernel_diff": 6,
     "pin_baseline": 1,
 }

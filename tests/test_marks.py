@@ -211,14 +211,14 @@ def test_one_window_beyond_its_bar_is_a_suspect_and_two_in_a_row_are_marked():
 
 
 def test_the_status_text_names_the_role_whose_window_was_marked():
-    from coordinator.ops.tables import _marks_lines
+    from coordinator.ops.tables import marks_lines
     from tests.test_web import two_role_window_marked_on_rollout
 
     w = two_role_window_marked_on_rollout()
-    lines = _marks_lines(w)
+    lines = marks_lines(w)
     assert len(lines) == 1 and lines[0].startswith("rollout: SLOWER than windows 0-7 (8): aten::mm")
     w["roles"].pop("t")  # one role: not named
-    assert _marks_lines(w)[0].startswith("SLOWER than windows 0-7 (8): aten::mm x1.5")
+    assert marks_lines(w)[0].startswith("SLOWER than windows 0-7 (8): aten::mm x1.5")
 
 
 def test_a_marked_kernel_stays_marked_while_it_stays_past_the_threshold():

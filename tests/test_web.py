@@ -363,6 +363,24 @@ def chromium_browser():
             browser.close()
 
 
+def screenshot(page, tmp_path, name: str) -> None:
+    """A full-page screenshot in ``tmp_path``; also in ``$RAY_PROFILER_DOCS_IMG`` when set
+    (``docs/img/screenshot.py`` remakes the docs' images from these real runs)."""
+    page.screenshot(path=str(tmp_path / name), full_page=True)
+    assert (tmp_path / name).stat().st_size > 20_000
+    if os.environ.get("RAY_PROFILER_DOCS_IMG"):
+        shutil.copy(tmp_path / name, os.path.join(os.environ["RAY_PROFILER_DOCS_IMG"], name))
+
+
+def wait_js(page, expression: str, timeout_s: float) -> None:
+    """Until ``expression`` is true in the page. (Playwright's ``wait_for_function`` polls with
+    ``eval``, which the pages' security policy refuses.)"""
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"not true in {timeout_s} s: {expression}"
+        time.sleep(0.1)
+
+
 def test_the_pages_in_a_real_browser(served, tmp_path):
     with chromium_browser() as browser:
         page = browser.new_page(viewport={"width": 1400, "height": 2200})
@@ -377,14 +395,14 @@ def test_the_pages_in_a_real_browser(served, tmp_path):
         page.goto(served.url + "/#/window/1")
         page.wait_for_selector("text=aten::addmm", timeout=30_000)
         page.wait_for_selector("text=Rank x top kernel")
-        assert page.locator("canvas").count() == 4  # spread, heat map, breakdown, steps
+        assert page.locator("canvas").count() == 5  # spread, heat map, breakdown, steps, strip
         page.screenshot(path=str(tmp_path / "window.png"), full_page=True)
         assert (tmp_path / "window.png").stat().st_size > 20_000
         # the op table's route (a CPU window: the op table is the kernel table)
         page.click("#by-op")
         page.wait_for_function("location.hash.endsWith('/policy/op')")
         page.wait_for_selector("text=aten::addmm", timeout=30_000)
-        assert page.locator("canvas").count() == 4
+        assert page.locator("canvas").count() == 5
         # captures: refused without the token, accepted with it, then cancelled
         page.goto(served.url + "/#/captures")
         page.fill("input[name=start_step]", "200000")
@@ -581,7 +599,7 @@ def _decoded_target(href: str) -> str:
 
 
 @pytest.mark.subprocess
-def test_the_served_perfetto_shows_one_process_per_rank_of_a_real_window(served):
+def test_the_served_perfetto_shows_one_process_per_rank_of_a_real_window(served, tmp_path):
     with chromium_browser() as browser:
         context = browser.new_context(viewport={"width": 1280, "height": 900})
         outside: list[tuple[str, str]] = []  # (url, what became of it): nothing may load
@@ -598,6 +616,8 @@ def test_the_served_perfetto_shows_one_process_per_rank_of_a_real_window(served)
         page.goto(served.url + href)  # the real two-rank window, merged by the server
         for r in (0, 1):
             page.get_by_text(f"rank {r} · policy").first.wait_for(timeout=120_000)
+        page.wait_for_timeout(1_000)  # the overview's first paint
+        screenshot(page, tmp_path, "perfetto.png")
         # one rank's link, from the window page's rank table: that rank alone
         page.goto(served.url + "/#/window/1")
         link = page.locator("a.perfetto", has_text="rank 1")
@@ -623,3 +643,107 @@ def test_the_served_perfetto_shows_one_process_per_rank_of_a_real_window(served)
         href, hint = page.evaluate(js)
         assert href.startswith("/api/windows/") and href.endswith("/timeline.json.gz")
         assert "pip install x" in hint and "ui.perfetto.dev" in hint
+
+
+@pytest.mark.subprocess
+def test_the_run_page_charts_the_step_time_with_its_windows_and_its_stall(served, tmp_path):
+    with chromium_browser() as browser:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(served.url + "/")
+        drawn = "document.getElementById('run-chart')?.chart?.$bands?.length === 2"
+        wait_js(page, drawn, 30)
+        chart = "document.getElementById('run-chart').chart"
+        bands = page.evaluate(f"{chart}.$bands")
+        assert [(b["index"], b["kind"], b["marked"]) for b in bands] == [
+            (0, "scheduled", False), (1, "scheduled", False)]  # fmt: skip
+        assert bands[0]["x1"] < bands[1]["x0"]  # steps 2-3, then 6-7
+        assert [(s["index"], s["step"]) for s in page.evaluate(f"{chart}.$stalls")] == [(1, 7)]
+        # what is drawn is what the trainer's clock measured, region by region
+        sets = page.evaluate(f"{chart}.data.datasets.map(d => [d.label, d.data])")
+        by_label = dict(sets)
+        sent = {k: regions for k, _, regions in served.phases}
+        assert [p["y"] for p in by_label["train"]] == pytest.approx(
+            [sent[k]["train"] * 1e3 for k in range(8)], abs=0.01
+        )
+        assert "policy (windows, mean over ranks)" in by_label
+        screenshot(page, tmp_path, "run.png")
+        # a click on a band opens its window
+        box = page.locator("#run-chart canvas").bounding_box()
+        area = page.evaluate(f"{chart}.chartArea")
+        mid = (bands[1]["x0"] + bands[1]["x1"]) / 2
+        page.mouse.click(box["x"] + mid, box["y"] + (area["top"] + area["bottom"]) / 2)
+        wait_js(page, "location.hash === '#/window/1'", 10)
+        page.wait_for_selector("text=Top kernels", timeout=30_000)
+        # a 100,000-step run with a window every 1,000 steps and a stall: 1,000 points drawn
+        page.goto(served.url + "/")
+        wait_js(page, drawn, 30)
+        js = """c => { const box = document.getElementById('run-chart');
+            const t0 = performance.now(); const made = drawRunChart(box, c);
+            return [performance.now() - t0, made.$bands.length, made.$stalls.length,
+                    made.data.datasets[0].data.length]; }"""
+        ms, nbands, nstalls, npoints = page.evaluate(js, long_run_chart())
+        assert (nbands, nstalls, npoints) == (100, 1, 1_000)
+        print(f"a 100,000-step run drawn in {ms:.0f} ms")
+    assert errors == []
+
+
+def long_run_chart() -> dict:
+    """The chart of a 100,000-step run (tests/test_run_chart.py's), a 2-step window every
+    1,000 steps, a stall at step 50,000."""
+    from coordinator.core.step_series import step_series
+    from coordinator.ops.run_chart import run_chart
+    from tests.test_run_chart import long_run, status, window
+
+    stall = {"index": 1, "trainer_id": "t", "last_step": 50_000, "resumed_step": None,
+             "detected_at": 0.0, "resumed_at": None}  # fmt: skip
+    wins = [window(i, 1_000 * i + 500, 1_000 * i + 501) for i in range(100)]
+    return run_chart(step_series(long_run(), points=1_000), status(wins, [stall]))
+
+
+@pytest.mark.subprocess
+def test_the_window_page_strips_every_rank_s_steps_and_pages_many_ranks(served):
+    status, ks = served.http("GET", "/api/windows/1/kernels?per_rank=true&top_k=1")
+    assert status == 200 and set(ks["rank_steps"]) == {"0", "1"}
+    assert [s for s, _ in ks["rank_steps"]["0"]] == [6, 7]
+    with chromium_browser() as browser:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(served.url + "/#/window/1")
+        wait_js(page, "document.getElementById('step-strip')?.$strip !== undefined", 30)
+        strip = page.evaluate("document.getElementById('step-strip').$strip")
+        assert strip["ranks"] == [0, 1] and strip["pages"] == 1
+        # the spans drawn are each rank's recorded steps, laid end to end
+        drawn = page.evaluate(
+            "document.getElementById('step-strip').chart.data.datasets.map(d => d.data)"
+        )
+        for i, rank in enumerate((0, 1)):
+            (_, a), (_, b) = ks["rank_steps"][str(rank)]
+            assert drawn[0][i] == pytest.approx([0, a]) and drawn[1][i] == pytest.approx([a, a + b])
+        # 100 ranks, rank 57 slow at step 3: pages of 32, and the slow rank and step named
+        many = {str(r): [[2, 10.0], [3, 30.0 if r == 57 else 10.0], [4, 10.0]] for r in range(100)}
+        js = """rs => { const holder = document.getElementById('step-strip');
+            drawStrip(holder, stripModel({ rank_steps: rs, stragglers: { threshold: 1.25 } }), 0);
+            return holder.$strip; }"""
+        strip = page.evaluate(js, many)
+        assert (strip["pages"], strip["ranks"], strip["slowRank"]) == (4, list(range(32)), 57)
+        assert strip["slow"] == ["57/3"] and strip["slowStep"] == 3
+        text = page.inner_text("#step-strip")
+        assert "slowest rank 57: 50.0 ms" in text and "step 3 on rank 57, 30.0 ms (x3.00" in text
+        page.click("#strip-slowest")
+        strip = page.evaluate("document.getElementById('step-strip').$strip")
+        assert strip["page"] == 1 and 57 in strip["ranks"]
+        colours = page.evaluate(
+            "document.getElementById('step-strip').chart.data.datasets[1].backgroundColor"
+        )
+        assert colours[strip["ranks"].index(57)] == "#e15759"
+        assert colours.count("#e15759") == 1
+        if os.environ.get("RAY_PROFILER_DOCS_IMG"):
+            page.locator("#step-strip").screenshot(
+                path=os.path.join(os.environ["RAY_PROFILER_DOCS_IMG"], "strip.png")
+            )
+        page.click("#strip-next")
+        page.click("#strip-next")
+        strip = page.evaluate("document.getElementById('step-strip').$strip")
+        assert strip["page"] == 3 and strip["ranks"] == list(range(96, 100))
+        assert page.is_disabled("#strip-next") and not page.is_disabled("#strip-prev")

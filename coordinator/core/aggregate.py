@@ -50,7 +50,8 @@ CHEAP_RANKS = 256
 STEP_ROWS, STEP_BLOCKS, STEP_RANKS = 1024, 32, 256
 """A partial's rows, detail blocks and ranks folded in one step (each a few ms)."""
 _SNAPSHOT_COPIES = (
-    *("_folding", "_torn", "devices", "rank_totals", "rank_step_ms", "step_ms_sum"),
+    *("_folding", "_torn", "devices", "rank_totals", "rank_step_ms", "rank_steps"),
+    "step_ms_sum",
     *("step_ranks", "rank_dropped", "bad_ranks", "breakdowns", "streams", "peak_bytes"),
 )
 """What a snapshot copies (the rest it shares: per-rank values are only ever appended to)."""
@@ -100,6 +101,7 @@ class WindowAggregate:
         self.devices: set[str] = set()
         self.rank_totals: dict[int, float] = {}
         self.rank_step_ms: dict[int, float] = {}  # mean step time
+        self.rank_steps: dict[int, tuple[tuple[int, float], ...]] = {}  # (step, ms) each
         self.step_ms_sum: dict[int, float] = {}  # global step -> its time summed over ranks
         self.step_ranks: dict[int, int] = {}  # global step -> the ranks that timed it
         self._stragglers: tuple[tuple[int, float], Stragglers] | None = None
@@ -172,6 +174,7 @@ class WindowAggregate:
         step_us = self.gpu.step_times(part)
         if step_us:
             self.rank_step_ms[rank] = statistics.fmean(us for _, us in step_us) / 1e3
+            self.rank_steps[rank] = tuple((step, us / 1e3) for step, us in step_us)
             sums, counts = self.step_sums()
             for step, us in step_us:
                 sums[step] = sums.get(step, 0.0) + us / 1e3
@@ -208,6 +211,7 @@ class WindowAggregate:
         the table; a summary sent again would count them twice)."""
         self.__dict__.update(state, _folding=set())
         self.__dict__.setdefault("gpu", DeviceFigures())  # (a checkpoint from before)
+        self.__dict__.setdefault("rank_steps", {})  # (one from before they were kept)
         self.__dict__.setdefault("_torn", set()).update(state.get("_folding", ()))
         for rank in state.get("_folding", ()):
             self.bad_ranks[rank] = TORN
@@ -367,7 +371,13 @@ class WindowAggregate:
             "launch": self.gpu.launches(),
             "unattributed_us": dict(sorted(self.gpu.unattributed.items())),
             "device_steps": self.gpu.device_steps(),
+            "rank_steps": self.step_strip() if per_rank else None,
         }
+
+    def step_strip(self) -> dict[int, list[list[float]]]:
+        """Each rank's recorded steps, ``[step, ms]``: the times its stragglers are judged by
+        (a CUDA rank's device span per step, else its CPU step)."""
+        return {int(r): [[s, ms] for s, ms in self.rank_steps[r]] for r in sorted(self.rank_steps)}
 
 
 def _partial_steps(agg: WindowAggregate, p: NodePartial) -> Steps[list[int] | None]:
@@ -452,6 +462,7 @@ def empty_summary() -> KernelSummaryReply:
         "launch": {},
         "unattributed_us": {},
         "device_steps": {},
+        "rank_steps": None,
     }
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any
@@ -242,9 +243,11 @@ def _steering_commands(command: Command) -> None:
     serve = command("serve", "web pages and a JSON API for this coordinator (token for changes)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     serve.add_argument("--port", type=int, default=8270)
-    watch = command("watch", "a refreshing status view")
+    watch = command("watch", "the step time over the run and the status, refreshed")
     watch.add_argument("--interval", type=float, default=2.0)
     watch.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+    chart_help = "leave out the step time over the run (its windows and stalls)"
+    watch.add_argument("--no-chart", dest="chart", action="store_false", help=chart_help)
 
 
 def connect(address: str, namespace: str, name: str) -> Any:
@@ -425,17 +428,27 @@ def watch(h: Any, args: argparse.Namespace) -> None:
     n = 0
     while True:
         st = call(h, "status")
+        text = render_status(st)
+        if args.chart and not args.json:
+            text = "\n".join([*_chart_lines(h, st), "", text])
         if args.json:
             print(json.dumps(st), flush=True)
         elif tty:
-            frame = time.strftime("%H:%M:%S  ") + render_status(st)
-            print("\033[H\033[J" + frame, flush=True)
+            print("\033[H\033[J" + time.strftime("%H:%M:%S  ") + text, flush=True)
         else:
-            print(f"--- {time.strftime('%H:%M:%S')}\n{render_status(st)}\n", flush=True)
+            print(f"--- {time.strftime('%H:%M:%S')}\n{text}\n", flush=True)
         n += 1
         if args.count and n >= args.count:
             break
         time.sleep(args.interval)
+
+
+def _chart_lines(h: Any, st: Any) -> list[str]:
+    """The step time over the run as text, as wide as the terminal (``watch``)."""
+    from coordinator.ops.run_chart import render_chart, run_chart
+
+    width = max(20, shutil.get_terminal_size((100, 24)).columns - 12)
+    return render_chart(run_chart(call(h, "step_series", points=width * 4), st), width=width)
 
 
 def capture(h: Any, args: argparse.Namespace) -> int:

@@ -61,7 +61,7 @@ def render_status(st: StatusReply) -> str:
             )
             if (t := w["trigger"]) is not None:
                 lines.append(f"{'':>6} {'':<9} why: {trigger_text(t)}")
-            lines += [f"{'':>6} {'':<9} {text}" for text in _marks_lines(w)]
+            lines += [f"{'':>6} {'':<9} {text}" for text in marks_lines(w)]
     if st["previous_runs"]:
         lines += ["", "earlier runs (ray-profiler top --run NAME):"]
         for p in st["previous_runs"]:
@@ -373,7 +373,7 @@ def _span(steps: list[int]) -> str:
     return "-".join(map(str, steps)) if steps else "?"
 
 
-def _marks_lines(w: Any) -> list[str]:
+def marks_lines(w: Any) -> list[str]:
     """Each role's marks of a window, a line each (the role named when there are several)."""
     parts = [p for p in (w.get("roles") or {}).values() if p.get("regression")]
     if not parts:  # (a reply from before marks were per role)

@@ -575,6 +575,7 @@ class KernelSummaryReply(TypedDict):
     launch: dict[int, LaunchEntry]  # CUDA ranks' launches
     unattributed_us: dict[int, float]  # CUDA: device time launched outside the window's steps
     device_steps: dict[int, list[list[float]]]  # CUDA: [step, busy_us, span_us] per step
+    rank_steps: dict[int, list[list[float]]] | None  # with per_rank: [step, ms] per rank
 
 
 class PhaseStep(TypedDict):
@@ -625,6 +626,31 @@ class PhaseTimesReply(TypedDict):
     steps_seen: int
     exact_steps: int
     ignored: int
+
+
+class StepPoint(TypedDict):
+    """A span of steps in a ``StepSeriesReply``: their mean step time and each region's mean
+    (ms, over the steps the span holds), and its slowest step."""
+
+    first: int
+    last: int
+    steps: int  # the steps reported in it (a gap in the reports leaves fewer than its width)
+    mean_ms: float
+    max_ms: float
+    max_step: int
+    regions: dict[str, float]
+
+
+class StepSeriesReply(TypedDict):
+    """``step_series()``: the stepping trainer's step time over the run, in at most ``points``
+    spans of ``width`` steps each (``coordinator/core/step_series.py``)."""
+
+    run: str
+    trainer_id: str | None
+    steps_seen: int
+    width: int
+    regions: list[str]
+    points: list[StepPoint]
 
 
 class KernelChange(TypedDict):

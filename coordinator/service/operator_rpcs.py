@@ -4,11 +4,13 @@ part of the actor (``stacks``, ``readers``, ``diffs``)."""
 
 from __future__ import annotations
 
+from coordinator.core.step_series import DEFAULT_POINTS
 from coordinator.protocol.replies import (
     BaselineReply,
     KernelDiffReply,
     PhaseTimesReply,
     StacksReply,
+    StepSeriesReply,
 )
 from coordinator.service.diffs import Diffs
 from coordinator.service.readers import Readers
@@ -63,6 +65,21 @@ class OperatorRPCs:
             [(r["region"], r["mean_ms"], r["share"]) for r in pt["regions"]]
         """
         return await self._readers.phase_times(last, run, buckets)
+
+    async def step_series(
+        self, points: int = DEFAULT_POINTS, run: str | None = None
+    ) -> StepSeriesReply:
+        """The stepping trainer's step time over the whole run, for a chart: at most ``points``
+        (1..5000) spans of equal width, each its mean step time, its regions' means and its
+        slowest step (from what ``phase_times`` keeps: every step of the last 10,000, and 100-step
+        buckets before them); ``run``: an earlier run. A ``StepSeriesReply``.
+
+        Example::
+
+            s = ray.get(h.step_series.remote(points=500))
+            [(p["first"], p["last"], p["mean_ms"], p["max_ms"]) for p in s["points"]]
+        """
+        return await self._readers.step_series(points, run)
 
     async def kernel_diff(
         self,

@@ -19,6 +19,7 @@ from coordinator.core.phases import EXACT_STEPS, MAX_BUCKETS
 from coordinator.core.roles import trainer_of_role
 from coordinator.core.run import Run
 from coordinator.core.state import kernel_summary, pick_window, rank_counts, with_window
+from coordinator.core.step_series import MAX_POINTS, step_series
 from coordinator.core.validate import is_int, is_number, role_problem, trainer_id_problem
 from coordinator.protocol.replies import (
     KernelSummaryReply,
@@ -29,6 +30,7 @@ from coordinator.protocol.replies import (
     RanksPage,
     RoleWindow,
     StatusReply,
+    StepSeriesReply,
     WaitWindowReply,
     WindowEntry,
 )
@@ -49,6 +51,7 @@ class Readers:
 
     def __init__(self, shell: CoordinatorShell) -> None:
         self.shell = shell
+        self._series: tuple[tuple[str, int, int], StepSeriesReply] | None = None
 
     async def status(self, ranks: str = "summary") -> StatusReply:
         if ranks not in ("summary", "all"):
@@ -248,6 +251,17 @@ class Readers:
         return self.shell.phases.log(found.name).reply(
             last, buckets, found.name, found.state.stepping_trainer
         )
+
+    async def step_series(self, points: Any, run: Any) -> StepSeriesReply:
+        if not is_int(points) or not 1 <= points <= MAX_POINTS:
+            raise ValueError(f"points must be an int in 1..{MAX_POINTS}, got {points!r:.80}")
+        found = self._run(run)
+        log = self.shell.phases.log(found.name)
+        key = (found.name, log.steps_seen, points)
+        if self._series is None or self._series[0] != key:  # one pass per new step at most
+            series = step_series(log, points, found.name, found.state.stepping_trainer)
+            self._series = (key, series)
+        return self._series[1]
 
     async def ping(self) -> PingReply:
         run = self.shell.run

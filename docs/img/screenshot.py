@@ -1,7 +1,13 @@
-"""Remake docs/img/window.png from a real run: a private Ray head, `make demo` joining it (the
-coordinator stays alive), `ray-profiler serve`, then headless Chromium on the window page.
+"""Remake docs/img's screenshots from real runs, in headless Chromium (Debian's chromium).
 
-    .venv/bin/python docs/img/screenshot.py        # about a minute; needs Debian's chromium
+- window.png: a private Ray head, `make demo` joining it (the coordinator stays alive),
+  `ray-profiler serve`, then the window page.
+- run.png, perfetto.png and strip.png: the web tests' real run (2 ranks under torch.profiler,
+  two windows, then stalled after step 7: tests/test_web.py's ``served``): the run page with
+  its chart, the served Perfetto with the merged two-rank window, and the step strip of 100
+  ranks (one slow). The tests write them here when ``RAY_PROFILER_DOCS_IMG`` is set.
+
+    .venv/bin/python docs/img/screenshot.py        # about two minutes
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ def main() -> None:
             except OSError:
                 time.sleep(0.5)
         shoot(url, os.path.join(ROOT, "docs", "img", "window.png"))
+        tests = [PY, "-m", "pytest", "-q", "tests/test_web.py", "-k"]
+        tests += ["charts_the_step_time or perfetto_shows_one_process or strips_every"]
+        img = {"RAY_PROFILER_DOCS_IMG": os.path.join(ROOT, "docs", "img")}
+        subprocess.run(tests, env={**env, **img}, cwd=ROOT, check=True)
     finally:
         if server is not None:
             server.terminate()

@@ -24,7 +24,9 @@ from typing import Any
 from aiohttp import web
 
 from coordinator.core.phases import EXACT_STEPS
+from coordinator.core.step_series import DEFAULT_POINTS, MAX_POINTS
 from coordinator.core.timeline import DEFAULT_MAX_EVENTS
+from coordinator.ops.run_chart import run_chart
 from coordinator.ops.web import auth, perfetto
 from coordinator.ops.web.params import (
     MAX_BODY_BYTES,
@@ -159,6 +161,7 @@ class WebServer:
         r.add_get("/api/windows/{window}/timeline.json.gz", self.timeline)
         r.add_get("/api/diff", self.diff)
         r.add_get("/api/phases", self.phases)
+        r.add_get("/api/chart", self.chart)
         r.add_post("/api/captures", self.capture)
         r.add_delete("/api/captures/{window}", self.cancel)
         return app
@@ -289,6 +292,13 @@ class WebServer:
         q = request.query
         last = int_param(q, "last", 200, 0, EXACT_STEPS)  # the coordinator keeps no more
         return reply(await self.link.call("phase_times", last=last, run=str_param(q, "run")))
+
+    async def chart(self, request: web.Request) -> web.StreamResponse:
+        """The run at a glance (``RunChart``): the step time over the run, at most ``points``
+        spans, with the windows and stalls of the run."""
+        points = int_param(request.query, "points", DEFAULT_POINTS, 1, MAX_POINTS)
+        series = await self.link.call("step_series", points=points)
+        return reply(run_chart(series, await self.link.call("status")))
 
     async def capture(self, request: web.Request) -> web.StreamResponse:
         """A capture's answer: 200 when accepted, 409 with its ``reason`` when refused."""

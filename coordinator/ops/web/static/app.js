@@ -136,18 +136,24 @@ function runPage(main, st) {
      { label: "world", get: t => t.world_size, num: true },
      { label: "steps", get: t => t.advances_step ? "advances the step" : "" }],
     st.trainers));
+  main.append(el("h2", {}, "Step time over the run"));
+  const box = el("div", { class: "chart", id: "run-chart" });
+  main.append(box, el("p", { class: "muted legend" }, "bands: windows (",
+    ...Object.keys(BAND_COLORS).map(k => el("span", { class: `kind-${k}` }, `${k} `)),
+    "), ▼ marked slower, red line: a stall; click a band to open its window"));
+  runChart(box);
   main.append(el("h2", {}, "Windows"));
   if (!st.windows.length) { main.append(el("p", { class: "muted" }, "no closed window yet")); return; }
   main.append(table(
     [{ label: "window", get: w => el("a", { href: `#/window/${w.index}` }, String(w.index)) },
      { label: "kind", get: w => w.kind },
      { label: "steps", get: w => w.steps ? `${w.steps[0]}-${w.steps[1]}` : "(none)" },
-     { label: "roles", get: w => Object.values(w.roles || {}).map(p =>
+     { label: "roles", cls: "roles", get: w => Object.values(w.roles || {}).map(p =>
          `${p.role}: ${p.rank_count} ranks` + (p.busy_ms_per_step !== null
            ? `, ${num(p.busy_ms_per_step, 1)} ms busy/step` : "")).join("; ") },
      { label: "stragglers", get: w => w.stragglers.join(", ") },
      { label: "partial", get: w => w.partial ? "partial" : "" },
-     { label: "regression", get: w => el("span", { class: "slower" }, marksText(w)) },
+     { label: "regression", cls: "marks", get: w => el("span", { class: "slower" }, marksText(w)) },
      { label: "traces", get: w => w.steps && !st.config.export_type.startsWith("none")
          ? el("span", { class: "pills" }, Object.values(w.roles || {}).map(p =>
              el("a", { href: `/api/windows/${w.index}/traces.tar.gz?role=${encodeURIComponent(p.role)}` },
@@ -165,6 +171,100 @@ function runPage(main, st) {
     main.append(el("p", {}, el("a", { href: "#/stalls", class: "error" },
       `${st.stalls.length} stall(s): see Stalls`)));
   }
+}
+
+// ------------------------------------------------------- the run at a glance
+
+const BAND_COLORS = {
+  scheduled: { fill: "rgba(32, 90, 170, 0.16)", line: "#205aaa" },
+  capture: { fill: "rgba(27, 127, 59, 0.18)", line: "#1b7f3b" },
+  auto: { fill: "rgba(214, 120, 0, 0.20)", line: "#b86400" },
+};
+
+// Windows as bands (at least 3 px wide, so a 3-step window shows in a long run), marked
+// windows with a triangle on top, stalls as red lines after their last step. What was drawn
+// is kept on the chart ($bands, $stalls): clicks find the band under them.
+const runBands = { id: "runBands", beforeDatasetsDraw(chart) {
+  const { ctx, chartArea: a, scales: { x } } = chart;
+  const data = chart.config.options.plugins.runBands;
+  chart.$bands = []; chart.$stalls = [];
+  ctx.save();
+  for (const w of data.windows) {
+    const c = BAND_COLORS[w.kind] || BAND_COLORS.scheduled;
+    let x0 = x.getPixelForValue(w.first - 0.5), x1 = x.getPixelForValue(w.last + 0.5);
+    if (x1 - x0 < 3) { const mid = (x0 + x1) / 2; x0 = mid - 1.5; x1 = mid + 1.5; }
+    ctx.fillStyle = c.fill; ctx.fillRect(x0, a.top, x1 - x0, a.bottom - a.top);
+    if (w.marks.length) {
+      ctx.fillStyle = "#b00020"; ctx.beginPath(); const mid = (x0 + x1) / 2;
+      ctx.moveTo(mid - 6, a.top); ctx.lineTo(mid + 6, a.top); ctx.lineTo(mid, a.top + 10); ctx.fill();
+    }
+    chart.$bands.push({ index: w.index, kind: w.kind, x0, x1, marked: w.marks.length > 0 });
+  }
+  ctx.strokeStyle = "#b00020"; ctx.lineWidth = 2; ctx.fillStyle = "#b00020"; ctx.font = "bold 12px sans-serif";
+  for (const s of data.stalls) {
+    if (s.step === null) continue;
+    const px = x.getPixelForValue(s.step + 0.5);
+    ctx.beginPath(); ctx.moveTo(px, a.top); ctx.lineTo(px, a.bottom); ctx.stroke();
+    const label = `stall ${s.index}`, wide = ctx.measureText(label).width;
+    ctx.fillText(label, px + 3 + wide > a.right ? px - 3 - wide : px + 3, a.top + 24);
+    chart.$stalls.push({ index: s.index, step: s.step, x: px });
+  }
+  ctx.restore();
+} };
+
+function bandAt(chart, px) {
+  return (chart.$bands || []).find(b => px >= b.x0 - 2 && px <= b.x1 + 2) || null;
+}
+
+const PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
+                 "#ff9da7", "#9c755f", "#bab0ac"];
+
+function runChartConfig(c) {
+  const s = c.series, mid = p => (p.first + p.last) / 2;
+  let n = 0;
+  const colour = () => PALETTE[n++ % PALETTE.length];
+  const line = (label, get, extra) => { const col = colour(); return Object.assign({ label, type: "line",
+    pointRadius: s.points.length > 60 ? 0 : 2, borderWidth: 1.5, borderColor: col, backgroundColor: col + "99",
+    data: s.points.map(p => ({ x: mid(p), y: get(p) })) }, extra || {}); };
+  const sets = s.regions.length
+    ? [...s.regions.map((n, i) => line(n, p => p.regions[n] ?? 0, { fill: i ? "-1" : "origin", stack: "phases" })),
+       line("(in no region)", p => Math.max(0, p.mean_ms - Object.values(p.regions).reduce((a, b) => a + b, 0)),
+            { fill: "-1", stack: "phases" })]
+    : [line(s.width > 1 ? `step time (mean of ${s.width} steps)` : "step time", p => p.mean_ms, { stack: "mean" })];
+  if (s.width > 1) sets.push(line(`slowest step of each ${s.width}`, p => p.max_ms,
+    { borderDash: [4, 3], stack: "max", borderColor: "#6b7785", backgroundColor: "#6b7785" }));
+  for (const r of c.roles) { const col = colour(); sets.push({ label: `${r.role} (windows, mean over ranks)`,
+    type: "scatter", stack: `role-${r.trainer_id}`, pointRadius: 3, borderColor: col, backgroundColor: col,
+    data: r.steps.map(([k, ms]) => ({ x: k, y: ms })) }); }
+  const first = s.points[0].first, last = s.points[s.points.length - 1].last;
+  return { type: "line", data: { datasets: sets }, plugins: [runBands],
+    options: { parsing: false, normalized: true, interaction: { mode: "nearest", intersect: false },
+      plugins: { runBands: { windows: c.windows, stalls: c.stalls } },
+      scales: { x: { type: "linear", min: first - 0.5, max: last + 0.5, title: { display: true, text: "global step" },
+                     ticks: { callback: v => Number.isInteger(v) ? v : "" } },
+                y: { stacked: true, beginAtZero: true, title: { display: true, text: "ms" } } },
+      onClick: (ev, _els, chart) => { const b = bandAt(chart, ev.x); if (b) location.hash = `#/window/${b.index}`; } } };
+}
+
+async function runChart(box) {
+  const res = await api("/api/chart?points=1000");
+  if (!res.ok) { box.replaceWith(el("p", { class: "error" }, `chart: ${res.status} ${res.body?.error ?? ""}`)); return; }
+  if (!res.body.series.points.length) {
+    box.replaceWith(el("p", { class: "muted", id: "run-chart" }, "no step time reported yet"));
+    return;
+  }
+  drawRunChart(box, res.body);
+}
+
+function drawRunChart(box, c) {
+  const canvas = el("canvas", {});
+  box.replaceChildren(canvas);
+  const config = runChartConfig(c);
+  config.options = Object.assign({ responsive: true, maintainAspectRatio: false, animation: false }, config.options);
+  const made = new Chart(canvas, config);
+  state.charts.push(made);
+  box.chart = made;
+  return made;
 }
 
 async function windowPage(main, index, role, by) {
@@ -218,7 +318,88 @@ async function windowPage(main, index, role, by) {
   breakdown(main, ks);
   launches(main, ks);
   stragglers(main, ks);
+  stepStrip(main, ks);
   memory(main, ks);
+}
+
+// ------------------------------------------- the cross-rank step strip
+
+const STRIP_RANKS = 32;  // ranks a page
+
+function median(xs) {
+  const v = xs.slice().sort((a, b) => a - b), n = v.length;
+  return n ? (n % 2 ? v[(n - 1) / 2] : (v[n / 2 - 1] + v[n / 2]) / 2) : 0;
+}
+
+// Each rank's recorded steps laid end to end (ms from its first recorded step), the slowest
+// rank (the longest row) and step (the largest median), and each cell over the straggler
+// threshold times its step's median.
+function stripModel(ks) {
+  const rs = ks.rank_steps || {}, threshold = ks.stragglers?.threshold ?? 1.25;
+  const ranks = Object.keys(rs).map(Number).sort((a, b) => a - b);
+  const steps = [...new Set(ranks.flatMap(r => rs[r].map(([s]) => s)))].sort((a, b) => a - b);
+  const med = Object.fromEntries(steps.map(s => [s, median(ranks.flatMap(r =>
+    rs[r].filter(([k]) => k === s).map(([, ms]) => ms)))]));
+  const total = r => rs[r].reduce((a, [, ms]) => a + ms, 0);
+  const slowRank = ranks.reduce((a, b) => (total(b) > total(a) ? b : a), ranks[0]);
+  let worst = null;  // the step furthest over its median, and its rank
+  for (const r of ranks) for (const [s, ms] of rs[r]) {
+    const ratio = ms / (med[s] || 1);
+    if (!worst || ratio > worst.ratio) worst = { rank: r, step: s, ms, ratio };
+  }
+  const slow = new Set(ranks.flatMap(r => rs[r].filter(([s, ms]) => ms > threshold * med[s])
+    .map(([s]) => `${r}/${s}`)));
+  return { rs, ranks, steps, med, total, slowRank, worst, slow, threshold,
+           medianTotal: median(ranks.map(total)) };
+}
+
+function stepStrip(main, ks) {
+  main.append(el("h2", {}, "Steps across ranks"));
+  if (!ks.rank_steps || !Object.keys(ks.rank_steps).length) {
+    main.append(el("p", { class: "muted" }, "no rank timed its steps in this window")); return;
+  }
+  const holder = el("div", { id: "step-strip" });
+  main.append(holder);
+  drawStrip(holder, stripModel(ks), 0);
+}
+
+function drawStrip(holder, m, page) {
+  if (holder.chart) { holder.chart.destroy(); state.charts = state.charts.filter(c => c !== holder.chart); }
+  const pages = Math.ceil(m.ranks.length / STRIP_RANKS);
+  page = Math.max(0, Math.min(page, pages - 1));
+  const shown = m.ranks.slice(page * STRIP_RANKS, (page + 1) * STRIP_RANKS);
+  const lead = el("p", {}, `slowest rank ${m.slowRank}: ${num(m.total(m.slowRank), 1)} ms over its steps ` +
+    `(x${num(m.total(m.slowRank) / (m.medianTotal || 1), 2)} the median rank); slowest step: step ${m.worst.step} ` +
+    `on rank ${m.worst.rank}, ${num(m.worst.ms, 1)} ms (x${num(m.worst.ratio, 2)} its median over the ranks). ` +
+    `Red: a step over x${num(m.threshold, 2)} its median.`);
+  const nav = pages > 1 ? el("p", { class: "pills" },
+    el("button", { id: "strip-prev", disabled: page === 0, onclick: () => drawStrip(holder, m, page - 1) }, "previous"),
+    ` ranks ${shown[0]}-${shown[shown.length - 1]} of ${m.ranks.length} (page ${page + 1} of ${pages}) `,
+    el("button", { id: "strip-next", disabled: page === pages - 1, onclick: () => drawStrip(holder, m, page + 1) }, "next"),
+    el("button", { id: "strip-slowest", onclick: () => drawStrip(holder, m,
+      Math.floor(m.ranks.indexOf(m.slowRank) / STRIP_RANKS)) }, `the page of rank ${m.slowRank}`)) : null;
+  const box = el("div", { class: "chart" });
+  box.style.height = `${70 + 24 * shown.length}px`;
+  const canvas = el("canvas", {});
+  box.append(canvas);
+  holder.replaceChildren(lead, ...(nav ? [nav] : []), box);
+  const cell = (r, i) => { const row = m.rs[r]; if (i >= row.length) return null;
+    const start = row.slice(0, i).reduce((a, [, ms]) => a + ms, 0); return [start, start + row[i][1]]; };
+  const width = Math.max(...shown.map(r => m.rs[r].length));
+  const sets = [...Array(width).keys()].map(i => ({ label: `step ${m.steps[i] ?? i}`, grouped: false,
+    data: shown.map(r => cell(r, i)), barPercentage: 0.85, categoryPercentage: 1,
+    backgroundColor: shown.map(r => m.rs[r][i] && m.slow.has(`${r}/${m.rs[r][i][0]}`) ? "#e15759"
+      : (i % 2 ? "#4e79a7" : "#a0cbe8")) }));
+  const made = new Chart(canvas, { type: "bar", data: { labels: shown.map(r => `rank ${r}`), datasets: sets },
+    options: { indexAxis: "y", responsive: true, maintainAspectRatio: false, animation: false,
+      plugins: { legend: { display: false }, tooltip: { callbacks: { label: c => {
+        const r = shown[c.dataIndex], [s, ms] = m.rs[r][c.datasetIndex];
+        return `rank ${r}, step ${s}: ${num(ms, 1)} ms (x${num(ms / (m.med[s] || 1), 2)} its median)`; } } } },
+      scales: { x: { beginAtZero: true, title: { display: true, text: "ms from each rank's first recorded step" } } } } });
+  state.charts.push(made);
+  holder.chart = made;
+  holder.$strip = { page, pages, ranks: shown, slowRank: m.slowRank, slowStep: m.worst.step,
+                    slow: [...m.slow] };
 }
 
 function launches(main, ks) {
