@@ -115,6 +115,8 @@ def test_public_entry_points_say_what_they_take_return_and_raise(module, name):
         "coordinator.core.timeline",
         "coordinator.core.step_series",
         "coordinator.ops.run_chart",
+        "coordinator.core.trackers_config",
+        "coordinator.core.tracker_figures",
         "coordinator.client.attach",
         "trainers.hooks",
     ],

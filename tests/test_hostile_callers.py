@@ -59,6 +59,7 @@ METHODS = {
     "stacks": 6,
     "phase_times": 3,
     "step_series": 2,
+    "tracker_figures": 1,
     "kernel_diff": 6,
     "pin_baseline": 1,
 }

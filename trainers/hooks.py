@@ -25,6 +25,7 @@ from coordinator.core.config import ProfilerConfig
 log = logging.getLogger(__name__)
 # How much longer than worker_timeout_s a trainer waits for a report's answer.
 REPORT_MARGIN_S = 5.0
+FLUSH_S = 30.0  # at stop, the longest the trackers wait for the last windows' figures
 
 
 class ProfilingHooks:
@@ -55,6 +56,7 @@ class ProfilingHooks:
         self._down_since: float | None = None  # the coordinator stopped answering (monotonic)
         self._next_probe = 0.0
         self._probe: Any = None
+        self._feed: Any = None  # the tracker feed (coordinator/client/tracker_feed.py)
 
     @classmethod
     def attach(
@@ -66,6 +68,7 @@ class ProfilingHooks:
         name: str = "profiler",
         namespace: str = "profiler",
         advances_step: bool | None = None,
+        tracker: Any = None,
     ) -> ProfilingHooks:
         """Create (or reach) the coordinator, attach to its run and register ``workers``: a
         stopped run gives way to a fresh one with ``config``; a run still going keeps its own
@@ -83,6 +86,7 @@ class ProfilingHooks:
                 its own ``name``.
             advances_step: whether this trainer's reports advance the global step (default:
                 the first trainer to register does).
+            tracker: a ``log(metrics, step)`` callable, besides the config's ``trackers``.
 
         Returns:
             The hooks; ``run`` names the run, ``config`` is the config it uses.
@@ -114,7 +118,7 @@ class ProfilingHooks:
             return hooks
         # The coordinator itself waits up to worker_timeout_s for the ranks of a report.
         client = StepClient(coord, trainer_id, timeout_s=cfg.worker_timeout_s + REPORT_MARGIN_S)
-        return cls(client, trainer_id, coord, dict(run))
+        return _with_feed(cls(client, trainer_id, coord, dict(run)), cfg, tracker)
 
     @property
     def enabled(self) -> bool:
@@ -223,13 +227,15 @@ class ProfilingHooks:
             hooks.step(step)
         """
         self._last_step = step
-        self._close_step(step)
+        record = self._close_step(step)
         self._call("step", lambda c: c.step(step))
+        _feed_step(self, step, record)
         if self._clock is not None:
             self._clock.begin_step()
 
     def stop(self) -> None:
         self._call("stop", lambda c: c.stop())
+        _feed_flush(self)
 
     async def astart(self, first_step: int = 0) -> None:
         await self._acall("start", lambda c: c.astart(first_step))
@@ -250,19 +256,24 @@ class ProfilingHooks:
                     await hooks.astep(step)
         """
         self._last_step = step
-        self._close_step(step)
+        record = self._close_step(step)
         await self._acall("step", lambda c: c.astep(step))
+        _feed_step(self, step, record)
         if self._clock is not None:
             self._clock.begin_step()
 
-    def _close_step(self, step: int) -> None:
+    def _close_step(self, step: int) -> list[Any] | None:
         """Step ``step``'s phase record to the client: it rides on the next report sent (kept,
-        bounded, while the coordinator is away)."""
-        if self._clock is not None and self._client is not None:
-            self._client.add_phases(self._clock.close_step(step))
+        bounded, while the coordinator is away). Returns it."""
+        if self._clock is None or self._client is None:
+            return None
+        record = self._clock.close_step(step)
+        self._client.add_phases(record)
+        return record
 
     async def astop(self) -> None:
         await self._acall("stop", lambda c: c.astop())
+        _feed_flush(self)
 
     # A coordinator that stops answering (it died and Ray restarts it, or it is gone) costs the
     # trainer one bounded wait, once; then reports are skipped, and a probe sent at most every
@@ -270,7 +281,7 @@ class ProfilingHooks:
     RECONNECT_INTERVAL_S = 2.0
 
     def _call(self, what: str, fn: Any) -> None:
-        if self._client is None or not self._reachable(what):
+        if self._client is None or not _reachable(self, what):
             return
         try:
             fn(self._client)
@@ -278,46 +289,78 @@ class ProfilingHooks:
             _went_down(self, what, exc)
 
     async def _acall(self, what: str, fn: Any) -> None:
-        if self._client is None or not self._reachable(what):
+        if self._client is None or not _reachable(self, what):
             return
         try:
             await fn(self._client)
         except Exception as exc:
             _went_down(self, what, exc)
 
-    def _reachable(self, what: str) -> bool:
-        """True when reports can go out; while the coordinator is down, a non-blocking check
-        of the last probe (and a new probe now and then). ``stop`` waits a moment for it."""
-        if self._down_since is None:
-            return True
-        import ray
 
-        if what == "stop" and self._probe is None and self.coordinator is not None:
-            self._probe = self.coordinator.ping.remote()
-        probe, now = self._probe, time.monotonic()
-        if probe is not None:
-            wait_s = self.RECONNECT_INTERVAL_S if what == "stop" else 0
-            ready, _ = ray.wait([probe], timeout=wait_s)
-            if not ready:
-                return False
-            self._probe = None
-            try:
-                ray.get(probe)
-            except Exception:
-                self._next_probe = now + self.RECONNECT_INTERVAL_S
-                return False
-            assert self._client is not None
-            self._client.resync()  # the next report waits, to learn where the plan stands
-            log.warning(
-                "profiling for trainer %r reconnected to the coordinator after %.1f s",
-                self.trainer_id,
-                now - self._down_since,
-            )
-            self._down_since, self.disabled_reason = None, None
-            return True
-        if now >= self._next_probe and self.coordinator is not None:
-            self._probe = self.coordinator.ping.remote()
-        return False
+def _reachable(self: ProfilingHooks, what: str) -> bool:
+    """True when reports can go out; while the coordinator is down, a non-blocking check
+    of the last probe (and a new probe now and then). ``stop`` waits a moment for it."""
+    if self._down_since is None:
+        return True
+    import ray
+
+    if what == "stop" and self._probe is None and self.coordinator is not None:
+        self._probe = self.coordinator.ping.remote()
+    probe, now = self._probe, time.monotonic()
+    if probe is not None:
+        wait_s = self.RECONNECT_INTERVAL_S if what == "stop" else 0
+        ready, _ = ray.wait([probe], timeout=wait_s)
+        if not ready:
+            return False
+        self._probe = None
+        try:
+            ray.get(probe)
+        except Exception:
+            self._next_probe = now + self.RECONNECT_INTERVAL_S
+            return False
+        assert self._client is not None
+        self._client.resync()  # the next report waits, to learn where the plan stands
+        log.warning(
+            "profiling for trainer %r reconnected to the coordinator after %.1f s",
+            self.trainer_id,
+            now - self._down_since,
+        )
+        self._down_since, self.disabled_reason = None, None
+        return True
+    if now >= self._next_probe and self.coordinator is not None:
+        self._probe = self.coordinator.ping.remote()
+    return False
+
+
+def _with_feed(hooks: ProfilingHooks, cfg: ProfilerConfig, tracker: Any) -> ProfilingHooks:
+    """The hooks with a tracker feed when the config names trackers or ``tracker`` is given; a
+    tracker that cannot be set up is reported and left out, never raised."""
+    from trainers.trackers import make_tracker
+
+    sink = make_tracker(cfg.trackers, hooks.run or hooks.trainer_id, tracker)
+    if sink is not None and hooks.coordinator is not None:
+        from coordinator.client.tracker_feed import TrackerFeed
+
+        hooks._feed = TrackerFeed(hooks.coordinator, sink)
+    return hooks
+
+
+def _feed_step(hooks: ProfilingHooks, step: int, record: list[Any] | None) -> None:
+    if hooks._feed is not None and hooks._down_since is None:
+        hooks._feed.on_step(step, record)
+
+
+def _feed_flush(hooks: ProfilingHooks) -> None:
+    """At stop: the last phase means and the windows settled by now, then the trackers this
+    process opened are closed."""
+    feed, hooks._feed = hooks._feed, None
+    if feed is None:
+        return
+    if hooks._down_since is None:
+        feed.flush(timeout_s=FLUSH_S)
+    close = getattr(feed.sink, "close", None)
+    if close is not None:
+        close()
 
 
 def _went_down(self: ProfilingHooks, what: str, exc: BaseException) -> None:

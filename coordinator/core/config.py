@@ -13,6 +13,7 @@ from typing import Any
 from coordinator.core.roles import POLICY, checked_ranks, checked_roles, role_ranks
 from coordinator.core.slowdown import AutoCapture
 from coordinator.core.storage import check_backend, is_remote, local_path, redact
+from coordinator.core.trackers_config import Trackers
 from coordinator.core.validate import check_known_keys
 from coordinator.protocol.summary_codec import DEFAULT_TOP_K
 
@@ -126,6 +127,10 @@ class ProfilerConfig:
     """Profile slow steps by themselves: ``enable``, ``slowdown_ratio``, ``after_steps``,
     ``active``, ``warmup``, ``cooldown_steps``, ``max_per_run``, ``ignore_first``,
     ``baseline_steps`` (see ``coordinator.core.slowdown.AutoCapture``); off by default."""
+    trackers: Trackers = field(default_factory=Trackers)
+    """Where each settled window's figures and the phase times go in the trainer's process:
+    ``tensorboard: {log_dir}``, ``mlflow: {tracking_uri, experiment}``, ``wandb: {project,
+    mode}`` (see ``coordinator.core.trackers_config.Trackers``); none by default."""
 
     @classmethod
     def from_dict(
@@ -163,7 +168,12 @@ class ProfilerConfig:
         check_known_keys(keys, names)
         for key in keys:
             value = mapping[key]
-            values[key] = AutoCapture.from_value(value) if key == "auto_capture" else _plain(value)
+            if key == "auto_capture":
+                values[key] = AutoCapture.from_value(value)
+            elif key == "trackers":
+                values[key] = Trackers.from_value(value)
+            else:
+                values[key] = _plain(value)
         return cls(**values).validate(check_paths)
 
     def to_dict(self) -> dict[str, Any]:
@@ -176,6 +186,7 @@ class ProfilerConfig:
             for r in [spec["ranks"]]
         }
         out["storage_options"] = dict(self.storage_options)
+        out["trackers"] = self.trackers.to_dict()
         return out
 
     def public_dict(self) -> dict[str, Any]:
@@ -183,6 +194,7 @@ class ProfilerConfig:
         that ``status()``, logs and the CLI show."""
         out = self.to_dict()
         out["storage_options"] = redact(self.storage_options)
+        out["trackers"] = self.trackers.public()
         return out
 
     @property
@@ -233,6 +245,7 @@ class ProfilerConfig:
                     f"profiler config: {name!r} is {getattr(self, name)}, beyond 2**62 steps"
                 )
         self.auto_capture = AutoCapture.from_value(self.auto_capture).validate()
+        self.trackers = Trackers.from_value(self.trackers).validate()
         self.ranks = checked_ranks(self.ranks)
         self.roles = checked_roles(self.roles)
         self._validate_activities()

@@ -653,6 +653,24 @@ class StepSeriesReply(TypedDict):
     points: list[StepPoint]
 
 
+class WindowFigures(TypedDict):
+    """One settled window's figures for the trainer's tracker (``coordinator/core/
+    tracker_figures.py``): every role's, logged at the window's last recorded step."""
+
+    window: int
+    kind: str
+    step: int
+    metrics: dict[str, float]
+
+
+class TrackerFiguresReply(TypedDict):
+    """``tracker_figures(after)``: the settled windows after window ``after``, in order; it
+    stops before the first window whose summaries are still coming, so none is skipped."""
+
+    run: str
+    windows: list[WindowFigures]
+
+
 class KernelChange(TypedDict):
     """One kernel in a ``KernelDiffReply``: its per-step self time (per rank, us) in each
     window, the change and the ratio (None for a new or vanished kernel)."""

@@ -5,12 +5,16 @@ part of the actor (``stacks``, ``readers``, ``diffs``)."""
 from __future__ import annotations
 
 from coordinator.core.step_series import DEFAULT_POINTS
+from coordinator.core.tracker_figures import TOP_KERNELS, window_figures
+from coordinator.core.validate import is_int
 from coordinator.protocol.replies import (
     BaselineReply,
     KernelDiffReply,
     PhaseTimesReply,
     StacksReply,
     StepSeriesReply,
+    TrackerFiguresReply,
+    WindowFigures,
 )
 from coordinator.service.diffs import Diffs
 from coordinator.service.readers import Readers
@@ -80,6 +84,41 @@ class OperatorRPCs:
             [(p["first"], p["last"], p["mean_ms"], p["max_ms"]) for p in s["points"]]
         """
         return await self._readers.step_series(points, run)
+
+    async def tracker_figures(self, after: int = -1) -> TrackerFiguresReply:
+        """The figures of the current run's settled windows after window ``after`` (-1: from
+        the first), for the trainer's tracker: each window's index, kind, last recorded step
+        and ``metrics`` (every role's step time, breakdown shares, top kernels' shares,
+        stragglers and marks; see ``coordinator/core/tracker_figures.py``). In window order; it
+        stops before the first closed window whose summaries are still coming. The hooks ask
+        for them now and then, never on the step path. A ``TrackerFiguresReply``.
+
+        Example::
+
+            for w in ray.get(h.tracker_figures.remote(after=-1))["windows"]:
+                print(w["window"], w["step"], w["metrics"]["profiler/step_ms_median"])
+        """
+        if not is_int(after) or not -1 <= after < 2**62:
+            raise ValueError(f"after must be a window index or -1, got {after!r:.80}")
+        run = self._readers.shell.run
+        await self._diffs.mark(run)  # the settled windows' marks, made once
+        out: list[WindowFigures] = []
+        for rec in run.state.closed_windows():
+            index = rec.window.index
+            if index <= after:
+                continue
+            if not rec.closed or rec.summaries_pending:
+                break  # later windows wait for it: none is skipped
+            if not rec.aggregates or rec.steps is None:
+                continue  # recorded nothing: no figures
+            metrics: dict[str, float] = {}
+            for tid in sorted(rec.aggregates):
+                ks = await self._readers.kernel_summary(index, TOP_KERNELS, tid, False, run.name)
+                metrics |= window_figures(ks, getattr(rec, "marks", {}).get(tid))
+            out.append(
+                {"window": index, "kind": rec.window.kind, "step": rec.steps[1], "metrics": metrics}
+            )
+        return {"run": run.name, "windows": out}
 
     async def kernel_diff(
         self,

@@ -1,0 +1,230 @@
+"""Figures in the trainer's tracker (issue 31, item 6): the ``trackers`` config, each settled
+window's figures, the phase means at most once a second, and what TensorBoard's event files,
+MLflow's local file store and W&B's offline run directory hold after a real run."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import uuid
+
+import pytest
+
+from coordinator.client.tracker_feed import PHASE_PREFIX, TrackerFeed
+from coordinator.core.aggregate import WindowAggregate
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.tracker_figures import metric_name, window_figures
+from coordinator.core.trackers_config import Trackers
+from tests.test_aggregate import summary
+
+# ------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("trackers", "message"),
+    [
+        (None, "'trackers' must be a mapping"),
+        ({"tensorboard": None}, "'trackers.tensorboard' must be a mapping (log_dir)"),
+        ({"tensorbord": {}}, "unknown key 'trackers.tensorbord'; did you mean 'tensorboard'"),
+        ({"tensorboard": {}}, "'trackers.tensorboard.log_dir' must be a non-empty string"),
+        ({"tensorboard": {"log_dir": " "}}, "'trackers.tensorboard.log_dir' must be a non-empty"),
+        ({"mlflow": {"uri": "x"}}, "unknown key 'trackers.mlflow.uri'"),
+        ({"mlflow": {"experiment": 3}}, "'trackers.mlflow.experiment' must be a non-empty string"),
+        ({"wandb": {"mode": "online-ish"}}, "'trackers.wandb.mode' must be one of online, offline"),
+    ],
+)  # fmt: skip
+def test_a_bad_trackers_config_is_refused_naming_the_field(trackers, message):
+    with pytest.raises(ValueError) as err:
+        ProfilerConfig.from_dict({"trackers": trackers})
+    assert message in str(err.value)
+
+
+def test_trackers_survive_the_round_trip_and_a_tracking_uri_s_password_is_never_shown():
+    cfg = ProfilerConfig.from_dict(
+        {
+            "trackers": {
+                "mlflow": {"tracking_uri": "https://me:secret@mlflow.example/"},
+                "wandb": {"mode": "offline"},
+            }
+        }  # fmt: skip
+    )
+    assert ProfilerConfig.from_dict(cfg.to_dict()).trackers == cfg.trackers
+    shown = json.dumps(cfg.public_dict())
+    assert "secret" not in shown and "https://***@mlflow.example/" in shown
+    assert ProfilerConfig().trackers == Trackers() and not Trackers().any()
+
+
+# ------------------------------------------------------------------ figures
+
+
+def test_a_window_s_figures_are_its_table_s_step_times_shares_kernels_and_marks():
+    agg = WindowAggregate(0)
+    agg.add(summary(0, [("aten::addmm", 300.0, 1), ("c10d::allreduce_", 100.0, 1)], (1000.0,)))
+    agg.add(summary(1, [("aten::addmm", 300.0, 1)], (3000.0,)))
+    ks = agg.to_dict(5, straggler_threshold=1.25)
+    marks = {"kernels": [{"name": "aten::addmm", "ratio": 1.5}], "step_regressed": False}
+    f = window_figures(ks, marks)
+    assert f["profiler/step_ms_median"] == ks["stragglers"]["median_step_ms"] == 2.0
+    assert f["profiler/step_ms_slowest"] == 3.0 and f["profiler/slowest_rank"] == 1
+    assert f["profiler/kernel_share/aten__addmm"] == ks["kernels"][0]["share"]
+    assert f["profiler/kernel_share/c10d__allreduce_"] == ks["kernels"][1]["share"]
+    mean = ks["breakdown"]["mean"]
+    assert f["profiler/share/compute"] == mean["compute_share"]
+    assert f["profiler/share/idle"] == mean["other_share"]
+    assert f["profiler/stragglers"] == len(ks["stragglers"]["flagged"]) == 1
+    assert (f["profiler/marked"], f["profiler/marked_kernels"]) == (1.0, 1.0)
+    unjudged = window_figures(ks, None)
+    assert "profiler/marked" not in unjudged
+    assert metric_name("rollout", "step_ms_median") == "profiler/rollout/step_ms_median"
+    assert metric_name("policy", "kernel_share/void at::native::f<(int)1>") == (
+        "profiler/kernel_share/void_at__native__f__int_1_"
+    )
+
+
+# --------------------------------------------------------------------- feed
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_phase_means_are_logged_at_most_once_a_second_and_the_rest_at_the_end():
+    clock, logged = Clock(), []
+    feed = TrackerFeed(None, lambda m, k: logged.append((k, m)), now=clock)  # no coordinator
+    for k in range(6):  # 0.4 s a step: one log after step 2 (1.2 s), the rest at the end
+        clock.t = 0.4 * (k + 1)
+        feed.on_step(k, [k, 0.4, {"train": 0.1 * (k + 1)}])
+    feed.flush(timeout_s=0)
+    assert [k for k, _ in logged] == [2, 5]
+    assert logged[0][1] == pytest.approx({f"{PHASE_PREFIX}step_ms": 400.0,
+                                          f"{PHASE_PREFIX}train_ms": 200.0})  # fmt: skip
+    assert logged[1][1][f"{PHASE_PREFIX}train_ms"] == pytest.approx(500.0)
+
+
+def test_a_tracker_that_raises_is_dropped_and_training_goes_on():
+    calls = []
+
+    def broken(metrics, step):
+        calls.append(step)
+        raise RuntimeError("tracker down")
+
+    clock = Clock()
+    feed = TrackerFeed(None, broken, now=clock)
+    for k in range(5):
+        clock.t = 1.0 * (k + 1)
+        feed.on_step(k, [k, 1.0, {}])  # never raises
+    assert calls == [0] and not feed.on
+
+
+# --------------------------------------------------------------- a real run
+
+
+@pytest.mark.ray
+def test_a_real_run_s_figures_are_read_back_from_each_tracker(
+    ray_session, toy_workers, tmp_path, monkeypatch
+):
+    import ray
+
+    from trainers.hooks import ProfilingHooks
+
+    pytest.importorskip("tensorboard", reason="the test extra installs tensorboard")
+    workers = toy_workers(2)
+    cfg = {
+        "enable": True, "save_path": str(tmp_path / "p"), "ranks": "all", "wait": 2,
+        "warmup": 1, "active": 2, "repeat": 2, "export_type": "none",
+        "trackers": {
+            "tensorboard": {"log_dir": str(tmp_path / "tb")},
+            "mlflow": {"tracking_uri": (tmp_path / "mlruns").as_uri(), "experiment": "prof"},
+            "wandb": {"project": "prof", "mode": "offline"},
+        },
+    }  # fmt: skip
+    own: list[tuple[int, dict]] = []
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # (MLflow 3 prefers a database)
+    name = f"profiler-{uuid.uuid4().hex[:8]}"
+    hooks = ProfilingHooks.attach(cfg, workers, trainer_id="sft", name=name,
+                                  namespace="profiler-tests",
+                                  tracker=lambda m, k: own.append((k, dict(m))))  # fmt: skip
+    try:
+        with hooks.session(first_step=0):
+            for k in range(12):  # windows at steps 3-4 and 8-9
+                with hooks.region("train"):
+                    ray.get([w.train_step.remote() for w in workers])
+                hooks.step(k)
+        tables = [ray.get(hooks.coordinator.kernel_summary.remote(window=i, top_k=5))
+                  for i in (0, 1)]  # fmt: skip
+    finally:
+        ray.kill(hooks.coordinator)
+    windows = [(k, m) for k, m in own if "profiler/step_ms_median" in m]
+    assert [k for k, _ in windows] == [4, 9]  # each window at its last recorded step
+    for (_, m), ks in zip(windows, tables, strict=True):  # what the live table says
+        assert {k: v for k, v in m.items() if not k.startswith("profiler/marked")} == (
+            window_figures(ks, None)
+        )
+        assert m.get("profiler/marked", 0.0) == 0.0  # a steady run: nothing marked
+    phases = [(k, m) for k, m in own if f"{PHASE_PREFIX}step_ms" in m]
+    assert phases and all(m[f"{PHASE_PREFIX}train_ms"] > 0 for _, m in phases)
+    want = {k: m["profiler/step_ms_median"] for k, m in windows}
+    assert tensorboard_scalars(tmp_path / "tb", "profiler/step_ms_median") == want
+    assert mlflow_metric(tmp_path / "mlruns", "profiler/step_ms_median") == want
+    assert wandb_history(tmp_path, "profiler/step_ms_median") == want
+
+
+def tensorboard_scalars(log_dir, tag) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {e.step: pytest.approx(e.value, rel=1e-6) for e in acc.Scalars(tag)}
+
+
+def mlflow_metric(store, key) -> dict[int, float]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store.as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("prof").experiment_id])
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+
+
+def wandb_records(path: str):
+    """The records of a W&B run file: a 7-byte header (``:W&B``, magic, version), then
+    LevelDB-log records (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last) in 32 KiB
+    blocks, a block's tail under 7 bytes left empty."""
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B", data[:7]
+    pos, buf = 7, b""
+    while pos + 7 <= len(data):
+        room = 32768 - pos % 32768
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if room < 7 or (length == 0 and kind == 0):
+            pos += room
+            continue
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            yield buf
+            buf = b""
+
+
+def wandb_history(root, key) -> dict[int, float]:
+    """``key`` against the profiler's step, from the history records of the offline run."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = glob.glob(os.path.join(str(root), "wandb", "offline-run-*", "run-*.wandb"))
+    out = {}
+    for raw in wandb_records(path):
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(raw)
+        if rec.WhichOneof("record_type") != "history":
+            continue
+        row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in rec.history.item}
+        if key in row:
+            out[int(row["profiler/global_step"])] = row[key]
+    return out

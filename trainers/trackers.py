@@ -1,0 +1,128 @@
+"""The trackers a trainer's figures go to: TensorBoard, MLflow, W&B (each an optional extra of
+the trainer's process), or the trainer's own ``log(metrics, step)`` callable, as SkyRL's and
+verl's tracking wrappers have. Built from the config's ``trackers`` at ``attach``; fed by
+``coordinator/client/tracker_feed.py``. A tracker that cannot be set up, or fails later, is
+reported once and left out: the others, and the training, go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from coordinator.core.trackers_config import Trackers
+
+log = logging.getLogger(__name__)
+Log = Callable[[dict[str, float], int], None]
+STEP_METRIC = "profiler/global_step"
+"""W&B: the profiler's figures are plotted against this, not W&B's own step (a window's
+figures arrive a few steps after its last step, which W&B's step has passed)."""
+
+
+class Fanout:
+    """Several trackers as one ``log(metrics, step)``; one that raises is dropped, with a
+    warning, and the others go on. ``close()`` closes what this process opened."""
+
+    def __init__(self, sinks: dict[str, Log], closers: list[Callable[[], None]]) -> None:
+        self.sinks, self.closers = sinks, closers
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        for name, sink in list(self.sinks.items()):
+            try:
+                sink(metrics, step)
+            except Exception as exc:
+                log.warning("profiler: tracker %s failed (%s: %s); no more is logged to it",
+                            name, type(exc).__name__, exc)  # fmt: skip
+                del self.sinks[name]
+
+    def close(self) -> None:
+        for close in self.closers:
+            try:
+                close()
+            except Exception as exc:
+                log.warning("profiler: closing a tracker failed: %s", exc)
+        self.closers = []
+
+
+def make_tracker(trackers: Trackers, run_name: str, own: Log | None = None) -> Fanout | None:
+    """The trackers the config names, and ``own``, as one ``Fanout``; None when there are
+    none. A tracker whose package is missing, or that cannot start, is reported and left out."""
+    sinks: dict[str, Log] = {}
+    closers: list[Callable[[], None]] = []
+    if own is not None:
+        if not callable(own):
+            raise ValueError(f"tracker must be a log(metrics, step) callable, got {own!r:.80}")
+        sinks["tracker"] = own
+    for name, opener in (("tensorboard", _tensorboard), ("mlflow", _mlflow), ("wandb", _wandb)):
+        spec = getattr(trackers, name)
+        if spec is None:
+            continue
+        try:
+            sink, close = opener(spec, run_name)
+        except Exception as exc:  # (ImportError: the extra is not installed)
+            log.warning("profiler: tracker %s left out: %s: %s", name, type(exc).__name__, exc)
+            continue
+        sinks[name] = sink
+        if close is not None:
+            closers.append(close)
+    return Fanout(sinks, closers) if sinks else None
+
+
+def _tensorboard(spec: dict[str, Any], run_name: str) -> tuple[Log, Callable[[], None]]:
+    """Scalars in ``log_dir``'s event files (``torch.utils.tensorboard``; needs tensorboard)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=spec["log_dir"])
+
+    def sink(metrics: dict[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            writer.add_scalar(name, value, step)
+        writer.flush()
+
+    return sink, writer.close
+
+
+def _mlflow(spec: dict[str, Any], run_name: str) -> tuple[Log, Callable[[], None] | None]:
+    """Metrics of the active MLflow run, or of a run this process starts (``experiment``,
+    ``tracking_uri``: MLflow's own defaults when not given)."""
+    import mlflow
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    if spec.get("tracking_uri"):
+        mlflow.set_tracking_uri(spec["tracking_uri"])
+    active = mlflow.active_run()
+    if active is None:
+        if spec.get("experiment"):
+            mlflow.set_experiment(spec["experiment"])
+        active = mlflow.start_run(run_name=run_name)
+        close: Callable[[], None] | None = mlflow.end_run
+    else:
+        close = None  # the trainer's own run: it ends it
+    client, run_id = MlflowClient(), active.info.run_id
+
+    def sink(metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        client.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+
+    return sink, close
+
+
+def _wandb(spec: dict[str, Any], run_name: str) -> tuple[Log, Callable[[], None] | None]:
+    """The trainer's W&B run when there is one (the figures then ride on its next commit),
+    else a run this process starts (``project``, ``mode``: online, offline or disabled)."""
+    import wandb
+
+    run, own = wandb.run, wandb.run is not None
+    if run is None:
+        kw = {k: spec[k] for k in ("project", "mode") if spec.get(k)}
+        run = wandb.init(name=run_name, **kw)
+    run.define_metric(STEP_METRIC)
+    run.define_metric("profiler/*", step_metric=STEP_METRIC)
+
+    def sink(metrics: dict[str, float], step: int) -> None:
+        run.log({**metrics, STEP_METRIC: step}, commit=not own)
+
+    return sink, None if own else run.finish
