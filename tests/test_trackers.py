@@ -82,6 +82,33 @@ def test_a_window_s_figures_are_its_table_s_step_times_shares_kernels_and_marks(
     )
 
 
+def record(index, closed=True, pending=(), recorded=True):
+    from coordinator.core.records import WindowRecord
+    from coordinator.core.schedule import Window
+
+    rec = WindowRecord(Window(index, 10 * index, 10 * index + 1, 10 * index + 2), closed=closed)
+    rec.summaries_pending = set(pending)
+    if recorded:
+        rec.steps = (10 * index + 1, 10 * index + 2)
+        rec.aggregate("t")
+    return rec
+
+
+def test_settled_windows_are_given_in_order_and_none_is_skipped():
+    from coordinator.core.tracker_figures import settled_after
+
+    def got(records, after):
+        return [r.window.index for r in settled_after(records, after)]
+
+    done = [record(0), record(1, recorded=False), record(2)]
+    assert got(reversed(done), -1) == [0, 2]  # in order; one that recorded nothing passed over
+    assert got(done, 0) == [2] and got(done, 2) == []
+    waiting = [record(0), record(1, pending=[("t", 1)]), record(2)]
+    assert got(waiting, -1) == [0]  # window 2 waits for window 1's summaries
+    assert got(waiting, 1) == [2]
+    assert got([record(0, closed=False), record(1)], -1) == [1]  # (still open: not closed yet)
+
+
 # --------------------------------------------------------------------- feed
 
 

@@ -13,7 +13,10 @@ to the characters every tracker takes (TensorBoard, MLflow, W&B): others become 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
+
+from coordinator.core.records import WindowRecord
 
 TOP_KERNELS = 5
 SHARES = (("compute", "compute_share"), ("comm", "comm_share"), ("memcpy", "memcpy_share"),
@@ -66,4 +69,20 @@ def window_figures(summary: Any, marks: Any = None) -> dict[str, float]:
         kernels = marks.get("kernels") or []
         put("marked", 1.0 if kernels or marks.get("step_regressed") else 0.0)
         put("marked_kernels", len(kernels))
+    return out
+
+
+def settled_after(records: Iterable[WindowRecord], after: int) -> list[WindowRecord]:
+    """The closed windows after window ``after`` whose figures can be logged now, in window
+    order. It stops before the first one whose summaries are still coming, so a caller that
+    asks again after the last window it got never skips one; a window that recorded nothing
+    has no figures and is passed over."""
+    out = []
+    for rec in sorted(records, key=lambda r: r.window.index):
+        if rec.window.index <= after or not rec.closed:
+            continue
+        if rec.summaries_pending:
+            break
+        if rec.aggregates and rec.steps is not None:
+            out.append(rec)
     return out

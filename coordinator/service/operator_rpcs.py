@@ -5,7 +5,7 @@ part of the actor (``stacks``, ``readers``, ``diffs``)."""
 from __future__ import annotations
 
 from coordinator.core.step_series import DEFAULT_POINTS
-from coordinator.core.tracker_figures import TOP_KERNELS, window_figures
+from coordinator.core.tracker_figures import TOP_KERNELS, settled_after, window_figures
 from coordinator.core.validate import is_int
 from coordinator.protocol.replies import (
     BaselineReply,
@@ -103,20 +103,14 @@ class OperatorRPCs:
         run = self._readers.shell.run
         await self._diffs.mark(run)  # the settled windows' marks, made once
         out: list[WindowFigures] = []
-        for rec in run.state.closed_windows():
-            index = rec.window.index
-            if index <= after:
-                continue
-            if not rec.closed or rec.summaries_pending:
-                break  # later windows wait for it: none is skipped
-            if not rec.aggregates or rec.steps is None:
-                continue  # recorded nothing: no figures
+        for rec in settled_after(run.state.closed_windows(), after):
+            index, steps = rec.window.index, rec.steps or (0, 0)
             metrics: dict[str, float] = {}
             for tid in sorted(rec.aggregates):
                 ks = await self._readers.kernel_summary(index, TOP_KERNELS, tid, False, run.name)
                 metrics |= window_figures(ks, getattr(rec, "marks", {}).get(tid))
             out.append(
-                {"window": index, "kind": rec.window.kind, "step": rec.steps[1], "metrics": metrics}
+                {"window": index, "kind": rec.window.kind, "step": steps[1], "metrics": metrics}
             )
         return {"run": run.name, "windows": out}
 
