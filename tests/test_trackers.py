@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import time
 import uuid
 
 import pytest
@@ -17,6 +18,8 @@ from coordinator.core.config import ProfilerConfig
 from coordinator.core.tracker_figures import metric_name, window_figures
 from coordinator.core.trackers_config import Trackers
 from tests.test_aggregate import summary
+
+STEPS_OWN = 40  # 4 s: the figures of both windows (steps 3-4, 8-9) come in mid-run
 
 # ------------------------------------------------------------------- config
 
@@ -188,6 +191,7 @@ def test_a_real_run_s_figures_are_read_back_from_each_tracker(
                   for i in (0, 1)]  # fmt: skip
     finally:
         ray.kill(hooks.coordinator)
+        wandb_teardown()
     windows = [(k, m) for k, m in own if "profiler/step_ms_median" in m]
     assert [k for k, _ in windows] == [4, 9]  # each window at its last recorded step
     for (_, m), ks in zip(windows, tables, strict=True):  # what the live table says
@@ -201,6 +205,14 @@ def test_a_real_run_s_figures_are_read_back_from_each_tracker(
     assert tensorboard_scalars(tmp_path / "tb", "profiler/step_ms_median") == want
     assert mlflow_metric(tmp_path / "mlruns", "profiler/step_ms_median") == want
     assert wandb_history(tmp_path, "profiler/step_ms_median") == want
+
+
+def wandb_teardown() -> None:
+    """W&B keeps its settings (its directory among them) for the process: a test's next run
+    reads ``WANDB_DIR`` again only after this."""
+    import wandb
+
+    wandb.teardown()
 
 
 def tensorboard_scalars(log_dir, tag) -> dict[int, float]:
@@ -240,8 +252,9 @@ def wandb_records(path: str):
             buf = b""
 
 
-def wandb_history(root, key) -> dict[int, float]:
-    """``key`` against the profiler's step, from the history records of the offline run."""
+def wandb_history(root, key, step_key="profiler/global_step") -> dict[int, float]:
+    """``key`` against the profiler's step (``step_key`` None: W&B's own ``_step``), from the
+    history records of the offline run."""
     from wandb.proto import wandb_internal_pb2
 
     (path,) = glob.glob(os.path.join(str(root), "wandb", "offline-run-*", "run-*.wandb"))
@@ -253,5 +266,54 @@ def wandb_history(root, key) -> dict[int, float]:
             continue
         row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in rec.history.item}
         if key in row:
-            out[int(row["profiler/global_step"])] = row[key]
+            out[int(row[step_key or "_step"])] = row[key]
     return out
+
+
+@pytest.mark.ray
+def test_the_trainer_s_own_mlflow_and_wandb_runs_get_the_figures_and_stay_open(
+    ray_session, toy_workers, tmp_path, monkeypatch
+):
+    import mlflow
+    import ray
+    import wandb
+
+    from trainers.hooks import ProfilingHooks
+
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    workers = toy_workers(2)
+    cfg = {
+        "enable": True, "save_path": str(tmp_path / "p"), "ranks": "all", "wait": 2,
+        "warmup": 1, "active": 2, "repeat": 2, "export_type": "none",
+        "trackers": {"mlflow": {}, "wandb": {"mode": "offline"}},
+    }  # fmt: skip
+    mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
+    mlflow.set_experiment("prof")
+    mine = mlflow.start_run(run_name="the trainer's")
+    run = wandb.init(project="prof", mode="offline", dir=str(tmp_path))
+    name = f"profiler-{uuid.uuid4().hex[:8]}"
+    try:
+        hooks = ProfilingHooks.attach(
+            cfg, workers, trainer_id="sft", name=name, namespace="profiler-tests"
+        )
+        with hooks.session(first_step=0):
+            # The trainer logs its own loss at each step, as trainers do. Both windows' figures
+            # arrive mid-run (asked every 2 s): each rides on one of the trainer's commits.
+            for k in range(STEPS_OWN):
+                ray.get([w.train_step.remote() for w in workers])
+                time.sleep(0.1)
+                wandb.log({"loss": float(k)}, step=k)
+                hooks.step(k)
+            assert hooks._feed.logged_windows == [0, 1]  # (before the end of the session)
+        ray.kill(hooks.coordinator)
+        # the trainer's runs are still the active ones: the hooks neither ended nor replaced them
+        assert mlflow.active_run().info.run_id == mine.info.run_id and wandb.run is run
+    finally:
+        wandb.finish()
+        mlflow.end_run()
+        wandb_teardown()
+    assert set(mlflow_metric(tmp_path / "mlruns", "profiler/step_ms_median")) == {4, 9}
+    assert set(wandb_history(tmp_path, "profiler/step_ms_median")) == {4, 9}
+    assert wandb_history(tmp_path, "loss", step_key=None) == {k: float(k) for k in range(STEPS_OWN)}

@@ -7,6 +7,7 @@ reported once and left out: the others, and the training, go on.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +36,18 @@ class Fanout:
             except Exception as exc:
                 log.warning("profiler: tracker %s failed (%s: %s); no more is logged to it",
                             name, type(exc).__name__, exc)  # fmt: skip
+                del self.sinks[name]
+
+    def tick(self) -> None:
+        """Each step: the trackers that wait for the trainer's own commits go on."""
+        for name, sink in list(self.sinks.items()):
+            tick = getattr(sink, "tick", None)
+            if tick is None:
+                continue
+            try:
+                tick()
+            except Exception as exc:
+                log.warning("profiler: tracker %s failed (%s); no more is logged to it", name, exc)
                 del self.sinks[name]
 
     def close(self) -> None:
@@ -111,18 +124,48 @@ def _mlflow(spec: dict[str, Any], run_name: str) -> tuple[Log, Callable[[], None
 
 
 def _wandb(spec: dict[str, Any], run_name: str) -> tuple[Log, Callable[[], None] | None]:
-    """The trainer's W&B run when there is one (the figures then ride on its next commit),
-    else a run this process starts (``project``, ``mode``: online, offline or disabled)."""
+    """The trainer's W&B run when there is one (``_OwnRun``), else a run this process starts
+    (``project``, ``mode``: online, offline or disabled). The figures are plotted against
+    ``profiler/global_step``."""
     import wandb
 
-    run, own = wandb.run, wandb.run is not None
-    if run is None:
-        kw = {k: spec[k] for k in ("project", "mode") if spec.get(k)}
-        run = wandb.init(name=run_name, **kw)
+    if wandb.run is not None:
+        own = _OwnRun(wandb.run)
+        return own, own.close
+    kw = {k: spec[k] for k in ("project", "mode") if spec.get(k)}
+    run = wandb.init(name=run_name, **kw)
+    _step_metric(run)
+
+    def sink(metrics: dict[str, float], step: int) -> None:
+        run.log({**metrics, STEP_METRIC: step})
+
+    return sink, run.finish
+
+
+def _step_metric(run: Any) -> None:
     run.define_metric(STEP_METRIC)
     run.define_metric("profiler/*", step_metric=STEP_METRIC)
 
-    def sink(metrics: dict[str, float], step: int) -> None:
-        run.log({**metrics, STEP_METRIC: step}, commit=not own)
 
-    return sink, None if own else run.finish
+class _OwnRun:
+    """The figures in the trainer's own W&B run, never moving its step: each row rides on the
+    trainer's next commit (``commit=False``), one row per commit (two would merge into one).
+    Rows still waiting at the end are committed as rows of their own."""
+
+    def __init__(self, run: Any) -> None:
+        self.run, self.waiting, self.at = run, collections.deque[dict[str, float]](), None
+        _step_metric(run)
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        self.waiting.append({**metrics, STEP_METRIC: step})
+        self.tick()
+
+    def tick(self) -> None:
+        """One waiting row, when the trainer committed since the last one (each step)."""
+        if self.waiting and self.run.step != self.at:
+            self.at = self.run.step
+            self.run.log(self.waiting.popleft(), commit=False)
+
+    def close(self) -> None:
+        while self.waiting:
+            self.run.log(self.waiting.popleft())

@@ -59,6 +59,9 @@ class TrackerFeed:
         counted, the phase means logged when due, answers taken, a question sent when due."""
         if not self.on:
             return
+        tick = getattr(self.sink, "tick", None)
+        if tick is not None:  # (a tracker that rides on the trainer's own commits)
+            tick()
         if record is not None:
             self._count(record)
         if self._steps and self.now() - self._phase_since >= self.phases_every_s:
