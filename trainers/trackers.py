@@ -30,24 +30,20 @@ class Fanout:
         self.sinks, self.closers = sinks, closers
 
     def __call__(self, metrics: dict[str, float], step: int) -> None:
-        for name, sink in list(self.sinks.items()):
-            try:
-                sink(metrics, step)
-            except Exception as exc:
-                log.warning("profiler: tracker %s failed (%s: %s); no more is logged to it",
-                            name, type(exc).__name__, exc)  # fmt: skip
-                del self.sinks[name]
+        self._each(lambda sink: sink(metrics, step))
 
     def tick(self) -> None:
         """Each step: the trackers that wait for the trainer's own commits go on."""
+        self._each(lambda sink: getattr(sink, "tick", lambda: None)())
+
+    def _each(self, call: Callable[[Log], None]) -> None:
+        """``call`` on each tracker; one that raises is dropped, the others go on."""
         for name, sink in list(self.sinks.items()):
-            tick = getattr(sink, "tick", None)
-            if tick is None:
-                continue
             try:
-                tick()
+                call(sink)
             except Exception as exc:
-                log.warning("profiler: tracker %s failed (%s); no more is logged to it", name, exc)
+                log.warning("profiler: tracker %s failed (%s: %s); no more is logged to it",
+                            name, type(exc).__name__, exc)  # fmt: skip
                 del self.sinks[name]
 
     def close(self) -> None:

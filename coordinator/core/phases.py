@@ -61,7 +61,10 @@ def _seconds(x: Any) -> bool:
 
 
 @dataclass
-class _Bucket:
+class StepSpan:
+    """Steps ``first..last`` summed: a bucket of older steps here, a point of
+    ``step_series``."""
+
     first: int
     last: int
     steps: int = 0
@@ -77,7 +80,7 @@ class PhaseLog:
     exact: collections.deque[tuple[int, float, dict[str, float]]] = field(
         default_factory=lambda: collections.deque(maxlen=EXACT_STEPS)
     )
-    buckets: collections.deque[_Bucket] = field(
+    buckets: collections.deque[StepSpan] = field(
         default_factory=lambda: collections.deque(maxlen=MAX_BUCKETS)
     )
     names: set[str] = field(default_factory=set)
@@ -109,7 +112,7 @@ class PhaseLog:
         step, wall, regions = rec
         first = step - step % BUCKET_STEPS
         if not self.buckets or self.buckets[-1].first != first:
-            self.buckets.append(_Bucket(first, step))
+            self.buckets.append(StepSpan(first, step))
         b = self.buckets[-1]
         b.last, b.steps, b.wall_s = step, b.steps + 1, b.wall_s + wall
         for name, value in regions.items():
@@ -194,7 +197,7 @@ def _regions(recent: list[tuple[int, float, dict[str, float]]], wall: float) -> 
     return out
 
 
-def _bucket_entry(b: _Bucket) -> PhaseBucket:
+def _bucket_entry(b: StepSpan) -> PhaseBucket:
     n = max(1, b.steps)
     return {
         "first": b.first,

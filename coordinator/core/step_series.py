@@ -6,7 +6,7 @@ each point is a span's mean step time and each region's mean, with its slowest s
 stays visible however long the run. A log of a million steps holds about 20,000 entries; one
 pass over them makes the series.
 
->>> from coordinator.core.phases import PhaseLog
+>>> from coordinator.core.phases import PhaseLog, StepSpan
 >>> log = PhaseLog()
 >>> _ = log.add([[k, 0.1 if k != 5 else 0.4, {"train": 0.05}] for k in range(10)])
 >>> s = step_series(log, points=2)
@@ -19,34 +19,17 @@ pass over them makes the series.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
-from coordinator.core.phases import PhaseLog
+from coordinator.core.phases import PhaseLog, StepSpan
 from coordinator.protocol.replies import StepPoint, StepSeriesReply
 
 MAX_POINTS = 5_000
 DEFAULT_POINTS = 1_000
 
 
-@dataclass
-class _Span:
-    first: int
-    last: int
-    steps: int = 0
-    wall_s: float = 0.0
-    slowest: tuple[float, int] = (-1.0, -1)
-    regions: dict[str, float] = field(default_factory=dict)
-
-
-Entry = tuple[int, int, int, float, tuple[float, int], dict[str, float]]
-
-
-def _entries(log: PhaseLog) -> list[Entry]:
-    """``(first, last, steps, wall_s, (slowest_s, its step), regions' seconds)`` of every bucket
-    and every exact step, in step order."""
-    out = [(b.first, b.last, b.steps, b.wall_s, b.slowest, b.regions) for b in log.buckets]
-    out += [(s, s, 1, w, (w, s), r) for s, w, r in log.exact]
-    return out
+def _entries(log: PhaseLog) -> list[StepSpan]:
+    """Every bucket and every exact step of ``log``, in step order."""
+    return [*log.buckets, *(StepSpan(k, k, 1, w, r, (w, k)) for k, w, r in log.exact)]
 
 
 def step_series(
@@ -57,22 +40,22 @@ def step_series(
     entries = _entries(log)
     if not entries:
         return _reply([], 0, log, run, trainer_id)
-    start, end = entries[0][0], entries[-1][1]
+    start, end = entries[0].first, entries[-1].last
     width = max(1, math.ceil((end - start + 1) / max(1, points)))
-    spans: dict[int, _Span] = {}
-    for first, last, steps, wall, slowest, regions in entries:
-        span = spans.get(key := (first - start) // width)
+    spans: dict[int, StepSpan] = {}
+    for e in entries:
+        span = spans.get(key := (e.first - start) // width)
         if span is None:
-            span = spans[key] = _Span(first, last)
-        span.last, span.steps, span.wall_s = last, span.steps + steps, span.wall_s + wall
-        if slowest[0] > span.slowest[0]:  # the first of equally slow steps
-            span.slowest = slowest
-        for name, value in regions.items():
+            span = spans[key] = StepSpan(e.first, e.last, slowest=e.slowest)
+        span.last, span.steps, span.wall_s = e.last, span.steps + e.steps, span.wall_s + e.wall_s
+        if e.slowest[0] > span.slowest[0]:  # (the first of equally slow steps stays)
+            span.slowest = e.slowest
+        for name, value in e.regions.items():
             span.regions[name] = span.regions.get(name, 0.0) + value
     return _reply([_point(s) for _, s in sorted(spans.items())], width, log, run, trainer_id)
 
 
-def _point(s: _Span) -> StepPoint:
+def _point(s: StepSpan) -> StepPoint:
     def per_step_ms(seconds: float) -> float:
         return round(seconds / max(1, s.steps) * 1e3, 3)
 

@@ -101,12 +101,16 @@ def run_chart(series: StepSeriesReply, status: Any) -> RunChart:
     return {"series": series, "windows": windows, "stalls": stalls, "roles": list(roles.values())}
 
 
+def _column(step: int, first: int, last: int, width: int) -> int:
+    """The column of ``step`` when steps ``first..last`` are ``width`` columns wide."""
+    return max(0, min(width - 1, (step - first) * width // max(1, last - first + 1)))
+
+
 def _columns(points: list[StepPoint], first: int, last: int, width: int) -> list[float | None]:
     """Each column's mean step time (ms; None where no step was reported)."""
-    span = max(1, last - first + 1)
     sums, counts = [0.0] * width, [0] * width
     for p in points:
-        col = min(width - 1, (p["first"] - first) * width // span)
+        col = _column(p["first"], first, last, width)
         sums[col] += p["mean_ms"] * p["steps"]
         counts[col] += p["steps"]
     return [s / n if n else None for s, n in zip(sums, counts, strict=True)]
@@ -143,18 +147,15 @@ def render_chart(chart: RunChart, width: int = 72, height: int = 6) -> list[str]
         label = f"{floor:6.1f} ms " if row == 1 and height > 1 else label
         lines.append(label + "".join(cells))
     band, marks = [" "] * width, [" "] * width
-
-    def col(step: int) -> int:
-        return max(0, min(width - 1, (step - first) * width // (last - first + 1)))
-
     for w in chart["windows"]:
         letter = KIND_LETTER.get(w["kind"], "w")
-        for c in range(col(w["first"]), col(w["last"]) + 1):
+        lo, hi = _column(w["first"], first, last, width), _column(w["last"], first, last, width)
+        for c in range(lo, hi + 1):
             band[c] = letter.upper() if w["marks"] else letter
     lines.append("  windows " + "".join(band).rstrip())
     for s in chart["stalls"]:
         if s["step"] is not None:
-            marks[col(s["step"])] = "!"
+            marks[_column(s["step"], first, last, width)] = "!"
     if chart["stalls"]:
         lines.append("   stalls " + "".join(marks).rstrip())
     return lines

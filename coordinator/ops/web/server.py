@@ -27,7 +27,7 @@ from coordinator.core.phases import EXACT_STEPS
 from coordinator.core.step_series import DEFAULT_POINTS, MAX_POINTS
 from coordinator.core.timeline import DEFAULT_MAX_EVENTS
 from coordinator.ops.run_chart import run_chart
-from coordinator.ops.web import auth, perfetto
+from coordinator.ops.web import auth, files, perfetto
 from coordinator.ops.web.params import (
     MAX_BODY_BYTES,
     BadRequest,
@@ -234,15 +234,12 @@ class WebServer:
         return response
 
     async def static_file(self, request: web.Request) -> web.StreamResponse:
-        parts = request.match_info["path"].split("/")
-        if any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+        parts = files.parts_of(request.match_info["path"])
+        node = self.static.joinpath(*parts) if parts else None
+        if node is None or not node.is_file():
             raise NotFound("no such file")
-        node = self.static.joinpath(*parts)
-        if not node.is_file():
-            raise NotFound("no such file")
-        kind = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
-        ext = os.path.splitext(parts[-1])[1]
-        return web.Response(body=node.read_bytes(), content_type=kind.get(ext, "text/plain"))
+        kind = files.content_type(node.name, "text/plain")
+        return web.Response(body=node.read_bytes(), content_type=kind)
 
     async def perfetto_root(self, request: web.Request) -> web.StreamResponse:
         raise web.HTTPFound(perfetto.PREFIX)
@@ -256,7 +253,7 @@ class WebServer:
         if path is None:
             raise NotFound("no such file")
         headers = {
-            "Content-Type": perfetto.content_type(path),
+            "Content-Type": files.content_type(path.name),
             "Content-Security-Policy": self.perfetto_policy,
         }
         if path.name != "index.html":  # the build's files, under their version's folder

@@ -55,14 +55,22 @@ async function api(path, opts = {}) {
   return { ok: r.ok, status: r.status, body };
 }
 
-function chart(parent, config, tall) {
-  const box = el("div", { class: tall ? "chart tall" : "chart" });
+// A chart drawn in ``box`` (replacing what it held), kept on it as ``box.chart``.
+function mount(box, config) {
   const canvas = el("canvas", {});
-  box.append(canvas);
-  parent.append(box);
+  box.replaceChildren(canvas);
   config.options = Object.assign({ responsive: true, maintainAspectRatio: false,
                                    animation: false }, config.options || {});
-  state.charts.push(new Chart(canvas, config));
+  const made = new Chart(canvas, config);
+  state.charts.push(made);
+  box.chart = made;
+  return made;
+}
+
+function chart(parent, config, tall) {
+  const box = el("div", { class: tall ? "chart tall" : "chart" });
+  parent.append(box);
+  return mount(box, config);
 }
 
 function clear() {
@@ -256,16 +264,7 @@ async function runChart(box) {
   drawRunChart(box, res.body);
 }
 
-function drawRunChart(box, c) {
-  const canvas = el("canvas", {});
-  box.replaceChildren(canvas);
-  const config = runChartConfig(c);
-  config.options = Object.assign({ responsive: true, maintainAspectRatio: false, animation: false }, config.options);
-  const made = new Chart(canvas, config);
-  state.charts.push(made);
-  box.chart = made;
-  return made;
-}
+function drawRunChart(box, c) { return mount(box, runChartConfig(c)); }
 
 async function windowPage(main, index, role, by) {
   by = by === "op" ? "op" : "kernel";
@@ -380,8 +379,6 @@ function drawStrip(holder, m, page) {
       Math.floor(m.ranks.indexOf(m.slowRank) / STRIP_RANKS)) }, `the page of rank ${m.slowRank}`)) : null;
   const box = el("div", { class: "chart" });
   box.style.height = `${70 + 24 * shown.length}px`;
-  const canvas = el("canvas", {});
-  box.append(canvas);
   holder.replaceChildren(lead, ...(nav ? [nav] : []), box);
   const cell = (r, i) => { const row = m.rs[r]; if (i >= row.length) return null;
     const start = row.slice(0, i).reduce((a, [, ms]) => a + ms, 0); return [start, start + row[i][1]]; };
@@ -390,13 +387,12 @@ function drawStrip(holder, m, page) {
     data: shown.map(r => cell(r, i)), barPercentage: 0.85, categoryPercentage: 1,
     backgroundColor: shown.map(r => m.rs[r][i] && m.slow.has(`${r}/${m.rs[r][i][0]}`) ? "#e15759"
       : (i % 2 ? "#4e79a7" : "#a0cbe8")) }));
-  const made = new Chart(canvas, { type: "bar", data: { labels: shown.map(r => `rank ${r}`), datasets: sets },
-    options: { indexAxis: "y", responsive: true, maintainAspectRatio: false, animation: false,
+  const made = mount(box, { type: "bar", data: { labels: shown.map(r => `rank ${r}`), datasets: sets },
+    options: { indexAxis: "y",
       plugins: { legend: { display: false }, tooltip: { callbacks: { label: c => {
         const r = shown[c.dataIndex], [s, ms] = m.rs[r][c.datasetIndex];
         return `rank ${r}, step ${s}: ${num(ms, 1)} ms (x${num(ms / (m.med[s] || 1), 2)} its median)`; } } } },
       scales: { x: { beginAtZero: true, title: { display: true, text: "ms from each rank's first recorded step" } } } } });
-  state.charts.push(made);
   holder.chart = made;
   holder.$strip = { page, pages, ranks: shown, slowRank: m.slowRank, slowStep: m.worst.step,
                     slow: [...m.slow] };
