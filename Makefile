@@ -78,6 +78,7 @@ bench: venv
 	RAY_AUTH_MODE=disabled $(PY) bench/stack_cost.py
 	$(PY) bench/status_cost.py
 	$(PY) bench/relay_cost.py
+	$(PY) bench/record_cost.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

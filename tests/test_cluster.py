@@ -61,6 +61,16 @@ def test_two_nodes_upload_to_s3_and_collect_names_the_ranks_of_a_removed_node():
         f"traces/multi/run/{d}/policy/rank{r}.pt.trace.json.gz" for d in dirs for r in range(4)
     ]
     assert out["s3_trace_errors"] == [{}, {}]
+    # the run's record in the bucket, read with --from: the live table, byte for byte
+    rec = out["s3_record"]
+    assert rec["dir"] == "s3://traces/multi/run/record" and rec["windows"] == 2, rec
+    assert rec["pending"] == 0 and rec["error"] is None, rec
+    assert [p for p in out["recorded"] if not p.startswith("phases/")] == [
+        "run.msgpack",
+        "windows/000000.msgpack",
+        "windows/000001.msgpack",
+    ]
+    assert out["record_top_same"] and out["record_top_window"] == 0
     assert out["s3_nodes"] == {str(r): out["nodes"][r] for r in range(4)}
     # window 0 merged from the bucket: a process per rank, named by its node, on one clock
     merged = out["merged"]
@@ -119,6 +129,14 @@ def wait_for_port(port: int, deadline_s: float) -> None:
 @pytest.fixture(scope="module")
 def head():
     """A private `ray start --head` cluster for this module; stops only what it started."""
+    with ray_head() as h:
+        yield h
+
+
+@contextlib.contextmanager
+def ray_head():
+    """A private `ray start --head` cluster (its own process group, its own temp dir): its
+    ``env`` reaches it, ``kill()`` stops every process of it at once, by its group's pid."""
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths are capped
     port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen(
@@ -142,11 +160,36 @@ def head():
         stderr=subprocess.DEVNULL,
         start_new_session=True,  # its own process group: we stop this cluster and no other
     )
+
+    def kill() -> None:
+        """SIGKILL every process of this cluster at once: its process group and every process
+        under them (Ray's workers, the detached coordinator among them, start sessions of their
+        own and outlive a kill of the group)."""
+        import psutil
+
+        group = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if os.getpgid(p.pid) == proc.pid:
+                    group.append(p)
+        mine = {p.pid: p for p in group}
+        for p in group:
+            with contextlib.suppress(psutil.Error):
+                mine.update((c.pid, c) for c in p.children(recursive=True))
+        for p in mine.values():
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        _, alive = psutil.wait_procs(list(mine.values()), timeout=30)
+        assert not alive, alive
+        proc.wait(timeout=30)
+
     try:
         wait_for_port(port, 90)
-        yield {"env": env(RAY_ADDRESS=f"127.0.0.1:{port}"), "metrics_port": metrics_port}
+        yield {"env": env(RAY_ADDRESS=f"127.0.0.1:{port}"), "metrics_port": metrics_port,
+               "kill": kill}  # fmt: skip
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=5)  # `ray start --block` can take half a minute to wind down
         except subprocess.TimeoutExpired:
@@ -341,6 +384,7 @@ def test_the_demo_joins_a_cluster_and_two_runs_of_it_are_never_mixed(head, tmp_p
     assert st["previous_runs"][0]["config"]["active"] == 2
     first_dirs = sorted(os.listdir(tmp_path / "twice"))
     second_dirs = sorted(os.listdir(tmp_path / "twice.2"))
+    assert first_dirs.pop(0) == second_dirs.pop(0) == "record"  # each run its own record
     assert first_dirs[0].startswith("window_0000_") and second_dirs[0].startswith("window_0000_")
     recorded = [w for w in st["previous_runs"][0]["windows"] if w["steps"]]
     assert len(first_dirs) == len(recorded)
@@ -399,3 +443,55 @@ def test_three_nodes_fan_out_through_agents_fold_partials_and_lose_a_removed_nod
         and ("exited" in why or "unreachable" in why or "agent" in why)
         for why in gone.values()
     ), gone
+
+
+def test_a_run_goes_on_from_its_record_after_its_whole_cluster_is_lost(tmp_path):
+    """The GCS goes with its cluster, and the coordinator's checkpoint with it: a new cluster's
+    coordinator finds the run's record in save_path and goes on from it."""
+    from coordinator.service.record_reader import open_record
+
+    record = tmp_path / "long" / "record"
+    with ray_head() as first:
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "tests.scripts.gcs_loss_trainer", str(tmp_path), "0", "-1"],
+            cwd=ROOT, env=first["env"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True, start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 180
+            while True:  # two windows settled in the record, and the steps after them
+                before = open_record(str(record)) if (record / "run.msgpack").exists() else None
+                if before and len(before.file.windows) >= 2 and before.phases.steps_seen >= 13:
+                    break
+                assert trainer.poll() is None, trainer.stderr.read()[-4000:]
+                assert time.monotonic() < deadline, "no two windows recorded"
+                time.sleep(0.5)
+            first["kill"]()  # the whole cluster, GCS and all, mid-run
+        finally:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait(30)
+    lost = open_record(str(record))  # what the record holds once the cluster is gone
+    assert lost.file.lifecycle == "running" and len(lost.file.windows) >= 2
+    at = lost.file.global_step
+    window0 = (record / "windows" / "000000.msgpack").read_bytes()
+    with ray_head() as second:  # a new cluster: no checkpoint; the trainer resumes after `at`
+        out = result_of(py(second, "tests.scripts.gcs_loss_trainer", str(tmp_path),
+                           str(at + 1), str(at + 12)))  # fmt: skip
+    st = out["status"]
+    assert st["run"]["name"] == "long" and st["counters"]["record_restores"] == 1
+    assert st["global_step"] == at + 12 and st["run_dir"] == str(tmp_path / "long")
+    windows = {w["index"]: w for w in st["windows"]}
+    old = {w.window.index: w.to_dict() for w in lost.run.state.closed_windows()}
+    for i, w in old.items():  # restored as recorded
+        assert json.loads(json.dumps(w)) == windows[i]
+    new = [w for i, w in windows.items() if i not in old and w["steps"]]
+    assert new and min(w["index"] for w in new) >= lost.file.next_window > max(old)  # on
+    assert all(w["steps"][0] > at for w in new)  # on the absolute global step
+    steps = [s["step"] for s in out["phases"]["steps"]]
+    assert steps[: lost.phases.steps_seen] == [r[0] for r in lost.phases.exact]  # kept
+    assert steps[lost.phases.steps_seen :] == list(range(at + 1, at + 13))  # and gone on
+    assert out["record"]["error"] is None and out["record"]["pending"] == 0
+    after = open_record(str(record))  # the record goes on too, nothing written over
+    assert (record / "windows" / "000000.msgpack").read_bytes() == window0
+    assert after.file.lifecycle == "stopped" and after.file.windows == sorted(windows)
+    assert after.phases.steps_seen == lost.phases.steps_seen + 12 and not after.problems

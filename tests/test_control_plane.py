@@ -220,8 +220,11 @@ def test_a_second_run_starts_fresh_and_the_first_stays_readable(
     assert two["run"]["name"] == "job.2" and two["run_dir"] == str(tmp_path / "job.2")
     assert two["config"]["active"] == 1 and two["config"]["wait"] == 0
     assert [(w["index"], w["steps"]) for w in two["windows"]] == [(0, [1, 1])]
-    assert sorted(p.name for p in (tmp_path / "job.2").iterdir()) == ["window_0000_steps_1-1"]
-    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["window_0000_steps_2-3"]
+    assert ray.get(coord.flush_record.remote(30.0))["pending"] == 0  # (written off the loop)
+    assert sorted(p.name for p in (tmp_path / "job.2").iterdir()) == [
+        "record", "window_0000_steps_1-1"]  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == [
+        "record", "window_0000_steps_2-3"]  # fmt: skip
     (prev,) = two["previous_runs"]
     assert prev["run"]["name"] == "job" and prev["run"]["lifecycle"] == "stopped"
     assert prev["config"]["active"] == 2 and [w["steps"] for w in prev["windows"]] == [[2, 3]]

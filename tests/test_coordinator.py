@@ -64,7 +64,9 @@ def test_end_to_end_windows_traces_and_aggregates(ray_session, make, tmp_path):
         "idle",
         "idle",
     ]
+    ray.get(coord.flush_record.remote(30.0))  # (the record is written off the loop)
     dirs = sorted(os.listdir(tmp_path / "run"))
+    assert dirs.pop(0) == "record"  # the run's record, beside its windows
     assert dirs == ["window_0000_steps_2-3", "window_0001_steps_6-7"]
     for d in dirs:
         assert os.listdir(tmp_path / "run" / d) == ["policy"]  # one directory per role
@@ -216,7 +218,8 @@ def test_stop_closes_an_open_window_as_partial_and_is_safe_to_repeat(ray_session
     assert ray.get(coord.stop.remote("t"))["applied"] is True
     st = ray.get(coord.status.remote())
     assert [(w["steps"], w["partial"]) for w in st["windows"]] == [([1, 3], True)]
-    assert os.listdir(tmp_path / "run") == ["window_0000_steps_1-3"]
+    ray.get(coord.flush_record.remote(30.0))
+    assert sorted(os.listdir(tmp_path / "run")) == ["record", "window_0000_steps_1-3"]
     ks = ray.get(coord.kernel_summary.remote())
     assert ks["partial"] is True and ks["ranks"] == [0, 1]  # stop collected the summaries
 
@@ -388,7 +391,9 @@ def test_capture_and_schedule_in_one_run(ray_session, make, tmp_path):
         ("capture", [3, 4], [1]),
         ("scheduled", [7, 8], [0, 1]),
     ]
+    ray.get(coord.flush_record.remote(30.0))
     assert sorted(os.listdir(tmp_path / "run")) == [
+        "record",
         "window_0000_steps_3-4",
         "window_0001_steps_7-8",
     ]

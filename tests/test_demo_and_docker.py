@@ -1,5 +1,7 @@
 """The main job's entry point, its flags and errors, and the docker files that run it."""
 
+import contextlib
+import io
 import json
 import os
 import shlex
@@ -10,7 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
-from trainers.demo import build_config, parse_args
+from trainers.demo import build_config, parse_args, print_kernels
 
 
 def run_demo(*args, timeout=240):
@@ -24,6 +26,15 @@ def run_demo(*args, timeout=240):
         text=True,
         timeout=timeout,
     )
+
+
+def cli(*args: str) -> str:
+    """``ray-profiler ...``'s output, in a process with no cluster to reach."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_ADDRESS": "127.0.0.1:1"}
+    proc = subprocess.run([sys.executable, "-m", "coordinator", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
 @pytest.mark.subprocess
@@ -54,11 +65,24 @@ def test_demo_prints_steps_status_kernels_and_traces(tmp_path):
     assert f"traces: {tmp_path / 'demo'} (window_.../<role>/rank<r>...)" in out
     # windows record 3-4 and 7-8; the run ends after step 7, so the second one is partial
     assert sorted(os.listdir(tmp_path / "demo")) == [
+        "record",
         "window_0000_steps_3-4",
         "window_0001_steps_7-7",
     ]
+    # its cluster is gone: the run's record shows the tables the demo printed from the live one
+    record = tmp_path / "demo" / "record"
+    assert f"record: {record} (after the cluster: ray-profiler status --from {record})" in out
+    for role in ("policy", "rollout"):
+        ks = json.loads(cli("top", "--from", str(record), "--role", role, "--k", "10", "--json"))
+        shown = io.StringIO()
+        with contextlib.redirect_stdout(shown):
+            print_kernels(ks)
+        assert shown.getvalue() in out, role
+    phases = cli("phases", "--last", "1000", "--from", str(tmp_path / "demo"))
+    assert phases in out
     for d in os.listdir(tmp_path / "demo"):
-        assert sorted(os.listdir(tmp_path / "demo" / d)) == ["policy", "rollout"]
+        if d.startswith("window_"):
+            assert sorted(os.listdir(tmp_path / "demo" / d)) == ["policy", "rollout"]
 
 
 def test_demo_config_file_and_flags(tmp_path):

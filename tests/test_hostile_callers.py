@@ -62,6 +62,7 @@ METHODS = {
     "tracker_figures": 1,
     "kernel_diff": 6,
     "pin_baseline": 1,
+    "flush_record": 1,
 }
 CALLS = st.sampled_from(sorted(METHODS)).flatmap(
     lambda m: st.tuples(st.just(m), st.lists(HOSTILE, min_size=METHODS[m], max_size=METHODS[m]))

@@ -5,6 +5,7 @@ import signal
 import time
 import uuid
 
+from coordinator.service.record_reader import open_record
 from tests.configs import profiler_config
 from trainers.hooks import ProfilingHooks
 
@@ -77,6 +78,17 @@ def test_sigkill_outside_and_inside_a_window_loses_nothing(
         True,
     )
     assert ray.get(coord.kernel_summary.remote(window=3))["ranks"] == [0, 1]
+    # The run's record went on through both restarts: each window once, and the phase times of
+    # the steps before the first (the phase log a restart loses comes back from the record).
+    for i in windows:
+        assert ray.get(coord.wait_window.remote(i, timeout_s=60))["done"]
+    entry = ray.get(coord.flush_record.remote(30.0))
+    assert entry["error"] is None and entry["pending"] == 0, entry
+    rec = open_record(entry["dir"])
+    assert rec.file.windows == sorted(windows) and not rec.problems, rec.problems
+    steps = [s for s, _, _ in rec.phases.exact]
+    assert steps == sorted(set(steps)) and steps[0] == 0 and steps[-1] == 21
+    assert set(range(6)) <= set(steps)
     # No rank is left with a profiler running.
     for w in workers:
         assert ray.get(w.dump_profiler_summary.remote())["phase"] == "idle"

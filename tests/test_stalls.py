@@ -101,6 +101,7 @@ def test_a_hung_rank_is_named_on_demand_and_by_the_watchdog(ray_session, hanging
         resumed = lambda: ray.get(coord.status.remote())["stalls"][0]["resumed_step"]  # noqa: E731
         wait_for(resumed, 5, every_s=0.2)  # the watchdog's next tick (1 s) marks it
         final = ray.get(coord.status.remote())
+        record = ray.get(coord.flush_record.remote(30.0))
     finally:
         ray.kill(coord)
         ray.get([w.hang.remote(-1, [], 0.0) for w in policy])
@@ -144,6 +145,16 @@ def test_a_hung_rank_is_named_on_demand_and_by_the_watchdog(ray_session, hanging
     saved = wait_for(lambda: _saved_resumed(path), 5, every_s=0.2)
     assert saved["stall"]["culprit"] == stall["culprit"] and saved["stacks"]["groups"]
     assert saved["stall"]["resumed_step"] == HANG_STEP
+
+    # The stall and its stacks outlive the cluster: the run's record holds them (stacks --from).
+    assert record["error"] is None and record["pending"] == 0, record
+    capsys.readouterr()
+    assert cli_main(["stacks", "--from", final["run_dir"], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(final["stalls"]))
+    assert cli_main(["stacks", "--from", final["run_dir"]]) == 0
+    recorded = capsys.readouterr().out
+    assert f"resumed at step {HANG_STEP}" in recorded and "rank 2 in slow_loader" in recorded
+    assert "  rank 2 (1): slow_loader <- load_batch <- train" in recorded
 
     # Training went on after the hang, exactly as it does unprofiled.
     assert result["on"] == off

@@ -118,8 +118,11 @@ def test_every_window_of_every_rank_lands_in_the_bucket_and_staging_is_emptied(
     coord, workers = s3_run(ray, ray_actors, toy_workers, s3, tmp_path)
     train(ray, coord, workers, steps=9)
     st = wait_for_traces(ray, coord)
+    assert ray.get(coord.flush_record.remote(30.0))["pending"] == 0
     dirs = ["window_0000_steps_2-3", "window_0001_steps_6-7"]
-    files = sorted(s3.fs().find("traces/runs/run"))
+    found = sorted(s3.fs().find("traces/runs/run"))
+    files = [f for f in found if not f.startswith("traces/runs/run/record/")]
+    assert "traces/runs/run/record/run.msgpack" in found  # the run's record, in the bucket too
     assert files == [
         f"traces/runs/run/{d}/policy/rank{r}.pt.trace.json.gz" for d in dirs for r in (0, 1)
     ]

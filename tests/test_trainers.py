@@ -92,6 +92,7 @@ def test_trainer_is_profiled_end_to_end_and_unchanged(ray_session, actors, tmp_p
         phases = ray.get(hooks.coordinator.phase_times.remote(last=100))
         assert cli_main(["phases", *where]) == 0
         table = capsys.readouterr().out
+        ray.get(hooks.coordinator.flush_record.remote(30.0))  # (written off the loop)
     finally:
         ray.kill(hooks.coordinator)
 
@@ -129,7 +130,7 @@ def test_trainer_is_profiled_end_to_end_and_unchanged(ray_session, actors, tmp_p
     windows = [w for w in Schedule(cfg).windows(limit=10) if w.last < STEPS]
     expected = [f"window_{w.index:04d}_steps_{w.first}-{w.last}" for w in windows]
     roles = ["policy"] if kind == "sft" else ["policy", "rollout"]
-    assert sorted(os.listdir(tmp_path / "run")) == expected
+    assert sorted(os.listdir(tmp_path / "run")) == ["record", *expected]
     for d in expected:
         assert sorted(os.listdir(tmp_path / "run" / d)) == roles
         assert sorted(os.listdir(tmp_path / "run" / d / "policy")) == [

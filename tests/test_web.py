@@ -562,7 +562,11 @@ def test_perfetto_is_served_from_the_extra_under_its_own_policy(served):
     import hashlib
 
     status, viewer = served.http("GET", "/api/viewer")
-    assert status == 200 and viewer == {"perfetto": "/perfetto/", "install": None}
+    assert status == 200 and viewer == {
+        "perfetto": "/perfetto/",
+        "install": None,
+        "read_only": None,
+    }
     status, headers, body, where = _open(served.url + "/perfetto")
     assert status == 200 and where.endswith("/perfetto/")  # redirected to the UI's folder
     assert headers["Content-Type"].startswith("text/html") and b"Perfetto UI" in body
@@ -747,3 +751,53 @@ def test_the_window_page_strips_every_rank_s_steps_and_pages_many_ranks(served):
         strip = page.evaluate("document.getElementById('step-strip').$strip")
         assert strip["page"] == 3 and strip["ranks"] == list(range(96, 100))
         assert page.is_disabled("#strip-next") and not page.is_disabled("#strip-prev")
+
+
+@pytest.mark.subprocess
+def test_a_run_s_record_is_served_read_only_with_the_live_answers(served, tmp_path):
+    import ray
+
+    from coordinator.ops.recorded import RecordedCoordinator, open_record
+    from coordinator.ops.web.record_link import RecordLink
+
+    entry = ray.get(served.coord.flush_record.remote(30.0))
+    assert entry["error"] is None and entry["pending"] == 0 and entry["windows"] == 2, entry
+    web = ServerThread(RecordLink(RecordedCoordinator(open_record(entry["dir"]))))
+    try:
+        for path in (
+            "/api/windows/1/kernels?top_k=10&per_rank=true",
+            "/api/windows/0/kernels?by=op",
+            "/api/windows/0/stragglers",
+            "/api/diff?a=0&b=1",
+            "/api/phases?last=50",
+        ):
+            assert web.http("GET", path) == served.http("GET", path), path
+        (status, st), (_, live) = web.http("GET", "/api/status"), served.http("GET", "/api/status")
+        assert status == 200 and st["windows"] == live["windows"] and st["run"] == live["run"]
+        assert [s["index"] for s in st["stalls"]] == [s["index"] for s in live["stalls"]] == [1]
+        (_, chart), (_, now) = web.http("GET", "/api/chart"), served.http("GET", "/api/chart")
+        assert chart["series"] == now["series"] and chart["windows"] == now["windows"]
+        assert chart["roles"] == now["roles"] and len(chart["stalls"]) == 1
+        changes = [("POST", "/api/captures", {"active": 1}), ("DELETE", "/api/captures/3", None)]
+        for method, path, body in changes:
+            status, said = web.http(method, path, body, token=TOKEN)
+            assert status == 409 and said["error"].startswith("read-only: the record of run")
+        status, said = web.http("GET", "/api/windows/0/timeline.json.gz")
+        assert status == 409 and "collect the traces from save_path" in said["error"]
+        with chromium_browser() as browser:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(web.url + "/")
+            page.wait_for_selector("a[href='#/window/1']", timeout=30_000)
+            page.wait_for_selector("#read-only")
+            wait_js(page, "document.getElementById('live').textContent.includes('read-only')", 10)
+            assert page.locator("#nav-captures").count() == 0  # nothing to capture in a record
+            page.goto(web.url + "/#/captures")
+            page.wait_for_selector("text=nothing here changes a run", timeout=10_000)
+            assert page.locator("#capture-form").count() == 0
+            page.goto(web.url + "/#/window/1")
+            page.wait_for_selector("text=Rank x top kernel", timeout=30_000)
+        assert errors == []
+    finally:
+        web.close()

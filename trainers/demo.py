@@ -210,6 +210,11 @@ def report(coordinator: Any, top_k: int) -> None:
     print(f"\ntraces: {status['run_dir']} (window_.../<role>/rank<r>...)")
     print("\n== phase times (hooks.region), every step ==")
     print(render_phases(ray.get(coordinator.phase_times.remote(last=1000))))
+    record = ray.get(coordinator.flush_record.remote(30.0))  # before this cluster goes
+    if record["dir"]:
+        kept = "" if record["pending"] == 0 else f"; NOT all written: {record['error']}"
+        print(f"\nrecord: {record['dir']} (after the cluster: ray-profiler status --from "
+              f"{record['dir']}){kept}")  # fmt: skip
 
 
 def print_status(status: dict[str, Any]) -> None:

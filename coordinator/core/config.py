@@ -113,6 +113,9 @@ class ProfilerConfig:
     agent_idle_exit_s: float = 600.0
     """A node agent with nothing to do for this long, while no coordinator it served has a live
     run, exits (0: never)."""
+    record: bool = True
+    """Keep the run's record in ``{save_path}/{run}/record/`` (windows, phase times, stalls), to
+    read after the cluster is gone (``ray-profiler --from``); nothing without ``save_path``."""
     stall_watch: bool = True
     """Take every rank's stack when the stepping trainer's steps stop coming (a stall)."""
     stall_factor: float = 5.0
@@ -219,6 +222,7 @@ class ProfilerConfig:
             "with_modules",
             "keep_local",
             "stall_watch",
+            "record",
         ):
             _check_bool(self, name)
         for name in ("skip_first", "wait", "warmup", "repeat"):

@@ -33,10 +33,13 @@ from coordinator.ops.tables import (
     render_phases,
     render_ranks,
     render_stacks,
+    render_stalls,
     render_status,
     render_stragglers,
     render_top,
+    render_windows,
 )
+from coordinator.service.record_store import SAVE_PATH_ENV
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 _EXAMPLES = {
@@ -45,6 +48,9 @@ _EXAMPLES = {
         "  ray-profiler status --all   # every rank of a run of over 256 ranks"
     ),
     "ranks": "ray-profiler ranks --state unresponsive\n  ray-profiler ranks --offset 1000",
+    "windows": (
+        "ray-profiler windows\n  ray-profiler windows --from s3://bucket/profiles/job-0412 --json"
+    ),
     "top": (
         "ray-profiler top --window 3 --k 20\n  ray-profiler top --role rollout\n"
         "  ray-profiler top --by op   # CUDA: device time by the op that launched it\n"
@@ -63,7 +69,8 @@ _EXAMPLES = {
     ),
     "diff": (
         "ray-profiler diff 0 7            # window 7 against window 0 of the run\n"
-        "  ray-profiler diff 3 3 --run-a run_20261201-120000 --k 40 --json"
+        "  ray-profiler diff 3 3 --run-a run_20261201-120000 --k 40 --json\n"
+        "  ray-profiler diff s3://bucket/profiles/job-0405:3 job-0412:3   # across jobs"
     ),
     "phases": (
         "ray-profiler phases --last 200\n  ray-profiler phases --run run_20261201-120000 --json"
@@ -84,6 +91,7 @@ _EXAMPLES = {
     "watch": "ray-profiler watch --interval 2\n  ray-profiler watch --count 10 > status.log",
     "serve": (
         "ray-profiler serve   # http://127.0.0.1:8270/, a token for changes printed once\n"
+        "  ray-profiler serve --from s3://bucket/profiles/job-0412   # a record, read-only\n"
         "  RAY_PROFILER_TOKEN=... ray-profiler serve --host 0.0.0.0 --port 8270"
     ),
     "collect": (
@@ -119,6 +127,14 @@ def _global_options(parser: argparse.ArgumentParser, top: bool) -> None:
     parser.add_argument("--name", default=default("profiler"), help="the coordinator's name")
     parser.add_argument(
         "--json", action="store_true", default=default(False), help="print JSON, not tables"
+    )
+    parser.add_argument(
+        "--from",
+        dest="from_",
+        metavar="PATH_OR_URL",
+        default=default(None),
+        help="read a run's record (its directory, its record/, a URL, or a run's name under "
+        f"${SAVE_PATH_ENV}), not a coordinator: no cluster needed",
     )
 
 
@@ -159,6 +175,7 @@ def _reading_commands(command: Command) -> None:
     status.add_argument(
         "--all", action="store_true", help="every rank (a run of over 256 ranks lists the not-ok)"
     )
+    command("windows", "every closed window: steps, ranks, stragglers, marks, traces")
     ranks = command("ranks", "a page of the per-rank list, filtered by state")
     ranks.add_argument("--state", default=None, help="ok, disabled, lost, unresponsive, ...")
     ranks.add_argument("--trainer", default=None, help="one trainer's ranks")
@@ -204,8 +221,8 @@ def _steering_commands(command: Command) -> None:
     cancel = command("cancel", "drop a capture that has not started")
     cancel.add_argument("window", type=int)
     diff = command("diff", "what changed from window A to window B: kernels, breakdown, step")
-    diff.add_argument("a", type=int)
-    diff.add_argument("b", type=int)
+    diff.add_argument("a", help="WINDOW, or RUN:WINDOW (a run's name, directory or record URL)")
+    diff.add_argument("b", help="WINDOW, or RUN:WINDOW")
     diff.add_argument("--run-a", default=None, help="A's run (default: the current one)")
     diff.add_argument("--run-b", default=None, help="B's run (default: the current one)")
     diff.add_argument("--k", type=int, default=30, help="kernels listed (largest change first)")
@@ -260,7 +277,27 @@ def connect(address: str, namespace: str, name: str) -> Any:
         raise CliError(str(exc)) from None
 
 
+def source(args: argparse.Namespace) -> Any:
+    """What the command reads: the run's record (``--from``), else the live coordinator."""
+    if not args.from_:
+        return connect(args.address, args.namespace, args.name)
+    from coordinator.ops.recorded import RecordedCoordinator, locate, open_record
+
+    try:
+        return RecordedCoordinator(open_record(locate(args.from_)))
+    except (ValueError, OSError) as exc:
+        raise CliError(str(exc).strip().splitlines()[-1]) from None
+
+
 def call(handle: Any, method: str, *args: Any, get_timeout: float = 60, **kwargs: Any) -> Any:
+    from coordinator.ops.recorded import ReadOnly, RecordedCoordinator
+    from coordinator.ops.recorded import call as call_recorded
+
+    if isinstance(handle, RecordedCoordinator):
+        try:
+            return call_recorded(handle, method, *args, **kwargs)
+        except (ValueError, ReadOnly) as exc:
+            raise CliError(str(exc).strip().splitlines()[-1]) from None
     import ray
 
     try:
@@ -281,52 +318,19 @@ def call(handle: Any, method: str, *args: Any, get_timeout: float = 60, **kwargs
 def run(args: argparse.Namespace) -> int:
     if args.command == "summarise":
         return summarise_command(args)
-    h = connect(args.address, args.namespace, args.name)
-    out = print
+    named = args.command == "diff" and all(":" in x for x in (args.a, args.b))
+    h = None if named and not args.from_ else source(args)  # (two runs named: maybe records)
     if args.command == "serve":
         return serve(h, args)
-    if args.command == "status":
-        st = call(h, "status", ranks="all" if args.all else "summary")
-        out(json.dumps(st) if args.json else render_status(st))
-    elif args.command == "ranks":
-        page = call(h, "ranks", args.offset, args.limit, args.state, args.trainer)
-        out(json.dumps(page) if args.json else render_ranks(page))
-    elif args.command == "top":
-        a = args
-        ks = call(h, "kernel_summary", a.window, a.k, a.trainer, False, a.run, a.role, a.by)
-        out(json.dumps(ks) if a.json else render_top(ks))
-    elif args.command == "stragglers":
-        ks = call(h, "kernel_summary", window=args.window, top_k=0)
-        out(
-            json.dumps(ks["stragglers"] | {"window": ks["window"]})
-            if args.json
-            else render_stragglers(ks)
-        )
-    elif args.command == "diff":
-        d = call(h, "kernel_diff", args.a, args.b, args.run_a, args.run_b, None, args.k)
-        out(json.dumps(d) if args.json else render_diff(d))
-    elif args.command == "phases":
-        pt = call(h, "phase_times", last=args.last, run=args.run)
-        out(json.dumps(pt) if args.json else render_phases(pt))
-    elif args.command == "stacks":
-        st = call(
-            h,
-            "stacks",
-            args.native,
-            args.rank,
-            args.trainer,
-            args.method,  # positional: ``call`` has its own ``method``
-            False,
-            args.timeout,
-            get_timeout=2 * args.timeout + 60,
-        )
-        out(json.dumps(st) if args.json else render_stacks(st))
+    text = read(h, args)
+    if text is not None:
+        print(text)
     elif args.command == "cancel":
         res = call(h, "cancel_capture", args.window)
         if args.json:
-            out(json.dumps(res))
+            print(json.dumps(res))
         elif res["cancelled"]:
-            out(f"capture {args.window} cancelled")
+            print(f"capture {args.window} cancelled")
         else:
             raise CliError(f"cannot cancel window {args.window}: {res['reason']}")
     elif args.command == "capture":
@@ -340,13 +344,93 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def read(h: Any, args: argparse.Namespace) -> str | None:
+    """What a reading command prints (JSON with ``--json``), or None for another command."""
+    a, dump = args, json.dumps
+    if a.command == "status":
+        st = call(h, "status", ranks="all" if a.all else "summary")
+        return dump(st) if a.json else render_status(st)
+    if a.command == "ranks":
+        page = call(h, "ranks", a.offset, a.limit, a.state, a.trainer)
+        return dump(page) if a.json else render_ranks(page)
+    if a.command == "top":
+        ks = call(h, "kernel_summary", a.window, a.k, a.trainer, False, a.run, a.role, a.by)
+        return dump(ks) if a.json else render_top(ks)
+    if a.command == "stragglers":
+        ks = call(h, "kernel_summary", window=a.window, top_k=0)
+        return (
+            dump(ks["stragglers"] | {"window": ks["window"]}) if a.json else render_stragglers(ks)
+        )
+    if a.command == "windows":
+        windows = call(h, "status")["windows"]
+        return dump(windows) if a.json else render_windows(windows, last=None)
+    if a.command == "diff":
+        d = diff(h, a)
+        return dump(d) if a.json else render_diff(d)
+    if a.command == "phases":
+        pt = call(h, "phase_times", last=a.last, run=a.run)
+        return dump(pt) if a.json else render_phases(pt)
+    if a.command == "stacks" and a.from_:  # a record: the stalls it kept, with their stacks
+        stalls = call(h, "stalls")
+        return dump(stalls) if a.json else render_stalls(stalls)
+    if a.command == "stacks":
+        st = call(
+            h, "stacks", a.native, a.rank, a.trainer,
+            a.method,  # positional: ``call`` has its own ``method``
+            False, a.timeout, get_timeout=2 * a.timeout + 60,
+        )  # fmt: skip
+        return dump(st) if a.json else render_stacks(st)
+    return None
+
+
+def diff(h: Any, args: argparse.Namespace) -> Any:
+    """``diff A B``: windows of the current run (``--run-a``/``--run-b``: of another kept
+    one), or ``RUN:WINDOW`` sides of any run, live or recorded (``cross_diff``)."""
+    from coordinator.ops.cross_diff import diff_across, parse_side
+
+    a, b = (_refusing(parse_side, x) for x in (args.a, args.b))
+    for side, run, flag in ((a, args.run_a, "--run-a"), (b, args.run_b, "--run-b")):
+        if side.run is not None and run is not None:
+            raise CliError(f"a side names its run twice: {flag} {run} and {side.run}:")
+    if a.run is None and b.run is None:
+        return call(h, "kernel_diff", a.window, b.window, args.run_a, args.run_b, None, args.k)
+    sides = [
+        f"{s.run or run}:{s.window}" if (s.run or run) else str(s.window)
+        for s, run in ((a, args.run_a), (b, args.run_b))
+    ]
+    save_path = os.environ.get(SAVE_PATH_ENV)
+    live = None
+    if h is None:  # no coordinator asked for: a run is first looked for where it runs
+        h = _maybe_connect(args)
+    if h is not None:
+        save_path = save_path or call(h, "status")["config"].get("save_path")
+
+        def live(method: str, *x: Any, **kw: Any) -> Any:
+            return call(h, method, *x, **kw)
+
+    return _refusing(diff_across, sides[0], sides[1], args.k, live, save_path)
+
+
+def _maybe_connect(args: argparse.Namespace) -> Any:
+    """The coordinator when one answers, else None (a diff of two records needs none)."""
+    try:
+        return connect(args.address, args.namespace, args.name)
+    except CliError:
+        return None
+
+
 def serve(h: Any, args: argparse.Namespace) -> int:
     """Serve the web pages and the JSON API until interrupted."""
     from coordinator.ops.web.auth import TOKEN_ENV
     from coordinator.ops.web.server import serve as serve_web
 
     token = os.environ.get(TOKEN_ENV) or None
-    serve_web(h, args.name, args.namespace, args.host, args.port, token)
+    link = None
+    if args.from_:  # a record: read-only
+        from coordinator.ops.web.record_link import RecordLink
+
+        link = RecordLink(h)
+    serve_web(h, args.name, args.namespace, args.host, args.port, token, link=link)
     return EXIT_OK
 
 

@@ -220,9 +220,40 @@ def phases_frame(phases: dict[str, Any]) -> Any:
     return frame
 
 
-def diff_frame(diff: dict[str, Any]) -> Any:
+def diff_frame(
+    diff: dict[str, Any] | str,
+    b: str | None = None,
+    top_k: int = 30,
+    coordinator: Any = None,
+    save_path: str | None = None,
+) -> Any:
     """One row per kernel of a ``kernel_diff()`` reply, largest change first: its per-step
-    self time per rank (us) in window a and b, the change, the ratio and its status."""
+    self time per rank (us) in window a and b, the change, the ratio and its status.
+
+    Or of two sides, as ``ray-profiler diff`` takes them, across jobs::
+
+        nb.diff_frame("s3://bucket/profiles/job-0405:3", "job-0412:3", coordinator=h)
+
+    each ``WINDOW`` or ``RUN:WINDOW`` (a record's path or URL, a run's directory, or a run's
+    name: kept by ``coordinator``, else recorded under ``save_path`` or the coordinator's)."""
+    if isinstance(diff, str):
+        diff = dict(_diff_across(diff, b, top_k, coordinator, save_path))
     pd = _pd()
     cols = ["name", "status", "a_us", "b_us", "change_us", "ratio"]
     return pd.DataFrame([{c: k[c] for c in cols} for k in diff["kernels"]], columns=cols)
+
+
+def _diff_across(a: str, b: str | None, top_k: int, coordinator: Any, save_path: str | None) -> Any:
+    from coordinator.ops.cross_diff import diff_across
+
+    if b is None:
+        raise ValueError("diff_frame(a, b): two sides, each WINDOW or RUN:WINDOW")
+    live = None
+    if coordinator is not None:
+        import ray
+
+        def live(method: str, *args: Any, **kw: Any) -> Any:
+            return ray.get(getattr(coordinator, method).remote(*args, **kw))
+
+        save_path = save_path or live("get_config").get("save_path")
+    return diff_across(a, b, top_k, live, save_path)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # (the reply types are for checking: their module takes 6 ms 
         StacksReply,
         StallEntry,
         StatusReply,
+        WindowEntry,
         WindowSteps,
     )
 
@@ -48,20 +49,7 @@ def render_status(st: StatusReply) -> str:
         )
     lines.extend(_rank_rows(st["ranks"]))
     if st["windows"]:
-        lines += ["", f"{'window':>6} {'kind':<9} {'steps':<12} {'ranks':<16} stragglers / dir"]
-        for w in st["windows"][-10:]:
-            steps = "-".join(map(str, w["steps"])) if w["steps"] else "(none)"
-            flag = " partial" if w["partial"] else ""
-            strag = f"stragglers {w['stragglers']} " if w.get("stragglers") else ""
-            broken = f"NOT AS PLANNED: {w['reason']} " if not w["kept"] else ""
-            ranks = span(w["ranks"]) if w["complete"] else f"{w['rank_count']} ranks"
-            lines.append(
-                f"{w['index']:>6} {w.get('kind', ''):<9} {steps + flag:<12} "
-                f"{ranks:<16} {broken}{strag}{w['trace_dir'] or ''}"
-            )
-            if (t := w["trigger"]) is not None:
-                lines.append(f"{'':>6} {'':<9} why: {trigger_text(t)}")
-            lines += [f"{'':>6} {'':<9} {text}" for text in marks_lines(w)]
+        lines += ["", render_windows(st["windows"], last=10)]
     if st["previous_runs"]:
         lines += ["", "earlier runs (ray-profiler top --run NAME):"]
         for p in st["previous_runs"]:
@@ -70,6 +58,26 @@ def render_status(st: StatusReply) -> str:
                 f"  {prev['name']}: {prev['lifecycle']} ({prev['ended_reason']}), "
                 f"{len(p['windows'])} windows, {prev['run_dir']}"
             )
+    return "\n".join(lines)
+
+
+def render_windows(windows: list[WindowEntry], last: int | None) -> str:
+    """The closed windows (the ``last`` ones; None: every one), a line each, with why an auto
+    capture was taken and the regression marks beneath."""
+    lines = [f"{'window':>6} {'kind':<9} {'steps':<12} {'ranks':<16} stragglers / dir"]
+    for w in windows[-last:] if last else windows:
+        steps = "-".join(map(str, w["steps"])) if w["steps"] else "(none)"
+        flag = " partial" if w["partial"] else ""
+        strag = f"stragglers {w['stragglers']} " if w.get("stragglers") else ""
+        broken = f"NOT AS PLANNED: {w['reason']} " if not w["kept"] else ""
+        ranks = span(w["ranks"]) if w["complete"] else f"{w['rank_count']} ranks"
+        lines.append(
+            f"{w['index']:>6} {w.get('kind', ''):<9} {steps + flag:<12} "
+            f"{ranks:<16} {broken}{strag}{w['trace_dir'] or ''}"
+        )
+        if (t := w["trigger"]) is not None:
+            lines.append(f"{'':>6} {'':<9} why: {trigger_text(t)}")
+        lines += [f"{'':>6} {'':<9} {text}" for text in marks_lines(w)]
     return "\n".join(lines)
 
 
@@ -288,6 +296,29 @@ def _stall_lines(stalls: list[StallEntry]) -> list[str]:
         f"{s['threshold_s']:.0f} s), {end}; {s['path'] or s['error'] or ''}"
     )
     return [head] + [f"  {line}" for line in s["lines"][:6]]
+
+
+def render_stalls(stalls: list[StallEntry]) -> str:
+    """A recorded run's stalls (``--from``), each with the grouped stacks taken during it."""
+    if not stalls:
+        return "no stall recorded"
+    out = []
+    for s in stalls:
+        end = (
+            f"resumed at step {s['resumed_step']}"
+            if s["resumed_at"] is not None
+            else "never resumed"
+        )
+        out += [
+            f"stall {s['index']}: no step after {s['last_step']} from {s['trainer_id']} since "
+            f"{_clock(s['last_step_at'])} (threshold {s['threshold_s']:.0f} s), {end}; stacks "
+            f"taken {s['takes']}x",
+            *([s["culprit"]] if s["culprit"] else []),
+            *(f"  {line}" for line in s["lines"]),
+            *([f"  error: {s['error']}"] if s["error"] else []),
+            "",
+        ]
+    return "\n".join(out).rstrip()
 
 
 def render_stacks(st: StacksReply) -> str:

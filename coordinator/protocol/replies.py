@@ -372,6 +372,23 @@ class CheckpointEntry(TypedDict):
     error: str | None
 
 
+class RecordEntry(TypedDict):
+    """The current run's record in ``save_path`` (``docs/reference.md#the-runs-record``):
+    where it is, what it holds, and how its writes go (``error`` until a retry succeeds)."""
+
+    dir: str | None  # None: no save_path, or ``record: false``
+    windows: int  # windows recorded
+    steps: int  # steps whose phase times are recorded
+    files: int  # files written (every run's, since the coordinator started)
+    bytes: int
+    pending: int  # files queued, waiting for a write or its retry
+    failures: int  # writes that failed (each retried)
+    dropped: int  # files not queued: too many were waiting
+    error: str | None  # the last write's failure, until one succeeds
+    retry_in_s: float | None
+    last_write_at: float | None
+
+
 class PreviousRunEntry(TypedDict):
     """A run that ended, kept for reading: its windows and the config it ran with."""
 
@@ -405,6 +422,7 @@ class StatusReply(TypedDict):
     restarts: int  # how often Ray restarted this coordinator (each time from its checkpoint)
     last_restart: float | None  # when it last did (epoch seconds)
     checkpoint: CheckpointEntry
+    record: RecordEntry
     auto_capture: AutoCaptureEntry
     stalls: list[StallEntry]  # the watchdog's recent stalls, oldest first (bounded)
 

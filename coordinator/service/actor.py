@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 
+from coordinator.core.validate import is_number
 from coordinator.protocol.replies import (
     AutoCaptureReply,
     CancelReply,
@@ -22,6 +23,7 @@ from coordinator.protocol.replies import (
     OpenRunReply,
     PingReply,
     RanksPage,
+    RecordEntry,
     RegisterReply,
     StatusReply,
     StepReply,
@@ -32,6 +34,7 @@ from coordinator.service.captures import CAPTURE_REPORT_TIMEOUT_S, Captures
 from coordinator.service.diffs import Diffs
 from coordinator.service.operator_rpcs import OperatorRPCs
 from coordinator.service.readers import Readers, WaitUntil
+from coordinator.service.run_recorder import RunRecorder
 from coordinator.service.runs import RunCalls
 from coordinator.service.shell import CoordinatorShell
 from coordinator.service.stacks import StackCalls
@@ -50,6 +53,9 @@ class _Coordinator(OperatorRPCs):
         self._stacks = StackCalls(self._shell)
         self._diffs = Diffs(self._shell, self._readers)
         self._watchdog = StallWatchdog(self._shell, self._stacks)
+        self._recorder = RunRecorder(self._shell, self._diffs.mark)
+        self._shell.record_soon = self._recorder.soon
+        self._shell.record_entry = self._recorder.entry
 
     # ------------------------------------------------------------ the trainer's calls
 
@@ -79,6 +85,7 @@ class _Coordinator(OperatorRPCs):
         for a bad registration.
         """
         self._watchdog.start()
+        self._recorder.start()
         return await self._runs.register(trainer_id, workers, role, advances_step, driver)
 
     async def start(
@@ -103,6 +110,7 @@ class _Coordinator(OperatorRPCs):
         malformed ones are refused (``refused_phases``) and the step still counts.
         """
         self._watchdog.start()  # (a no-op once running; after a restart, its first start)
+        self._recorder.start()
         return await self._runs.step(trainer_id, k, waiting, phases)
 
     async def stop(self, trainer_id: str) -> StepReply:
@@ -110,6 +118,16 @@ class _Coordinator(OperatorRPCs):
         collect the summaries still pending, and end the run. Safe to call twice, without
         start, and after a failure."""
         return await self._runs.stop(trainer_id)
+
+    async def flush_record(self, timeout_s: float = 30.0) -> RecordEntry:
+        """Bring the runs' records in ``save_path`` up to date now and wait, at most
+        ``timeout_s`` (0..600), until every queued write is done; returns
+        ``status()["record"]``. Call it before a cluster that lives for one job goes away
+        (its windows' summaries settle after ``stop``: wait for them first, ``wait_window``)."""
+        if not is_number(timeout_s) or not 0 <= timeout_s <= 600:
+            raise ValueError(f"timeout_s must be a number in 0..600, got {timeout_s!r:.80}")
+        await self._recorder.flush(float(timeout_s))
+        return self._recorder.entry()
 
     # ------------------------------------------------------------ captures
 

@@ -31,6 +31,10 @@ class PhaseStore:
         if log.add(records):
             self._export(log.last_step())
 
+    def adopt(self, run: str, log: PhaseLog) -> None:
+        """``run``'s log, as a run's record kept it (a run continued after its cluster)."""
+        self._logs[run] = log
+
     def log(self, run: str) -> PhaseLog:
         """``run``'s log (an empty one when it has none)."""
         return self._logs.get(run) or PhaseLog()

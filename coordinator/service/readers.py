@@ -100,6 +100,7 @@ class Readers:
             "restarts": sh.restarts,
             "last_restart": sh.last_restart_at,
             "checkpoint": dict(sh.checkpoint.stats),  # type: ignore[typeddict-item]
+            "record": sh.record_entry(),
             "previous_runs": [_previous(r) for r in sh.previous],
             "auto_capture": sh.auto_capture_entry(),
             "stalls": [dict(s) for s in sh.stalls],  # type: ignore[misc]

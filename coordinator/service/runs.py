@@ -7,6 +7,7 @@ with a declared reply. A refused call is answered, never raised.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -16,7 +17,7 @@ import ray
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.records import TrainerRecord
 from coordinator.core.roles import outside_ranks, role_ranks
-from coordinator.core.run import attach_decision, new_run
+from coordinator.core.run import attach_decision
 from coordinator.core.trace_layout import child
 from coordinator.core.validate import (
     checked_driver,
@@ -31,6 +32,7 @@ from coordinator.core.window_plan import Ignored
 from coordinator.protocol.replies import OpenRunReply, RegisterReply, StepReply
 from coordinator.service.captures import Captures
 from coordinator.service.rank_calls import any_alive, fan_out, run_commands
+from coordinator.service.record_reader import new_or_recorded
 from coordinator.service.shell import CONFIGURE_TIMEOUT_S, CoordinatorShell, Key
 
 log = logging.getLogger(__name__)
@@ -122,7 +124,10 @@ class RunCalls:
                     agg.drop_detail()
             sh.previous.append(old)
             taken.add(old.name)
-        sh.run = new_run(cfg, taken)
+        loop = asyncio.get_running_loop()  # (reading a record is I/O: off the event loop)
+        sh.run = sh.continue_recorded(
+            *await loop.run_in_executor(None, new_or_recorded, cfg, taken)
+        )
         sh.throttled = sh.next_report_waits = False
         sh.changed()
         if carry:

@@ -15,6 +15,7 @@ import collections
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from coordinator.protocol.replies import (
     AutoTrigger,
     CaptureReply,
     Phase,
+    RecordEntry,
     StallEntry,
     StepReply,
 )
@@ -38,6 +40,7 @@ from coordinator.service.metrics import CoordinatorMetrics
 from coordinator.service.node_fanout import NodeFanOut
 from coordinator.service.phase_store import PhaseStore
 from coordinator.service.rank_calls import run_commands
+from coordinator.service.record_reader import Recorded, adopt, new_or_recorded
 from coordinator.service.straggler_refresh import StragglerRefresh
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,14 @@ STALL_HISTORY = 16  # stalls kept in status()
 # Changes that only move the global step, or add a summary, are saved at most this often.
 CHECKPOINT_INTERVAL_S = 1.0
 Key = tuple[str, int]
+
+
+def no_record() -> RecordEntry:
+    """``status()["record"]`` of a coordinator that keeps no record."""
+    return {
+        "dir": None, "windows": 0, "steps": 0, "files": 0, "bytes": 0, "pending": 0,
+        "failures": 0, "dropped": 0, "error": None, "retry_in_s": None, "last_write_at": None,
+    }  # fmt: skip
 
 
 @dataclass
@@ -100,6 +111,12 @@ class CoordinatorShell:
         self.stalls: collections.deque[StallEntry] = collections.deque(maxlen=STALL_HISTORY)
         self._watch: tuple[str, StallWatch] | None = None
         self.phases = PhaseStore(self.refuse, self.metrics.phases)
+        # The run's record in save_path (``run_recorder``): told of changes, shown in status().
+        self.record_soon: Callable[[], None] = lambda: None
+        self.record_entry: Callable[[], RecordEntry] = no_record
+        self.restored: dict[str, Recorded] = {}  # runs continued from their record, by name
+        if not self.restarts:  # created anew: a run its record says did not end goes on
+            self.run = self.continue_recorded(*new_or_recorded(self.run.config, set()))
 
     @property
     def stall_watch(self) -> StallWatch:
@@ -108,6 +125,16 @@ class CoordinatorShell:
             cfg = self.run.config
             self._watch = (self.run.name, StallWatch(cfg.stall_factor, cfg.stall_min_s))
         return self._watch[1]
+
+    def continue_recorded(self, run: Run, rec: Recorded | None) -> Run:
+        """``run`` (fresh), going on as the recorded run ``rec`` when there is one (windows,
+        counters, step, phase times, stalls: ``record_reader.adopt``), its record too."""
+        if rec is not None:
+            adopt(run, rec)
+            self.phases.adopt(run.name, rec.phases)
+            self.stalls.extend(rec.stalls)
+            self.restored[run.name] = rec
+        return run
 
     # ------------------------------------------------------------ windows changing
 
@@ -189,6 +216,7 @@ class CoordinatorShell:
         """Checkpoint now (``force``), or within ``CHECKPOINT_INTERVAL_S``."""
         self._dirty = True
         self.changed()
+        self.record_soon()
         if not force:
             self._flush_soon()
             return

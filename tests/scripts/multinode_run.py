@@ -31,6 +31,27 @@ def files_under(root):
     )
 
 
+def _top_twice(coord, record: str, endpoint: str) -> tuple[str, str]:
+    """``top --json`` of window 0 from the live coordinator, then from the run's record in the
+    bucket (``--from``, in a process of its own with no cluster address: credentials and the
+    endpoint from the environment, as a user's shell has them)."""
+    import subprocess
+    import sys
+
+    live = json.dumps(ray.get(coord.kernel_summary.remote(window=0, top_k=20, run="run")))
+    env = {
+        **os.environ, "RAY_ADDRESS": "127.0.0.1:1", "AWS_ACCESS_KEY_ID": "testing-key",
+        "AWS_SECRET_ACCESS_KEY": "testing-secret", "AWS_ENDPOINT_URL": endpoint,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }  # fmt: skip
+    argv = ["top", "--window", "0", "--k", "20", "--from", record, "--json"]
+    got = subprocess.run(
+        [sys.executable, "-m", "coordinator", *argv], env=env, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    return live + "\n", got.stdout if got.returncode == 0 else got.stderr
+
+
 def main(endpoint: str) -> None:
     save = tempfile.mkdtemp(prefix="multinode-")
     staging = {n: tempfile.mkdtemp(prefix=f"staging-{n}-") for n in ("head", "node2")}
@@ -89,7 +110,12 @@ def main(endpoint: str) -> None:
         fs = s3fs.S3FileSystem(
             key="testing-key", secret="testing-secret", client_kwargs=s3_opts["client_kwargs"]
         )
-        uploaded = sorted(fs.find("traces/multi"))
+        s3_record = ray.get(s3_coord.flush_record.remote(60.0))
+        found = sorted(fs.find("traces/multi"))
+        uploaded = [p for p in found if "/record/" not in p]
+        recorded = [p.split("/record/", 1)[1] for p in found if "/record/" in p]
+        # The record read back from the bucket with no cluster: the live table, byte for byte.
+        live_top, from_record = _top_twice(s3_coord, "s3://traces/multi/run", endpoint)
         s3_nodes = {str(r): t["node"] for w in s3_st["windows"] for r, t in w["traces"].items()}
         merged = merge_window(
             s3_coord, 0, os.path.join(save, "w0.json.gz"), storage_options=s3_opts
@@ -144,6 +170,10 @@ def main(endpoint: str) -> None:
             "node_addresses": _node_names(),
             "uploaded": uploaded,
             "s3_trace_errors": [w["trace_errors"] for w in s3_st["windows"]],
+            "s3_record": s3_record,
+            "recorded": recorded,
+            "record_top_same": live_top == from_record,
+            "record_top_window": json.loads(from_record)["window"],
             "s3_nodes": s3_nodes,
             "merged": {
                 "names": {
@@ -163,6 +193,7 @@ def main(endpoint: str) -> None:
             "files": {
                 d: sorted(os.listdir(os.path.join(save, "run", d, "policy")))
                 for d in sorted(os.listdir(os.path.join(save, "run")))
+                if d.startswith("window_")
             },
             "local_merge": {
                 "ranks": [[c["rank"], c["pid"], c["kept"], c["events"]] for c in local["ranks"]],

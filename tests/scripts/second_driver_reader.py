@@ -18,6 +18,7 @@ def main(kill: bool) -> None:
         time.sleep(0.2)
     out = {"status": status, "kernels": ray.get(h.kernel_summary.remote(top_k=5))}
     if kill:
+        ray.get(h.flush_record.remote(30.0))  # (the record is written off the loop)
         ray.kill(h)
     print("RESULT " + json.dumps(out))
 

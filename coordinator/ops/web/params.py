@@ -107,15 +107,24 @@ def kernels_args(query: Mapping[str, str]) -> dict[str, Any]:
 
 
 def diff_args(query: Mapping[str, str]) -> dict[str, Any]:
-    """``kernel_diff`` keyword arguments from ``?a&b&run_a&run_b&trainer_id&top_k``."""
-    return {
-        "a": int_param(query, "a", None, 0, 2**62),
-        "b": int_param(query, "b", None, 0, 2**62),
-        "run_a": str_param(query, "run_a"),
-        "run_b": str_param(query, "run_b"),
-        "trainer_id": str_param(query, "trainer_id"),
-        "top_k": int_param(query, "top_k", 50, 0, 100_000),
-    }
+    """``kernel_diff`` keyword arguments from ``?a&b&run_a&run_b&trainer_id&top_k``; ``a`` and
+    ``b`` may be ``RUN:WINDOW`` (a run's name: one kept by the coordinator, or recorded under
+    its ``save_path``)."""
+    out: dict[str, Any] = {}
+    for side in ("a", "b"):
+        raw, run = query.get(side) or "", str_param(query, f"run_{side}")
+        if ":" in raw:
+            named, raw = raw.rsplit(":", 1)
+            if run is not None and run != named:
+                raise BadRequest(f"{side} names run {named!r} and run_{side} {run!r}")
+            if not named or len(named) > 128 or "/" in named or "\\" in named:
+                raise BadRequest(f"{side}'s run must be a run's name, got {named[:40]!r}")
+            run = named
+        out[side] = int_param({side: raw}, side, None, 0, 2**62)
+        out[f"run_{side}"] = run
+    out["trainer_id"] = str_param(query, "trainer_id")
+    out["top_k"] = int_param(query, "top_k", 50, 0, 100_000)
+    return out
 
 
 def capture_args(body: bytes) -> dict[str, Any]:

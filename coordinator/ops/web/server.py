@@ -8,6 +8,7 @@ docs/operations.md#the-web-view-and-its-http-api for the pages and the API table
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
@@ -26,6 +27,7 @@ from aiohttp import web
 from coordinator.core.phases import EXACT_STEPS
 from coordinator.core.step_series import DEFAULT_POINTS, MAX_POINTS
 from coordinator.core.timeline import DEFAULT_MAX_EVENTS
+from coordinator.ops.cross_diff import ALL_KERNELS, diff_tables
 from coordinator.ops.run_chart import run_chart
 from coordinator.ops.web import auth, files, perfetto
 from coordinator.ops.web.params import (
@@ -59,6 +61,32 @@ class NotFound(Exception):
 
 class TooLarge(Exception):
     """More than the server makes in one answer (413); the message says the limit."""
+
+
+class Conflict(Exception):
+    """A change asked of a server that cannot make it (409): it serves a run's record."""
+
+
+class RecordCache:
+    """The records the diff page read last (a few: each holds its windows' tables)."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size, self._kept = size, collections.OrderedDict[str, Any]()
+
+    def open(self, run: str, save_path: str | None) -> Any:
+        """The record of run ``run`` under ``save_path`` (read once); NotFound when none."""
+        from coordinator.ops.recorded import RecordedCoordinator, locate, open_record
+
+        try:
+            url = locate(run, save_path, names_only=True)
+            if url not in self._kept:
+                self._kept[url] = RecordedCoordinator(open_record(url))
+        except (ValueError, OSError) as exc:
+            raise NotFound(f"no run {run!r} kept or recorded: {exc}") from None
+        self._kept.move_to_end(url)
+        while len(self._kept) > self.size:
+            self._kept.popitem(last=False)
+        return self._kept[url]
 
 
 class CoordinatorLink:
@@ -134,8 +162,12 @@ def reply(obj: Any, status: int = 200) -> web.Response:
 class WebServer:
     """The aiohttp application: pages, static files and the API, behind ``auth.check``."""
 
-    def __init__(self, link: CoordinatorLink, token: str, host: str, port: int) -> None:
+    def __init__(self, link: Any, token: str, host: str, port: int) -> None:
+        """``link``: a ``CoordinatorLink``, or a ``RecordLink`` (read-only: every change is
+        refused with 409 and its reason)."""
         self.link, self.token = link, token
+        self.read_only: str | None = getattr(link, "read_only", None)
+        self._records = RecordCache()
         self.hosts = auth.allowed_hosts(host, port)
         self.open_reads = auth.is_loopback(host)
         self.static = resources.files("coordinator.ops.web") / "static"
@@ -179,6 +211,8 @@ class WebServer:
             return reply({"error": str(exc)}, 404)
         except TooLarge as exc:
             return reply({"error": str(exc)}, 413)
+        except Conflict as exc:
+            return reply({"error": str(exc)}, 409)
         except Unavailable as exc:
             return reply({"error": str(exc)}, 503)
         except web.HTTPException as exc:
@@ -204,6 +238,8 @@ class WebServer:
             )
         if refusal is not None:
             return reply({"error": refusal.reason}, refusal.status)
+        if self.read_only and request.method not in ("GET", "HEAD"):
+            return reply({"error": self.read_only}, 409)
         response = await handler(request)
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
         response.headers.setdefault("Cache-Control", "no-store")
@@ -264,7 +300,8 @@ class WebServer:
     async def viewer(self, request: web.Request) -> web.StreamResponse:
         """Where the pages open traces: the served Perfetto, or None and how to install it."""
         served = perfetto.PREFIX if self.perfetto is not None else None
-        return reply({"perfetto": served, "install": None if served else perfetto.INSTALL})
+        install = None if served else perfetto.INSTALL
+        return reply({"perfetto": served, "install": install, "read_only": self.read_only})
 
     # -------------------------------------------------------------------- API
 
@@ -283,7 +320,35 @@ class WebServer:
         return reply({**ks["stragglers"], "window": ks["window"], "role": ks["role"]})
 
     async def diff(self, request: web.Request) -> web.StreamResponse:
-        return reply(await self.link.call("kernel_diff", **diff_args(request.query)))
+        """Window ``b`` against window ``a``; a side whose run the coordinator does not keep
+        is read from that run's record under its ``save_path`` (``RUN:WINDOW``, across jobs)."""
+        args = diff_args(request.query)
+        try:
+            return reply(await self.link.call("kernel_diff", **args))
+        except NotFound:
+            if args["run_a"] is None and args["run_b"] is None:
+                raise
+        tables = [await self._side(args[s], args[f"run_{s}"], args["trainer_id"]) for s in "ab"]
+        try:
+            return reply(diff_tables(tables[0], tables[1], args["top_k"]))
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+
+    async def _side(self, window: int, run: str | None, trainer_id: str | None) -> Any:
+        """One side's table of every kernel: the coordinator's, else its run's record."""
+        try:
+            return await self.link.call("kernel_summary", window, ALL_KERNELS, trainer_id,
+                                        False, run)  # fmt: skip
+        except NotFound:
+            if run is None:
+                raise
+        save_path = (await self.link.call("status"))["config"].get("save_path")
+        loop = asyncio.get_running_loop()
+        recorded = await loop.run_in_executor(None, self._records.open, run, save_path)
+        try:
+            return await recorded.call("kernel_summary", window, ALL_KERNELS, trainer_id, False)
+        except ValueError as exc:
+            raise NotFound(str(exc)) from None
 
     async def phases(self, request: web.Request) -> web.StreamResponse:
         q = request.query
@@ -396,14 +461,23 @@ def _archive(
 
 
 def serve(
-    handle: Any, name: str, namespace: str, host: str, port: int, token: str | None = None
+    handle: Any,
+    name: str,
+    namespace: str,
+    host: str,
+    port: int,
+    token: str | None = None,
+    link: Any = None,
 ) -> None:
-    """Serve until interrupted; prints where, and the token when it made one."""
+    """Serve until interrupted (``link``: a ``RecordLink`` to serve a record, read-only);
+    prints where, and the token when it made one."""
     made = token is None
     token = token or auth.new_token()
-    server = WebServer(CoordinatorLink(name, namespace, handle), token, host, port)
+    link = link or CoordinatorLink(name, namespace, handle)
+    server = WebServer(link, token, host, port)
     shown = f"[{host}]" if ":" in host else host
-    print(f"ray-profiler serve: http://{shown}:{port}/ (coordinator {namespace}/{name})")
+    what = server.read_only or f"coordinator {namespace}/{name}"
+    print(f"ray-profiler serve: http://{shown}:{port}/ ({what})")
     if made:
         print(f"token (changes need it as 'Authorization: Bearer <token>'): {token}")
     else:

@@ -4,7 +4,7 @@
 
 const POLL_MS = 2000;
 const state = { token: sessionStorage.getItem("rayProfilerToken") || "", status: null,
-                charts: [], route: null, shown: null, viewer: { perfetto: null, install: null } };
+                charts: [], route: null, shown: null, viewer: { perfetto: null, install: null, read_only: null } };
 
 // ------------------------------------------------------------------ helpers
 
@@ -480,6 +480,7 @@ function memory(main, ks) {
 
 function capturesPage(main, st) {
   main.append(el("h2", {}, "Request a capture"));
+  if (state.viewer.read_only) { main.append(el("p", { class: "muted" }, state.viewer.read_only)); return; }
   const answer = el("div", { id: "capture-answer", class: "answer muted" }, "no request yet");
   const form = el("form", { class: "inline", id: "capture-form" },
     el("label", {}, "active ", el("input", { name: "active", type: "number", min: 1, value: 2 })),
@@ -523,21 +524,23 @@ async function diffPage(main, st, a, b) {
   const closed = st.windows.filter(w => w.steps).map(w => w.index);
   if (a === undefined) a = closed[0];
   if (b === undefined) b = closed[closed.length - 1];
+  const side = (name, value) => el("input", { name, value: value ?? "", title: "WINDOW, or RUN:WINDOW for another job's run" });
   const form = el("form", { class: "inline" },
-    el("label", {}, "window A ", el("input", { name: "a", type: "number", value: a ?? "" })),
-    el("label", {}, "window B ", el("input", { name: "b", type: "number", value: b ?? "" })),
+    el("label", {}, "window A ", side("a", a)), el("label", {}, "window B ", side("b", b)),
     el("button", { type: "submit" }, "Compare"));
   form.addEventListener("submit", ev => {
     ev.preventDefault();
     const f = new FormData(form);
-    location.hash = `#/diff/${f.get("a")}/${f.get("b")}`;
+    location.hash = `#/diff/${encodeURIComponent(f.get("a"))}/${encodeURIComponent(f.get("b"))}`;
   });
-  main.append(el("h2", {}, "Window diff"), form);
+  main.append(el("h2", {}, "Window diff"), form,
+    el("p", { class: "muted" }, "A side may be RUN:WINDOW: a run this coordinator keeps, or one recorded under its save_path (another job)."));
   if (a === undefined || b === undefined) { main.append(el("p", { class: "muted" }, "no closed window yet")); return; }
-  const res = await api(`/api/diff?a=${a}&b=${b}&top_k=30`);
+  const res = await api(`/api/diff?a=${encodeURIComponent(a)}&b=${encodeURIComponent(b)}&top_k=30`);
   if (!res.ok) { fail(main, "diff", res); return; }
   const d = res.body;
-  main.append(el("p", {}, `window ${d.b.window} (steps ${d.b.steps.join("-")}) against window ${d.a.window} ` +
+  const named = ref => ref.run && ref.run !== st.run.name ? `${ref.run}:${ref.window}` : `window ${ref.window}`;
+  main.append(el("p", {}, `${named(d.b)} (steps ${d.b.steps.join("-")}) against ${named(d.a)} ` +
     `(steps ${d.a.steps.join("-")}): every kernel per step ${num(d.total_us[0])} -> ${num(d.total_us[1])} us; ` +
     `step ${num(d.step_ms[0], 1)} -> ${num(d.step_ms[1], 1)} ms (x${num(d.step_ratio, 2)})`));
   main.append(table(
@@ -598,8 +601,7 @@ async function render() {
   if (!st) { main.append(el("p", { class: "muted" }, "waiting for the coordinator...")); return; }
   if (route.name === "window") await windowPage(main, Number(route.args[0]), route.args[1], route.args[2]);
   else if (route.name === "captures") capturesPage(main, st);
-  else if (route.name === "diff") await diffPage(main, st, route.args[0] && Number(route.args[0]),
-                                                  route.args[1] && Number(route.args[1]));
+  else if (route.name === "diff") await diffPage(main, st, route.args[0], route.args[1]);
   else if (route.name === "phases") await phasesPage(main);
   else if (route.name === "stalls") stallsPage(main, st);
   else runPage(main, st);
@@ -622,7 +624,9 @@ async function poll() {
   }
   state.status = res.body;
   live.className = "";
-  live.textContent = `${res.body.run.name} · step ${res.body.global_step ?? "-"} · ${res.body.phase}`;
+  live.textContent = state.viewer.read_only
+    ? `${res.body.run.name} · step ${res.body.global_step ?? "-"} · record (read-only)`
+    : `${res.body.run.name} · step ${res.body.global_step ?? "-"} · ${res.body.phase}`;
   const busyPage = ["captures", "diff"].includes(state.route?.name);  // keep what is typed
   if (state.shown === null || (!busyPage && fingerprint(res.body) !== state.shown)) await render();
 }
@@ -631,6 +635,10 @@ window.addEventListener("hashchange", () => render());
 async function start() {
   const res = await api("/api/viewer");
   if (res.ok) state.viewer = res.body;
+  if (state.viewer.read_only) {  // a run's record: nothing to capture, a banner that says so
+    document.getElementById("nav-captures")?.remove();
+    document.querySelector("header")?.append(el("p", { id: "read-only", class: "muted" }, state.viewer.read_only));
+  }
   await poll();
   setInterval(poll, POLL_MS);
 }

@@ -1,0 +1,212 @@
+"""A run's record read back (``coordinator.core.record_codec``): the run the coordinator
+kept, rebuilt: its windows with their aggregates, its phase log, its stalls. No Ray: the CLI's
+``--from`` reads records with it, and a new coordinator restores a run from it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.core import record_codec as codec
+from coordinator.core import storage
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.phases import PhaseLog
+from coordinator.core.records import TrainerRecord
+from coordinator.core.run import Run, new_run
+from coordinator.core.schedule import Schedule
+from coordinator.core.state import CoordinatorState
+from coordinator.core.window_plan import WindowPlan
+from coordinator.protocol.stack_replies import StallEntry
+from coordinator.service.record_store import RECORD_DIR, SAVE_PATH_ENV, RecordStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Recorded:
+    """A record read back: the run rebuilt, its phase log and stalls, what could not be read."""
+
+    url: str
+    file: codec.RunFile
+    run: Run
+    phases: PhaseLog
+    stalls: list[StallEntry]
+    problems: list[str] = field(default_factory=list)
+    last_chunk: list[codec.PhaseRecord] = field(default_factory=list)
+    """The records of the last phase chunk (a restored run's record goes on filling it)."""
+
+
+def locate(spec: str, save_path: str | None = None, names_only: bool = False) -> str:
+    """The record directory ``spec`` names: a record directory, a run's directory (its
+    ``record/``), or a run's name under ``save_path`` (else ``$RAY_PROFILER_SAVE_PATH``);
+    ``names_only``: a run's name only (the web view reads no path it is given). ValueError
+    saying where it looked."""
+    tried = []
+    paths = (spec, storage.join(spec, RECORD_DIR) if _one_name(spec) is None else None)
+    for url in () if names_only else paths:
+        if url and RecordStore(url).exists("run.msgpack"):
+            return url
+        if url:
+            tried.append(url)
+    base = save_path or os.environ.get(SAVE_PATH_ENV)
+    if base and (_one_name(spec) or names_only):
+        url = storage.join(base, spec, RECORD_DIR)
+        if RecordStore(url).exists("run.msgpack"):
+            return url
+        tried.append(url)
+    hint = "" if base else f" (a run's name alone needs a save_path: ${SAVE_PATH_ENV})"
+    raise ValueError(f"no run record at {' or '.join(tried) or spec!r}{hint}")
+
+
+def _one_name(spec: str) -> str | None:
+    """``spec`` when it is a plain run name (no path, no URL), else None."""
+    plain = spec and "/" not in spec and "\\" not in spec and spec not in (".", "..")
+    return spec if plain and not os.path.exists(spec) else None
+
+
+def open_record(url: str, storage_options: dict[str, Any] | None = None) -> Recorded:
+    """Read the record at ``url`` (see ``locate``); ValueError for one that cannot be read.
+    A window or chunk file that cannot be read is left out and named in ``problems``."""
+    store = RecordStore(url, storage_options)
+    head = _read(store, "run.msgpack")
+    if head is None:
+        raise ValueError(f"no run record at {url} (no run.msgpack)")
+    if not isinstance(head, codec.RunFile):
+        raise ValueError(f"{url}/run.msgpack: a {type(head).__name__}, not the run's file")
+    problems: list[str] = []
+    run = _run(head)
+    for index in head.windows:
+        w = _part(store, f"windows/{index:06d}.msgpack", codec.WindowFile, problems)
+        if w is not None:
+            run.state.windows[index] = codec.window_record(w)
+    for name in store.names("marks"):
+        m = _part(store, f"marks/{name}", codec.MarksFile, problems)
+        rec = run.state.windows.get(m.window) if m is not None else None
+        if m is not None and rec is not None:
+            rec.marks, rec.counted_slower = m.marks, m.counted_slower
+    phases, last_chunk = PhaseLog(), []
+    for n in range(head.phase_chunks):
+        chunk = _part(store, f"phases/{n:06d}.msgpack", codec.PhaseChunk, problems)
+        if chunk is not None:
+            phases.add(chunk.records)
+            last_chunk = chunk.records
+            if chunk.lost:
+                problems.append(f"phases/{n:06d}: {chunk.lost} steps were never recorded")
+    stalls = []
+    for index in head.stalls:
+        s = _part(store, f"stalls/{index:06d}.msgpack", codec.StallFile, problems)
+        if s is not None:
+            stalls.append(s.stall)
+    return Recorded(url, head, run, phases, stalls, problems, last_chunk)
+
+
+def _read(store: RecordStore, rel: str) -> codec.RecordFile | None:
+    blob = store.get(rel, codec.MAX_FILE_BYTES)
+    return None if blob is None else codec.decode(blob, f"{store.url}/{rel}")
+
+
+def _part(store: RecordStore, rel: str, kind: type[Any], problems: list[str]) -> Any:
+    """File ``rel`` of type ``kind``, or None with why in ``problems``."""
+    try:
+        got = _read(store, rel)
+    except (ValueError, OSError) as exc:
+        problems.append(str(exc))
+        return None
+    if got is None:
+        problems.append(f"{store.url}/{rel}: missing")
+    elif not isinstance(got, kind):
+        problems.append(f"{store.url}/{rel}: a {type(got).__name__}, not a {kind.__name__}")
+        got = None
+    return got
+
+
+def _run(head: codec.RunFile) -> Run:
+    """The run a record's run file describes, without its windows yet."""
+    try:
+        config = ProfilerConfig.from_dict(head.config, check_paths=False)
+    except (ValueError, TypeError):  # (a config this version would refuse: the defaults)
+        config = ProfilerConfig()
+    st = CoordinatorState(2**31, 2**31, config.straggler_threshold)
+    st.global_step, st.stepping_trainer = head.global_step, head.stepping_trainer
+    st.counters = collections.Counter(head.counters)
+    for t in head.trainers:
+        st.trainers[t.trainer_id] = TrainerRecord(t.trainer_id, t.role, t.ranks, {}, t.run_dir)
+    run = Run(head.name, config, head.run_dir, WindowPlan(Schedule(config)), st)
+    run.lifecycle = head.lifecycle  # type: ignore[assignment]
+    run.created_at, run.started_at = head.created_at, head.started_at
+    run.ended_at, run.ended_reason, run.baseline = head.ended_at, head.ended_reason, head.baseline
+    return run
+
+
+# ------------------------------------------------------------------ a run restored
+
+
+GOING = ("configured", "running")
+"""A recorded run in one of these did not end: its cluster went (or its GCS lost the
+coordinator's checkpoint) while it ran."""
+
+
+def new_or_recorded(
+    cfg: ProfilerConfig, taken: set[str], now: float | None = None
+) -> tuple[Run, Recorded | None]:
+    """A fresh run for ``cfg`` (``new_run``), and the record of a run that used its name and
+    directory and did not end (to continue it), or None. A recorded run that ended keeps its
+    directory: the fresh run takes the next free name (``job.2``) instead. Blocking I/O; a
+    record that cannot be looked for is logged, never raised (the run starts fresh)."""
+    try:
+        return _new_or_recorded(cfg, taken, now)
+    except Exception:
+        log.exception("the run's record in %s could not be looked for", cfg.save_path)
+        return new_run(cfg, taken, now), None
+
+
+def _new_or_recorded(
+    cfg: ProfilerConfig, taken: set[str], now: float | None
+) -> tuple[Run, Recorded | None]:
+    from coordinator.service.record_store import record_url
+
+    taken = set(taken)
+    for _ in range(1000):
+        run = new_run(cfg, taken, now)
+        if not run.run_dir or not cfg.record:
+            return run, None
+        url = record_url(run.run_dir)
+        try:
+            if not RecordStore(url, cfg.storage_options).exists("run.msgpack"):
+                return run, None
+            found = open_record(url, cfg.storage_options)
+        except (ValueError, OSError) as exc:  # unreadable: never written over
+            log.warning("the run record at %s cannot be read (%s): not reusing its name", url, exc)
+            taken.add(run.name)
+            continue
+        if found.file.lifecycle in GOING:
+            return run, found
+        taken.add(run.name)
+    raise ValueError(f"no free run name for {cfg.run_name!r}: 1000 taken in {cfg.save_path}")
+
+
+def adopt(run: Run, rec: Recorded) -> None:
+    """Continue the fresh ``run`` as the recorded one: its windows (the last ``max_windows``,
+    per-rank values in the last ``detail_windows``), baseline, counters, global step and window
+    numbering; counted in ``record_restores``."""
+    st, old = run.state, rec.run.state
+    kept = sorted(old.windows.items())[-st.max_windows :]
+    st.windows = collections.OrderedDict(kept)
+    for _, w in kept[: max(0, len(kept) - st.detail_windows)]:
+        for agg in w.aggregates.values():
+            agg.drop_detail()
+    st.counters = collections.Counter(old.counters)
+    st.counters["record_restores"] += 1
+    st.global_step = old.global_step
+    run.baseline = rec.run.baseline
+    run.created_at, run.started_at = rec.run.created_at, rec.run.started_at
+    run.plan.next_index = max(rec.file.next_window, max(old.windows, default=-1) + 1)
+    run.plan.skipped_windows = rec.file.skipped_windows
+    log.warning(
+        "run %s continued from its record at %s: %d windows, global step %s",
+        run.name, rec.url, len(st.windows), st.global_step,
+    )  # fmt: skip

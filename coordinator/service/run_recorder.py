@@ -1,0 +1,263 @@
+"""The run's record in ``save_path``, kept by the coordinator as the run goes.
+
+Every ``RECORD_INTERVAL_S`` (and at once when a window settles or the run stops) the recorder
+looks at each run it keeps that has a ``run_dir`` and ``record: true``, and queues what is new
+(``coordinator.core.record_codec`` names the files):
+
+- each window once it settled, after its regression marks are made (a snapshot taken here,
+  encoded and written on the writer's thread);
+- the marks of a recorded window again when a later window changed them;
+- the steps' phase times since the last look, into the growing chunk (``CHUNK_STEPS`` a chunk);
+- each stall of the current run, again while its stacks change;
+- the run's file, when anything in it changed.
+
+A run is finished with when it ended, every window kept is recorded and nothing of it is
+queued. Writes never block the event loop and a failed one is retried (``record_writes``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.core import record_codec as codec
+from coordinator.core.records import WindowRecord
+from coordinator.core.run import Run
+from coordinator.protocol.replies import RecordEntry
+from coordinator.service import window_pieces
+from coordinator.service.checkpoint import settled
+from coordinator.service.phase_store import PhaseStore
+from coordinator.service.record_reader import Recorded, open_record
+from coordinator.service.record_store import RecordStore, record_url
+from coordinator.service.record_writes import RecordWrites
+from coordinator.service.shell import CoordinatorShell
+
+log = logging.getLogger(__name__)
+RECORD_INTERVAL_S = 2.0
+CHUNK_STEPS = 1000
+"""Steps' phase times in one chunk file (about 60 KB with a few regions)."""
+
+
+@dataclass
+class _RunRecord:
+    """What one run's record holds so far."""
+
+    store: RecordStore
+    windows: set[int] = field(default_factory=set)
+    marks: dict[int, bytes] = field(default_factory=dict)  # as recorded, encoded
+    stalls: dict[int, bytes] = field(default_factory=dict)
+    steps_seen: int = 0  # the phase log's steps looked at
+    chunk: list[codec.PhaseRecord] = field(default_factory=list)  # the growing chunk's
+    chunk_lost: int = 0
+    chunks: int = 0  # chunk files, the growing one included
+    steps: int = 0  # steps in the chunk files
+    run_file: bytes = b""
+    finished: bool = False
+
+
+class RunRecorder:
+    """See the module docstring; ``mark`` makes a run's regression marks (``Diffs.mark``)."""
+
+    def __init__(self, shell: CoordinatorShell, mark: Callable[[Run], Awaitable[None]]) -> None:
+        self.shell, self._mark = shell, mark
+        self.writes = RecordWrites()
+        self._runs: dict[str, _RunRecord] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    def start(self) -> None:
+        """Start looking (once; from the event loop)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._loop())
+
+    def soon(self) -> None:
+        """Look now, not at the next interval (a window settled, the run stopped)."""
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), RECORD_INTERVAL_S)
+            self._wake.clear()
+            try:
+                await self.look()
+            except Exception:  # the record must outlive its own faults
+                log.exception("the run's record could not be brought up to date")
+            await asyncio.sleep(0.2)  # (changes in a burst: one look)
+
+    async def look(self) -> None:
+        """Queue what is new in every run kept (see the module docstring)."""
+        for run in [self.shell.run, *self.shell.previous]:
+            rr = await self._record_of(run)
+            if rr is None or (rr.finished and run is not self.shell.run):  # (the current run's
+                continue  # stalls may still end, and the next run then keeps it for reading)
+            if any(self._due(rr, rec) for rec in run.state.windows.values()):
+                await self._mark(run)  # (marks first: a window is written once)
+            self._windows(run, rr)
+            self._phases(run, rr)
+            if run is self.shell.run:
+                self._stalls(run, rr)
+            self._run_file(run, rr)
+            ended = run.lifecycle in ("stopped", "abandoned")
+            rr.finished = ended and all(settled(r) for r in run.state.windows.values())
+        self.writes.kick()  # (a retry that is due)
+
+    async def _record_of(self, run: Run) -> _RunRecord | None:
+        """``run``'s record: new, or (the coordinator restarted, or a run continued after its
+        cluster was lost) going on from what its directory already holds."""
+        rr = self._runs.get(run.name)
+        if rr is None and run.run_dir and getattr(run.config, "record", True):
+            store = RecordStore(record_url(run.run_dir), run.config.storage_options)
+            found = self.shell.restored.pop(run.name, None)
+            if found is None:  # (reading is I/O: off the event loop)
+                found = await asyncio.get_running_loop().run_in_executor(None, _existing, store)
+            rr = self._runs[run.name] = _RunRecord(store)
+            if found is not None:
+                _go_on(rr, found, self.shell.phases, run.name)
+            kept = {self.shell.run.name, *(r.name for r in self.shell.previous)}
+            self._runs = {n: r for n, r in self._runs.items() if n in kept}
+        return rr
+
+    @staticmethod
+    def _due(rr: _RunRecord, rec: WindowRecord) -> bool:
+        return rec.window.index not in rr.windows and settled(rec)
+
+    def _windows(self, run: Run, rr: _RunRecord) -> None:
+        for index, rec in run.state.windows.items():
+            if self._due(rr, rec):
+                snap = _snapshot(rec)
+                name = f"windows/{index:06d}.msgpack"
+                self.writes.queue(rr.store, name, functools.partial(_window_blob, run.name, snap))
+                rr.windows.add(index)
+                rr.marks[index] = _marks_blob(run.name, rec)
+            elif index in rr.windows:
+                now = _marks_blob(run.name, rec)
+                if now != rr.marks.get(index):
+                    rr.marks[index] = now
+                    self.writes.queue(rr.store, f"marks/{index:06d}.msgpack", _const(now))
+
+    def _phases(self, run: Run, rr: _RunRecord) -> None:
+        log_ = self.shell.phases.log(run.name)
+        new = log_.steps_seen - rr.steps_seen
+        if new <= 0:
+            return
+        kept = list(log_.exact)[-new:] if new <= len(log_.exact) else list(log_.exact)
+        lost = new - len(kept)  # (the record fell more than EXACT_STEPS steps behind)
+        rr.steps_seen = log_.steps_seen
+        records = [(s, w, dict(r)) for s, w, r in kept]
+        while records:
+            if rr.chunks == 0 or len(rr.chunk) == CHUNK_STEPS:
+                rr.chunk, rr.chunk_lost, rr.chunks = [], 0, rr.chunks + 1
+            taken = records[: CHUNK_STEPS - len(rr.chunk)]
+            records = records[len(taken) :]
+            rr.chunk += taken
+            rr.steps += len(taken)
+            rr.chunk_lost, lost = rr.chunk_lost + lost, 0
+            n = rr.chunks - 1
+            chunk = codec.PhaseChunk(codec.VERSION, run.name, n, list(rr.chunk), rr.chunk_lost)
+            encoded = functools.partial(codec.encode, chunk)  # (on the writer's thread)
+            self.writes.queue(rr.store, f"phases/{n:06d}.msgpack", encoded)
+
+    def _stalls(self, run: Run, rr: _RunRecord) -> None:
+        for entry in self.shell.stalls:
+            if entry["detected_at"] < run.created_at:  # (an earlier run's)
+                continue
+            blob = codec.encode(codec.StallFile(codec.VERSION, run.name, copy.deepcopy(entry)))
+            index = entry["index"]
+            if rr.stalls.get(index) != blob:
+                rr.stalls[index] = blob
+                self.writes.queue(rr.store, f"stalls/{index:06d}.msgpack", _const(blob))
+
+    def _run_file(self, run: Run, rr: _RunRecord) -> None:
+        f = codec.run_file(run, sorted(rr.windows), rr.chunks, rr.steps, sorted(rr.stalls), 0.0)
+        same = codec.encode(f)
+        if same == rr.run_file:
+            return
+        rr.run_file = same
+        f.written_at = time.time()
+        blob = codec.encode(f)
+        self.writes.queue(rr.store, "run.msgpack", _const(blob))
+
+    def entry(self) -> RecordEntry:
+        """``status()["record"]``: where the current run's record is and how its writes go."""
+        rr = self._runs.get(self.shell.run.name)
+        stats = self.writes.stats()
+        return {
+            "dir": rr.store.url if rr is not None else None,
+            "windows": len(rr.windows) if rr is not None else 0,
+            "steps": rr.steps if rr is not None else 0,
+            "files": stats["files"],
+            "bytes": stats["bytes"],
+            "pending": stats["pending"],
+            "failures": stats["failures"],
+            "dropped": stats["dropped"],
+            "error": stats["error"],
+            "retry_in_s": stats["retry_in_s"],
+            "last_write_at": stats["at"],
+        }
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Look now and wait until everything queued is written (a run's stop, tests)."""
+        await self.look()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.writes.flush, timeout_s)
+
+
+def _existing(store: RecordStore) -> Recorded | None:
+    """The record already at ``store``, or None (none there, or unreadable: logged)."""
+    try:
+        return open_record(store.url, store.options) if store.exists("run.msgpack") else None
+    except (ValueError, OSError) as exc:
+        log.warning("the run record at %s cannot be read (%s); writing it anew", store.url, exc)
+        return None
+
+
+def _go_on(rr: _RunRecord, rec: Recorded, phases: PhaseStore, run: str) -> None:
+    """A record that already holds some of the run (``record_reader.adopt``, or the
+    coordinator restarted from its checkpoint): what it holds is not written again, its last
+    phase chunk goes on filling, and a phase log the coordinator lost comes back from it."""
+    head = rec.file
+    rr.windows = set(rec.run.state.windows)
+    rr.marks = {i: _marks_blob(head.name, w) for i, w in rec.run.state.windows.items()}
+    rr.stalls = {
+        s["index"]: codec.encode(codec.StallFile(codec.VERSION, head.name, s)) for s in rec.stalls
+    }
+    rr.chunks, rr.chunk, rr.steps = head.phase_chunks, list(rec.last_chunk), head.steps_recorded
+    log_ = phases.log(run)
+    if log_ is not rec.phases:  # (a restarted coordinator: reports may have come before this)
+        last = rec.phases.exact[-1][0] if rec.phases.exact else -1
+        rec.phases.add([[s, w, dict(r)] for s, w, r in log_.exact if s > last])
+        phases.adopt(run, rec.phases)
+        log_ = rec.phases
+    # The steps after the record's last one are written at this look.
+    recorded = rr.chunk[-1][0] if rr.chunk else -1
+    rr.steps_seen = log_.steps_seen - sum(1 for s, _, _ in log_.exact if s > recorded)
+
+
+def _snapshot(rec: WindowRecord) -> WindowRecord:
+    """A copy of a settled window the writer's thread can encode while the loop goes on."""
+    snap = window_pieces.snapshot(rec)
+    for name, empty in (("marks", {}), ("profiles", {}), ("trigger", None)):
+        setattr(snap, name, copy.deepcopy(getattr(rec, name, empty)))
+    return snap
+
+
+def _const(blob: bytes) -> Callable[[], bytes]:
+    return lambda: blob
+
+
+def _window_blob(run: str, snap: WindowRecord) -> bytes:
+    return codec.encode(codec.window_file(run, snap))
+
+
+def _marks_blob(run: str, rec: WindowRecord) -> bytes:
+    marks: dict[str, Any] = copy.deepcopy(getattr(rec, "marks", {}))
+    counted = getattr(rec, "counted_slower", False)
+    return codec.encode(codec.MarksFile(codec.VERSION, run, rec.window.index, marks, counted))
