@@ -70,6 +70,7 @@ fuzz: venv
 bench: venv
 	$(PY) bench/rank_profiler_overhead.py
 	RAY_AUTH_MODE=disabled $(PY) bench/coordinator_overhead.py
+	RAY_AUTH_MODE=disabled $(PY) bench/spmd_step.py
 	RAY_AUTH_MODE=disabled $(PY) bench/summary_cost.py
 	RAY_AUTH_MODE=disabled $(PY) bench/window_cost.py
 	$(PY) bench/summarise_cost.py

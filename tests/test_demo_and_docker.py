@@ -85,6 +85,25 @@ def test_demo_prints_steps_status_kernels_and_traces(tmp_path):
             assert sorted(os.listdir(tmp_path / "demo" / d)) == ["policy", "rollout"]
 
 
+@pytest.mark.subprocess
+def test_the_ray_train_demo_prints_a_two_rank_table(tmp_path):
+    """``make demo DEMO_ARGS="--trainer ray-train"``: a 2-worker TorchTrainer, each worker
+    stepping itself (RankSession); the cross-rank table lists both ranks."""
+    flags = ["--steps", "8", "--run-name", "rt", "--skip-first", "1", "--wait", "1"]
+    proc = run_demo("--trainer", "ray-train", "--save-path", str(tmp_path), *flags, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "ray-train trainer (TorchTrainer, SPMD), 2 workers, 8 steps; profiling on" in out
+    assert len([ln for ln in out.splitlines() if ln.startswith("step ")]) == 8
+    # windows record 3-4 and 7-8: the run ends after step 7, so the second one is partial
+    assert "  window 0: steps [3, 4]\n" in out and "window 1: steps [7, 7] partial" in out
+    assert "worker RPCs 0" in out  # (the coordinator never called a rank)
+    assert "== top kernels, policy, window 1 steps [7, 7], ranks [0, 1]" in out
+    assert "region                     mean ms" in out and "\ntrain " in out
+    assert sorted(os.listdir(tmp_path / "rt" / "window_0000_steps_3-4" / "policy")) == [
+        "rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"]  # fmt: skip
+
+
 def test_demo_config_file_and_flags(tmp_path):
     cfg_file = tmp_path / "profiler.yaml"
     cfg_file.write_text("wait: 7\nactive: 4\nexport_type: chrome_trace\nranks: [0]\n")

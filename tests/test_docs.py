@@ -91,6 +91,7 @@ PUBLIC = [
     ("coordinator.ops.timeline", "write_timeline"),
     ("coordinator.core.config", "ProfilerConfig"),
     ("coordinator.core.config", "ProfilerConfig.from_dict"),
+    ("trainers.rank_session", "RankSession.attach"),
 ]
 
 
@@ -119,6 +120,7 @@ def test_public_entry_points_say_what_they_take_return_and_raise(module, name):
         "coordinator.core.tracker_figures",
         "coordinator.client.attach",
         "trainers.hooks",
+        "trainers.rank_session",
     ],
 )
 def test_the_examples_that_need_no_cluster_run(module):

@@ -63,6 +63,8 @@ METHODS = {
     "kernel_diff": 6,
     "pin_baseline": 1,
     "flush_record": 1,
+    "attach_rank": 6,
+    "rank_status": 4,
 }
 CALLS = st.sampled_from(sorted(METHODS)).flatmap(
     lambda m: st.tuples(st.just(m), st.lists(HOSTILE, min_size=METHODS[m], max_size=METHODS[m]))

@@ -1,8 +1,10 @@
 """Training-loop hooks, reference trainers and the demo.
 
-``ProfilingHooks`` imports neither torch nor Ray until it is attached with profiling enabled.
+``ProfilingHooks`` (a single controller's loop) and ``RankSession`` (each rank of an SPMD loop)
+import neither torch nor Ray until attached with profiling enabled.
 """
 
 from trainers.hooks import ProfilingHooks
+from trainers.rank_session import RankSession
 
-__all__ = ["ProfilingHooks"]
+__all__ = ["ProfilingHooks", "RankSession"]

@@ -3,6 +3,8 @@
     python -m trainers.demo                      # fully-async RL, 2 ranks, embedded Ray
     python -m trainers.demo --trainer sft --steps 20 --wait 5 --active 3
     python -m trainers.demo --config profiler.yaml --address HOST:PORT
+    python -m trainers.demo --trainer ray-train  # SPMD: a Ray Train TorchTrainer, every rank
+                                                 # stepping itself (RankSession)
 
 With ``--address`` it joins a running cluster and leaves the coordinator alive afterwards, so a
 notebook can read it (``ray.get_actor("profiler", namespace="profiler")``).
@@ -22,7 +24,7 @@ import yaml
 from coordinator.client.attach import address_problem
 from coordinator.core.config import ProfilerConfig
 
-TRAINERS = ("sft", "rl", "async", "fully-async")
+TRAINERS = ("sft", "rl", "async", "fully-async", "ray-train")
 NODES_WAIT_S = 60.0
 SCHEDULE_FLAGS = ("skip_first", "wait", "warmup", "active", "repeat")
 
@@ -105,6 +107,7 @@ def connect_ray(address: str | None, namespace: str) -> None:
     if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(
+            address="local",  # its own cluster, even where a `ray start` one is running
             num_cpus=8,
             include_dashboard=False,
             log_to_driver=False,
@@ -153,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     connect_ray(args.address, args.namespace)
     wait_for_nodes(args.min_nodes)
+    if args.trainer == "ray-train":
+        return run_spmd(args, cfg)
     t_start = time.perf_counter()
     policy = make_policy_group(args.ranks, spread=args.spread)
     rollouts = make_rollouts(args.rollouts) if args.trainer != "sft" else []
@@ -187,6 +192,41 @@ def run(args: argparse.Namespace) -> int:
             )
     elif hooks.disabled_reason and cfg.enable:
         print(f"profiling was switched off: {hooks.disabled_reason}")
+    ray.shutdown()
+    return 0
+
+
+def run_spmd(args: argparse.Namespace, cfg: ProfilerConfig) -> int:
+    """``--trainer ray-train``: the SPMD SFT loop under Ray Train's ``TorchTrainer`` (CPU,
+    gloo), each worker profiled through its own ``RankSession``."""
+    import ray
+
+    from trainers.reference.spmd import SpmdRun, run_ray_train
+
+    t_start = time.perf_counter()
+    spmd = SpmdRun(
+        steps=args.steps, first_step=args.first_step, trainer_id="ray-train",
+        namespace=args.namespace,
+    )  # fmt: skip
+    print(
+        f"ray-train trainer (TorchTrainer, SPMD), {args.ranks} workers, {args.steps} steps; "
+        f"profiling {'on' if cfg.enable else 'off'}"
+    )
+    storage = os.path.join(cfg.save_path or os.path.abspath("profiles"), "ray-train-storage")
+    losses = run_ray_train(cfg.to_dict(), spmd, args.ranks, storage)
+    for k, loss in enumerate(losses, start=args.first_step):
+        print(f"step {k:4d}  loss {loss:8.4f}")
+    half = max(1, len(losses) // 2)
+    print(
+        f"loss: first half {sum(losses[:half]) / half:.4f}, second half "
+        f"{sum(losses[half:]) / max(1, len(losses) - half):.4f}; "
+        f"wall {time.perf_counter() - t_start:.1f} s"
+    )
+    if cfg.enable:
+        coordinator = ray.get_actor("profiler", namespace=args.namespace)
+        report(coordinator, args.top_k)
+        if args.address is None:
+            ray.kill(coordinator)
     ray.shutdown()
     return 0
 

@@ -81,15 +81,18 @@ class TrainerRecord:
     handles: dict[int, Any]
     run_dir: str | None
     driver: dict[str, Any] | None = None  # the driver's pid, node_id and stack dump
+    spmd: bool = False  # its ranks step themselves (RankSession): the coordinator never calls them
+    world: int | None = None  # an SPMD trainer's world size (``ranks``: those attached so far)
 
     def to_dict(self, stepping: bool) -> TrainerEntry:
         return {
             "trainer_id": self.trainer_id,
             "role": self.role,
-            "world_size": len(self.ranks),
+            "world_size": self.world if self.world is not None else len(self.ranks),
             "ranks": self.ranks,
             "advances_step": stepping,
             "run_dir": self.run_dir,
+            "spmd": self.spmd,
         }
 
 

@@ -109,6 +109,7 @@ class CoordinatorState:
             return
         rec.closed = True
         self.counters["windows_closed"] += 1
+        _expect_spmd_closes(self, rec)
         closed = self.closed_windows()
         for old in closed[: max(0, len(closed) - self.detail_windows)]:
             for agg in old.aggregates.values():
@@ -337,6 +338,17 @@ def rank_counts(st: CoordinatorState) -> dict[str, int]:
         counts = collections.Counter(r.public_state for r in st.ranks.values())
         kept = st.__dict__["_rank_counts"] = (key, dict(counts))
     return dict(kept[1])
+
+
+def _expect_spmd_closes(st: CoordinatorState, rec: WindowRecord) -> None:
+    """A closed window waits for the summaries of its SPMD ranks, which close by themselves and
+    say so later (``rank_status``); that status, the summary, or ``summary_failed`` (late)
+    ends each wait."""
+    spmd = {t.trainer_id for t in st.trainers.values() if t.spmd}
+    late = [k for k in rec.participants - rec.acked if k[0] in spmd and not rec.has_summary(k)]
+    if late:
+        rec.summaries_pending.update(late)
+        _awaiting_summaries(st, rec.window.index)
 
 
 def _awaiting_summaries(st: CoordinatorState, add: int | None = None) -> list[WindowRecord]:

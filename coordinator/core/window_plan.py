@@ -250,3 +250,30 @@ class WindowPlan:
             self.skipped_windows += 1
             nxt = self.schedule.first_window_from(nxt.last + 1)
         self._cursor = nxt
+
+
+MAX_REPLAY = 100_000
+"""The most steps ``replay`` goes over one by one; a longer gap is taken as skipped."""
+
+
+def replay(plan: WindowPlan, k: int) -> list[Command] | Ignored:
+    """``plan.step(k)`` for a trainer whose ranks ran every step but which reports only some of
+    them (SPMD ranks, each following the plan itself): the steps since the last report first,
+    so the plan opens and closes the windows the ranks did, and all their commands in order.
+
+    >>> from coordinator.core.config import ProfilerConfig
+    >>> cfg = ProfilerConfig(enable=True, wait=1, warmup=0, active=2, repeat=1)
+    >>> plan = WindowPlan(Schedule(cfg)); _ = plan.start(0)
+    >>> [type(c).__name__ for c in replay(plan, 5)]
+    ['Start', 'Step', 'Step']
+    """
+    if not plan.started or (plan.last_step is not None and k <= plan.last_step):
+        return plan.step(k)
+    commands: list[Command] = []
+    for s in range(max(plan.next_boundary, k - MAX_REPLAY), k):
+        done = plan.step(s)
+        assert not isinstance(done, Ignored)  # (every step after the last one)
+        commands += done
+    done = plan.step(k)
+    assert not isinstance(done, Ignored)
+    return commands + done

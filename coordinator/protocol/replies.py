@@ -186,6 +186,17 @@ class RegisterReply(TypedDict):
     run_dir: str | None
 
 
+class RankAttachReply(TypedDict):
+    """``attach_rank``: what an SPMD rank needs to follow the run's plan by itself."""
+
+    run: str
+    run_dir: str | None
+    config: dict[str, Any]  # the run's config (``ProfilerConfig.to_dict``)
+    report_to: dict[str, str]  # where the node agent sends this rank's summaries
+    selected: bool  # the config profiles this rank
+    world_size: int
+
+
 class OpenRunReply(TypedDict):
     """``open_run``: the run a trainer attached to, and how its config compares."""
 
@@ -292,6 +303,7 @@ class TrainerEntry(TypedDict):
     ranks: list[int]
     advances_step: bool
     run_dir: str | None
+    spmd: bool  # its ranks step themselves (``RankSession``); ``ranks``: those attached
 
 
 class RankEntry(TypedDict):

@@ -37,11 +37,12 @@ from coordinator.service.readers import Readers, WaitUntil
 from coordinator.service.run_recorder import RunRecorder
 from coordinator.service.runs import RunCalls
 from coordinator.service.shell import CoordinatorShell
+from coordinator.service.spmd_ranks import SpmdRanks, SpmdRPCs
 from coordinator.service.stacks import StackCalls
 from coordinator.service.stall_watchdog import StallWatchdog
 
 
-class _Coordinator(OperatorRPCs):
+class _Coordinator(OperatorRPCs, SpmdRPCs):
     """The actor's implementation; use ``get_or_create_coordinator`` to make one."""
 
     def __init__(self, config: dict[str, Any], name: str, namespace: str) -> None:
@@ -56,6 +57,8 @@ class _Coordinator(OperatorRPCs):
         self._recorder = RunRecorder(self._shell, self._diffs.mark)
         self._shell.record_soon = self._recorder.soon
         self._shell.record_entry = self._recorder.entry
+        parts = (self._watchdog, self._recorder)
+        self._spmd = SpmdRanks(self._shell, self._runs.open_run, lambda: [p.start() for p in parts])
 
     # ------------------------------------------------------------ the trainer's calls
 

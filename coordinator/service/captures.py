@@ -109,6 +109,11 @@ class Captures:
             return f"no trainer is running: {run.ended_reason}"
         if run.lifecycle != "running":
             return f"no trainer is running: trainer {tid!r} has not started"
+        if st.trainers[tid].spmd:
+            return (
+                f"trainer {tid!r} runs SPMD ranks (RankSession), which follow the config's "
+                "schedule; captures at run time do not reach them yet"
+            )
         world = st.trainers[tid].ranks
         if req.ranks is not None:
             unknown = sorted(set(req.ranks) - set(world))

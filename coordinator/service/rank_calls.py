@@ -1,7 +1,8 @@
 """The coordinator's calls to ranks: fan one RPC out, wait, fold every reply into the run.
 
-No RPC goes to a rank that is not active (disabled, lost, unresponsive or not selected), and a
-rank's fault never reaches the caller: it changes that rank's state and nothing else.
+No RPC goes to a rank that is not active (disabled, lost, unresponsive or not selected), nor to
+an SPMD rank (it follows the plan by itself: ``spmd_ranks``), and a rank's fault never reaches
+the caller: it changes that rank's state and nothing else.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ async def fan_out(
     for n, key in enumerate(keys):
         if n % SUBMIT_EVERY == SUBMIT_EVERY - 1:
             await asyncio.sleep(0)  # a long fan-out never stalls the event loop
-        if not st.ranks[key].active:
+        if not st.ranks[key].active or st.trainers[key[0]].spmd:
             continue
         handle = st.trainers[key[0]].handles[key[1]]
         try:
@@ -65,7 +66,8 @@ async def send(
 ) -> None:
     """``method(*args)`` to every active rank in ``keys``: through the node agents when the
     config says so (``fanout: node``), directly to the ranks they could not reach."""
-    keys = [k for k in keys if run.state.ranks[k].active]
+    st = run.state
+    keys = [k for k in keys if st.ranks[k].active and not st.trainers[k[0]].spmd]
     if nodes is not None and run.config.fanout == "node" and keys:
         keys = await nodes.fan_out(run, keys, method, args, run.config.worker_timeout_s)
     await fan_out(run, keys, method, same_args(*args))
@@ -112,7 +114,7 @@ def close_late(run: Run, keys: Sequence[Key]) -> None:
     queue a ``stop_profile`` for them (never waited for), so no profiler is left running."""
     st = run.state
     for key in keys:
-        if st.ranks[key].state != "unresponsive":
+        if st.ranks[key].state != "unresponsive" or st.trainers[key[0]].spmd:
             continue
         try:
             st.trainers[key[0]].handles[key[1]].stop_profile.remote()

@@ -15,9 +15,9 @@ from typing import Any
 import ray
 
 from coordinator.core.config import ProfilerConfig
-from coordinator.core.records import TrainerRecord
+from coordinator.core.records import RankRecord, TrainerRecord
 from coordinator.core.roles import outside_ranks, role_ranks
-from coordinator.core.run import attach_decision
+from coordinator.core.run import Run, attach_decision
 from coordinator.core.trace_layout import child
 from coordinator.core.validate import (
     checked_driver,
@@ -28,7 +28,7 @@ from coordinator.core.validate import (
     step_problem,
     trainer_id_problem,
 )
-from coordinator.core.window_plan import Ignored
+from coordinator.core.window_plan import Ignored, replay
 from coordinator.protocol.replies import OpenRunReply, RegisterReply, StepReply
 from coordinator.service.captures import Captures
 from coordinator.service.rank_calls import any_alive, fan_out, run_commands
@@ -62,7 +62,8 @@ class RunCalls:
             stepping = run.state.stepping_trainer
             alive = True
             if run.active and stepping is not None and trainer_id != stepping:
-                alive = await any_alive(list(run.state.trainers[stepping].handles.values()))
+                handles = list(run.state.trainers[stepping].handles.values())
+                alive = await any_alive(handles) if handles else True  # (SPMD: not known)
             decision, diff = attach_decision(run, cfg.to_dict(), trainer_id, alive)
             if decision == "conflict":
                 raise ValueError(self._conflict(diff))
@@ -133,6 +134,9 @@ class RunCalls:
         if carry:
             for t in old.state.trainers.values():
                 stepping = t.trainer_id == old.state.stepping_trainer
+                if t.spmd:  # (its ranks attached themselves: they stay)
+                    carry_spmd(old, sh.run, t, stepping)
+                    continue
                 await self.register_locked(
                     t.trainer_id, t.handles, t.role, stepping, driver=t.driver
                 )
@@ -177,7 +181,7 @@ class RunCalls:
                 f"profiler config selects {role} ranks {outside} ({field}), which trainer "
                 f"{trainer_id!r} does not have (its ranks: {span(world)})"
             )
-        run_dir = _trainer_run_dir(run.run_dir, st.trainers, trainer_id, role)
+        run_dir = trainer_run_dir(run.run_dir, st.trainers, trainer_id, role)
         trainer = TrainerRecord(trainer_id, role, world, handles, run_dir, driver)
         keys = st.register(trainer, advances_step, lambda r: cfg.enable and cfg.selects(r, role))
         if len(keys) >= FREEZE_RANKS:  # its records stay: out of the collector's full passes
@@ -257,7 +261,8 @@ class RunCalls:
             if waiting and fresh and sh.requests:
                 await self.captures.plan_waiting()  # the trainer waits: it runs k+1 after this
             in_window = plan.current is not None
-            result = plan.step(k)
+            spmd = run.state.trainers[trainer_id].spmd  # (its ranks ran every step)
+            result = replay(plan, k) if spmd else plan.step(k)
             if isinstance(result, Ignored):
                 run.state.counters["ignored_steps"] += 1
                 run.state.counters[f"ignored_steps_{result.reason}"] += 1
@@ -335,7 +340,22 @@ class RunCalls:
         )
 
 
-def _trainer_run_dir(
+def carry_spmd(old: Run, new: Run, t: TrainerRecord, stepping: bool) -> None:
+    """An SPMD trainer and its attached ranks, from ``old`` into the fresh run ``new``."""
+    run_dir = trainer_run_dir(new.run_dir, new.state.trainers, t.trainer_id, t.role)
+    same = TrainerRecord(t.trainer_id, t.role, [], {}, run_dir, spmd=True, world=t.world)
+    new.state.register(same, stepping, lambda r: False)
+    cfg = new.config
+    for r in t.ranks:
+        was = old.state.ranks.get((t.trainer_id, r))
+        rec = RankRecord(t.trainer_id, r, bool(cfg.enable and cfg.selects(r, t.role)))
+        if was is not None:
+            rec.node_id, rec.pid, rec.stack_dump = was.node_id, was.pid, was.stack_dump
+        new.state.ranks[(t.trainer_id, r)] = rec
+    same.ranks = list(t.ranks)
+
+
+def trainer_run_dir(
     run_dir: str | None, trainers: dict[str, TrainerRecord], trainer_id: str, role: str
 ) -> str | None:
     """Where a trainer's ranks write: the run directory, in which each window holds one

@@ -35,10 +35,7 @@ class PolicyWorker(ProfilerWorkerMixin):
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port, for rank 0 to host the process group."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return free_address()
 
     def init_group(self, host: str, port: int) -> int:
         """Join the gloo group (every rank must call this at once)."""
@@ -76,19 +73,35 @@ class PolicyWorker(ProfilerWorkerMixin):
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def _update(self, loss: torch.Tensor) -> None:
-        self.opt.zero_grad(set_to_none=False)
-        loss.backward()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        if self.world_size > 1:
-            dist.all_reduce(flat)
-            flat /= self.world_size
-        offset = 0
-        for p in params:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
-        self.opt.step()
+        update(self.model, self.opt, loss, self.world_size)
+
+
+def free_address() -> tuple[str, int]:
+    """This node's IP and a free port, for rank 0 to host a gloo process group."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def update(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, world: int
+) -> None:
+    """One optimiser step on ``loss``, the gradients averaged over the ``world`` ranks of the
+    process group (one all-reduce of them all, flattened)."""
+    opt.zero_grad(set_to_none=False)
+    loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    if world > 1:
+        dist.all_reduce(flat)
+        flat /= world
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        offset += n
+    opt.step()
 
 
 class Sampler:

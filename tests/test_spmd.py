@@ -1,0 +1,179 @@
+"""SPMD ranks in a real cluster: plain actors running the loop themselves (torchrun-style) and
+Ray Train's ``TorchTrainer``, each rank stepping itself through ``RankSession``."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.configs import profiler_config
+from trainers.reference.spmd import SpmdRun, SpmdWorker, run_in_actors, run_ray_train
+
+pytestmark = pytest.mark.ray
+
+# cycle of 5: wait 0-1, warm-up 2, record 3-4 | 8-9 | 13-14
+WINDOWS = [[3, 4], [8, 9], [13, 14]]
+
+
+def _config(tmp_path, **kw):
+    cfg = profiler_config(tmp_path, wait=2, warmup=1, active=2, repeat=3, **kw)
+    return cfg.to_dict()
+
+
+def _run(name: str, **kw) -> SpmdRun:
+    return SpmdRun(name=name, namespace="profiler-tests", **kw)
+
+
+def _coordinator(ray, name):
+    return ray.get_actor(name, namespace="profiler-tests")
+
+
+def _settled(ray, coord, windows):
+    for i in windows:
+        assert ray.get(coord.wait_window.remote(i, timeout_s=60))["done"], i
+    return ray.get(coord.status.remote())
+
+
+@pytest.fixture
+def spmd_workers(ray_session):
+    made = []
+
+    def take(n):
+        made.extend(SpmdWorker.remote() for _ in range(n))
+        return made[-n:]
+
+    yield take
+    for h in made:
+        ray_session.kill(h)
+
+
+def test_ranks_a_few_steps_apart_record_the_same_steps_and_make_one_table(
+    ray_session, ray_actors, spmd_workers, tmp_path
+):
+    ray = ray_session
+    name = f"profiler-{uuid.uuid4().hex[:8]}"
+    run = _run(name, steps=17, lag_s=0.03, sync=False)  # rank 1 trails rank 0 by steps
+    try:
+        losses = run_in_actors(_config(tmp_path), run, 2, spmd_workers(2))
+    finally:
+        ray_actors.append(_coordinator(ray, name))
+    assert len(losses) == 2 and all(len(x) == 17 for x in losses)
+    coord = _coordinator(ray, name)
+    st = _settled(ray, coord, range(3))
+    assert [w["steps"] for w in st["windows"]] == WINDOWS
+    assert [w["ranks"] for w in st["windows"]] == [[0, 1]] * 3
+    assert not any(w["partial"] for w in st["windows"])
+    for i in range(3):
+        table = ray.get(coord.kernel_summary.remote(window=i))
+        assert table["ranks"] == [0, 1] and table["steps"] == WINDOWS[i] and table["kernels"]
+    # Each rank wrote its own trace of each window.
+    for i, (a, b) in enumerate(WINDOWS):
+        d = tmp_path / "run" / f"window_{i:04d}_steps_{a}-{b}" / "policy"
+        assert sorted(p.name.split(".")[0] for p in d.iterdir()) == ["rank0", "rank1"], d
+    # Nothing on the step path outside windows: each rank told its status once at attach and
+    # once per window it closed; rank 0's reports are few (at most every 0.1 s, and on a
+    # window's first and last steps).
+    counters = st["counters"]
+    assert counters["rank_status"] == 2 * (1 + 3)
+    assert counters.get("worker_rpcs", 0) == 0  # the coordinator never called a rank
+    trainer = st["trainers"][0]
+    assert trainer["spmd"] and trainer["world_size"] == 2 and trainer["advances_step"]
+    # Rank 0's regions: phase times of every step.
+    phases = ray.get(coord.phase_times.remote(last=100))
+    assert [s["step"] for s in phases["steps"]] == list(range(17))
+    assert {r["region"] for r in phases["regions"]} == {"train"}
+
+
+def test_losses_are_bit_identical_with_profiling_on_and_off(
+    ray_session, ray_actors, spmd_workers, tmp_path
+):
+    ray = ray_session
+    name = f"profiler-{uuid.uuid4().hex[:8]}"
+    run = _run(name, steps=10)
+    try:
+        on = run_in_actors(_config(tmp_path), run, 2, spmd_workers(2))
+    finally:
+        ray_actors.append(_coordinator(ray, name))
+    off = run_in_actors({"enable": False}, run, 2, spmd_workers(2))
+    assert on == off and on[0] == on[1]  # (all-reduced: every rank the same loss)
+    assert on[0][-1] < on[0][0]
+
+
+def _misuse(config: dict, name: str) -> dict:
+    """Inside a rank: no rank information; a second session in one process; a step that goes
+    backwards. Each is refused with a clear reason, and the loop goes on."""
+    import logging
+
+    from trainers.rank_session import RankSession
+
+    said: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("trainers.rank_session").addHandler(Catch())
+    where = {"name": name, "namespace": "profiler-tests", "trainer_id": "sft"}
+    nobody = RankSession.attach(config, **where)
+    with nobody.session(0):
+        for k in range(3):
+            with nobody.region("train"):
+                pass
+            nobody.step(k)
+    first = RankSession.attach(config, rank=0, world_size=1, **where)
+    second = RankSession.attach(config, rank=0, world_size=1, **where)
+    phases = []
+    with first.session(0):
+        for k in [0, 1, 2, 1, 3, 4, 5]:
+            first.step(k)
+            second.step(k)
+            phases.append(first.phase)
+    return {
+        "nobody": nobody.disabled_reason,
+        "first": first.disabled_reason,
+        "second": second.disabled_reason,
+        "said": said,
+        "phases": phases,
+    }
+
+
+def test_misuse_in_a_rank_is_refused_with_a_reason_and_training_goes_on(
+    ray_session, ray_actors, tmp_path
+):
+    ray = ray_session
+    name = f"profiler-{uuid.uuid4().hex[:8]}"
+    cfg = profiler_config(tmp_path, wait=0, warmup=1, active=2, repeat=1).to_dict()
+    try:
+        out = ray.get(ray.remote(num_cpus=0)(_misuse).remote(cfg, name))
+    finally:
+        ray_actors.append(_coordinator(ray, name))
+    assert out["nobody"].startswith("no rank information: not in a Ray Train worker")
+    assert out["first"] is None
+    assert out["second"].startswith("a RankSession is already attached in this process")
+    assert any("step 1 after step 2: steps must go forward; ignored" in s for s in out["said"])
+    # the window (warm-up 0, record 1-2) went on regardless of the step that went back
+    assert out["phases"] == ["recording", "recording", "idle", "idle", "idle", "idle", "idle"]
+    st = _settled(ray_session, _coordinator(ray, name), [0])
+    assert [w["steps"] for w in st["windows"]] == [[1, 2]]
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_a_ray_train_job_is_profiled_on_every_worker(ray_session, ray_actors, tmp_path, workers):
+    ray = ray_session
+    name = f"profiler-{uuid.uuid4().hex[:8]}"
+    run = _run(name, steps=10)
+    try:
+        losses = run_ray_train(_config(tmp_path), run, workers, str(tmp_path / "train"))
+    finally:
+        ray_actors.append(_coordinator(ray, name))
+    assert len(losses) == 10 and losses[-1] < losses[0]
+    coord = _coordinator(ray, name)
+    st = _settled(ray, coord, range(2))
+    assert [w["steps"] for w in st["windows"]] == WINDOWS[:2]
+    ranks = list(range(workers))
+    assert [w["ranks"] for w in st["windows"]] == [ranks, ranks]
+    assert ray.get(coord.kernel_summary.remote(window=1))["ranks"] == ranks
+    assert st["counters"].get("worker_rpcs", 0) == 0
+    listed = {r["rank"]: r for r in st["ranks"]}
+    assert sorted(listed) == ranks and all(r["node_id"] for r in listed.values())

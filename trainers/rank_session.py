@@ -1,0 +1,364 @@
+"""RankSession: profiling for SPMD loops, where every rank runs the loop and steps itself.
+
+    def train_loop_per_worker(cfg):
+        prof = RankSession.attach(profiler_config, trainer_id="sft")
+        with prof.session(first_step=start):
+            for step in range(start, last + 1):
+                with prof.region("train"):
+                    train_one_step()
+                prof.step(step)
+
+Ray Train's workers, torchrun-style loops in plain actors, a Hugging Face or Lightning loop inside
+Ray Train: nobody owns the ranks, so the coordinator cannot call them. Each rank attaches itself,
+holds the run's window plan (``coordinator.core.window_plan``, the same pure plan the coordinator
+keeps) and starts, steps and stops its own ``torch.profiler`` on its training thread, at the
+steps the plan names; every rank computes the same windows from the same config. Outside windows
+``step(k)`` is a few dict lookups: no Ray call, no wait. Rank 0 reports its step to the
+coordinator without waiting, at most every ``REPORT_EVERY_S`` and at once on a step where a
+window starts or stops; each rank tells the coordinator, never waiting, when it closed a window.
+The node agent builds the summaries from the traces, as for actor ranks.
+
+A disabled config makes no Ray call at all. An unreachable coordinator, no rank information,
+a second session in one process or a fault in the profiler switch this rank's profiling off
+with one logged error (``disabled_reason``); training never stops and nothing raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from coordinator.client.phase_clock import PhaseClock, Region
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.schedule import Schedule
+from coordinator.core.window_plan import Command, Start, Step, Stop, WindowPlan
+from coordinator.protocol.names import DEFAULT_NAME, DEFAULT_NAMESPACE
+
+log = logging.getLogger(__name__)
+REPORT_EVERY_S = 0.1
+"""Rank 0 reports its step at most this often outside the steps where a window starts or stops."""
+MAX_PHASES = 10_000  # rank 0's step records between two reports (a coordinator away)
+_ATTACHED: dict[int, str] = {}  # pid -> the session attached in this process (one per rank)
+_ATTACHED_LOCK = threading.Lock()
+
+
+class RankSession:
+    """One rank's handle on the coordinator (see the module docstring)."""
+
+    def __init__(
+        self,
+        trainer_id: str,
+        rank: int | None = None,
+        world_size: int | None = None,
+        disabled_reason: str | None = "profiling is not enabled",
+    ) -> None:
+        self.trainer_id = trainer_id
+        self.rank, self.world_size = rank, world_size
+        self.disabled_reason = disabled_reason
+        self.run: str | None = None
+        self.run_dir: str | None = None
+        self.config: ProfilerConfig | None = None
+        self.coordinator: Any = None
+        self._profiler: Any = None  # worker_ext.rank.rank_profiler.RankProfiler
+        self._plan: WindowPlan | None = None
+        self._clock: PhaseClock | None = None
+        self._last_step: int | None = None
+        self._last_report = 0.0
+        self._unreported: int | None = None
+        self._phases: list[list[Any]] = []
+        self._said_backwards = False
+        self._told_fault = False
+
+    # ------------------------------------------------------------------ attach
+
+    @classmethod
+    def attach(
+        cls,
+        config: ProfilerConfig | dict[str, Any] | None,
+        trainer_id: str = "trainer",
+        role: str = "policy",
+        rank: int | None = None,
+        world_size: int | None = None,
+        name: str = DEFAULT_NAME,
+        namespace: str = DEFAULT_NAMESPACE,
+    ) -> RankSession:
+        """Attach this rank to the coordinator's run (creating the coordinator if needed).
+
+        Args:
+            config: a ``ProfilerConfig``, a dict of its fields or an OmegaConf node; None or
+                ``enable: false`` gives a session that makes no Ray call at all.
+            trainer_id: the job's name for its ranks; every rank passes the same one.
+            role: what these ranks do (``policy``, ...): ``window_.../<role>/rank<r>...``.
+            rank, world_size: this rank and the number of ranks, used only when neither Ray
+                Train (``ray.train.get_context()``) nor ``torch.distributed`` says.
+            name, namespace: the coordinator actor's.
+
+        Returns:
+            The session; ``enabled`` says whether this rank is profiled, ``disabled_reason``
+            why not.
+
+        Raises:
+            ValueError: a bad config (before any step: the user's own mistake, as for
+                ``ProfilingHooks.attach``). Nothing else raises: see the module docstring.
+
+        Example (in ``train_loop_per_worker``: ``RankSession.attach(cfg, trainer_id="sft")``):
+
+        >>> prof = RankSession.attach({"enable": False}, trainer_id="sft")
+        >>> with prof.session(first_step=0):
+        ...     for step in range(3):
+        ...         prof.step(step)
+        >>> prof.enabled, prof.disabled_reason, prof.phase
+        (False, 'profiling is not enabled', 'off')
+        """
+        cfg = config if isinstance(config, ProfilerConfig) else ProfilerConfig.from_dict(config)
+        cfg.validate()
+        if not cfg.enable:
+            return cls(trainer_id)
+        found = rank_and_world(rank, world_size)
+        if isinstance(found, str):
+            return _off(cls(trainer_id, rank, world_size, None), "attach", found)
+        me, world = found
+        session = cls(trainer_id, me, world, None)
+        taken = _claim(f"trainer {trainer_id!r} rank {me}")
+        if taken is not None:
+            why = (
+                f"a RankSession is already attached in this process ({taken}); one session "
+                "per rank: attach once, before the loop"
+            )
+            return _off(session, "attach", why)
+        try:
+            session._join(cfg, role, name, namespace)
+        except Exception as exc:  # unreachable or refused: this rank goes unprofiled
+            _release()
+            return _off(session, "attach", f"{type(exc).__name__}: {exc}")
+        return session
+
+    def _join(self, cfg: ProfilerConfig, role: str, name: str, namespace: str) -> None:
+        import ray
+
+        from coordinator.service.actor import ProfilerCoordinator
+        from worker_ext.rank.rank_profiler import RankProfiler
+
+        if not ray.is_initialized():
+            raise RuntimeError("ray is not initialised in this rank's process")
+        coord = ProfilerCoordinator.options(
+            name=name, namespace=namespace, lifetime="detached", get_if_exists=True
+        ).remote(cfg.to_dict(), name, namespace)
+        where = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        assert self.rank is not None and self.world_size is not None
+        ref = coord.attach_rank.remote(
+            cfg.to_dict(), self.trainer_id, self.rank, self.world_size, role, where
+        )
+        reply = ray.get(ref, timeout=cfg.worker_timeout_s + 60)
+        self.coordinator, self.run, self.run_dir = coord, reply["run"], reply["run_dir"]
+        self.config = ProfilerConfig.from_dict(reply["config"], check_paths=False)
+        self._profiler = RankProfiler(
+            self.rank, self.config, self.run_dir, report_to=reply["report_to"], role=role
+        )
+        self._plan = WindowPlan(Schedule(self.config))
+        self._clock = PhaseClock() if self.rank == 0 else None
+        self._tell(None)  # its node, pid and stack-dump file, for stacks and stragglers
+
+    # ------------------------------------------------------------------ the loop
+
+    @property
+    def enabled(self) -> bool:
+        """This rank is profiled (a selected rank whose profiler has had no fault)."""
+        p = self._profiler
+        return self.disabled_reason is None and p is not None and p.fault is None
+
+    @property
+    def phase(self) -> str:
+        """``idle``, ``warmup`` or ``recording`` (the next step), or ``off``."""
+        p = self._profiler
+        return "off" if self.disabled_reason or p is None else str(p.phase)
+
+    def session(self, first_step: int = 0) -> _Session:
+        """``start(first_step)`` now and ``stop()`` at the end, even on an exception.
+
+        Args:
+            first_step: the first global step this loop runs (the checkpoint's on resume), so
+                that windows land on the same absolute steps on every rank.
+        """
+        return _Session(self, first_step)
+
+    def region(self, name: str) -> Region:
+        """Time a named part of the step (``with prof.region("train"):``); rank 0's regions
+        ride on its step reports (``phase_times()``, ``ray-profiler phases``)."""
+        return Region(self._clock, name)
+
+    def start(self, first_step: int = 0) -> None:
+        """Before the loop: the next step this rank runs is ``first_step``."""
+        if self._plan is None or self.disabled_reason:
+            return
+        self._last_step = first_step - 1 if first_step > 0 else None
+        self._run(self._plan.start(first_step), first_step - 1)
+        if self.rank == 0:
+            self._send("start", first_step)
+        if self._clock is not None:
+            self._clock.begin_step()
+
+    def step(self, step: int) -> None:
+        """Global step ``step`` has finished on this rank; call it once per step, after it.
+
+        Outside windows: no Ray call and no wait. A step that does not move forward is
+        ignored, with one logged error.
+        """
+        plan = self._plan
+        if plan is None or self.disabled_reason:
+            return
+        if self._last_step is not None and step <= self._last_step:
+            if not self._said_backwards:
+                self._said_backwards = True
+                log.error(
+                    "profiler: rank %s step %d after step %d: steps must go forward; "
+                    "ignored (training goes on)",
+                    self.rank,
+                    step,
+                    self._last_step,
+                )
+            return
+        self._last_step = step
+        commands = plan.step(step)
+        if commands:
+            self._run(commands, step)  # type: ignore[arg-type]  # (never Ignored: checked)
+        if self.rank == 0:
+            self._report(step, bool(commands))
+
+    def stop(self) -> None:
+        """After the loop: close an open window (partial); rank 0 ends the run's steps."""
+        if self._plan is None or self.disabled_reason:
+            return
+        self._run(self._plan.stop(), self._last_step)
+        if self.rank == 0:
+            self._close_step(self._last_step)
+            if self._unreported is not None:
+                self._send("step", self._unreported)
+            self._send("stop", None, wait=True)
+        _release()
+
+    # ------------------------------------------------------------------ inside
+
+    def _run(self, commands: list[Command], step: int | None) -> None:
+        """Each command on this rank's profiler (on this, the training thread); the status of
+        a window closed, or of a fault, goes to the coordinator."""
+        p = self._profiler
+        if p is None or not p.selected:
+            return
+        reply, closed = None, None
+        for cmd in commands:
+            if isinstance(cmd, Start):
+                reply = p.start_window(cmd.window, cmd.step)
+            elif isinstance(cmd, Step):
+                reply = p.step(cmd.step)
+            elif isinstance(cmd, Stop):
+                reply = p.stop_window()
+            closed = reply["closed"] if reply and reply["closed"] else closed
+        fault = p.fault is not None and not self._told_fault
+        if reply is not None and (closed or fault):
+            self._told_fault = self._told_fault or fault
+            self._tell(step, {**reply, "closed": closed})
+
+    def _tell(self, step: int | None, status: Any = None) -> None:
+        """This rank's status to the coordinator (a window it closed, a fault), not waited for."""
+        try:
+            status = status if status is not None else self._profiler.status()
+            self.coordinator.rank_status.remote(self.trainer_id, self.rank, step, status)
+        except Exception as exc:  # the coordinator is away: it learns at the next close
+            log.debug("profiler: rank %s status not sent: %s", self.rank, exc)
+
+    def _report(self, step: int, now: bool) -> None:
+        """Rank 0: step ``step`` to the coordinator, at most every ``REPORT_EVERY_S`` and at
+        once on a step where a window started or stopped."""
+        self._close_step(step)
+        if not now and time.monotonic() - self._last_report < REPORT_EVERY_S:
+            self._unreported = step
+            return
+        self._send("step", step)
+
+    def _close_step(self, step: int | None) -> None:
+        if self._clock is None or step is None:
+            return
+        record = self._clock.close_step(step)
+        if record is not None and len(self._phases) < MAX_PHASES:
+            self._phases.append(record)
+        self._clock.begin_step()
+
+    def _send(self, what: str, step: int | None, wait: bool = False) -> None:
+        self._last_report, self._unreported = time.monotonic(), None
+        c, tid = self.coordinator, self.trainer_id
+        try:
+            if what == "start":
+                ref = c.start.remote(tid, step, False)
+            elif what == "step":
+                phases, self._phases = self._phases or None, []
+                ref = c.step.remote(tid, step, False, phases)
+            else:
+                ref = c.stop.remote(tid)
+            if wait:
+                import ray
+
+                assert self.config is not None
+                ray.get(ref, timeout=self.config.worker_timeout_s + 5)
+        except Exception as exc:  # never the training's problem
+            log.warning("profiler: rank 0 could not report %s to the coordinator: %s", what, exc)
+
+
+def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int] | str:
+    """This process's (rank, world size): Ray Train's context, else ``torch.distributed``'s,
+    else the arguments; a string says why none is known."""
+    train = sys.modules.get("ray.train")  # (loaded when Ray Train runs this process)
+    if train is not None:
+        try:
+            ctx = train.get_context()
+            return int(ctx.get_world_rank()), int(ctx.get_world_size())
+        except Exception:
+            pass  # not inside a Ray Train worker
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
+    if rank is None or world_size is None:
+        return (
+            "no rank information: not in a Ray Train worker, torch.distributed is not "
+            "initialised, and RankSession.attach was given no rank= and world_size="
+        )
+    if not 0 <= int(rank) < int(world_size):
+        return f"rank {rank} is not in 0..{int(world_size) - 1} (world_size {world_size})"
+    return int(rank), int(world_size)
+
+
+def _claim(what: str) -> str | None:
+    """Take this process's one session; returns the holder when another one has it."""
+    with _ATTACHED_LOCK:
+        held = _ATTACHED.get(os.getpid())
+        if held is not None:
+            return held
+        _ATTACHED[os.getpid()] = what
+        return None
+
+
+def _release() -> None:
+    with _ATTACHED_LOCK:
+        _ATTACHED.pop(os.getpid(), None)
+
+
+def _off(session: RankSession, where: str, why: str) -> RankSession:
+    session.disabled_reason = why
+    log.error("profiler: this rank is not profiled (%s: %s); training goes on", where, why)
+    return session
+
+
+class _Session:
+    def __init__(self, session: RankSession, first_step: int) -> None:
+        self.session, self.first_step = session, first_step
+
+    def __enter__(self) -> RankSession:
+        self.session.start(self.first_step)
+        return self.session
+
+    def __exit__(self, *exc: Any) -> None:
+        self.session.stop()
