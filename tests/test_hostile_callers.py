@@ -64,6 +64,7 @@ METHODS = {
     "pin_baseline": 1,
     "flush_record": 1,
     "attach_rank": 6,
+    "rank_start": 4,
     "rank_status": 4,
 }
 CALLS = st.sampled_from(sorted(METHODS)).flatmap(

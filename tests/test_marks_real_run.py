@@ -10,6 +10,7 @@ from statistics import median
 
 import pytest
 
+from coordinator.core.marks import MIN_REFERENCE
 from tests.configs import profiler_config
 from tests.fault_cases import wait_for_windows
 from trainers.hooks import ProfilingHooks
@@ -116,7 +117,10 @@ def test_one_op_made_slower_is_marked_from_that_window_on_and_alone(ray_session,
     first = next(w["regression"] for w in st["windows"] if w["index"] == hit[0])
     k = first["kernels"][0]
     assert k["ratio"] > k["bar"] and k["ratio"] >= 1.25 and k["step_share"] >= 0.03
-    assert first["reference"][:10] == list(range(10))
+    # Its reference: windows before the slowdown only (a calm window with a one-off suspect
+    # beyond its bar, on this busy host, is left out by design: marks.pick_reference).
+    ref = first["reference"]
+    assert ref == sorted(ref) and set(ref) <= set(range(10)) and len(ref) >= MIN_REFERENCE, ref
     assert st["counters"]["regressions"] >= len(hit)
 
 

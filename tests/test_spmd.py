@@ -83,6 +83,10 @@ def test_ranks_a_few_steps_apart_record_the_same_steps_and_make_one_table(
     phases = ray.get(coord.phase_times.remote(last=100))
     assert [s["step"] for s in phases["steps"]] == list(range(17))
     assert {r["region"] for r in phases["regions"]} == {"train"}
+    # Each rank's stack, read by its node agent (the ranks' actors, found in Ray's table).
+    stacks = ray.get(coord.stacks.remote(trainer_id="sft"))
+    read = {e["rank"]: e for e in stacks["entries"] if e["who"] == "rank"}
+    assert sorted(read) == [0, 1] and all(e["error"] is None for e in read.values()), read
 
 
 def test_losses_are_bit_identical_with_profiling_on_and_off(
@@ -163,8 +167,11 @@ def test_a_ray_train_job_is_profiled_on_every_worker(ray_session, ray_actors, tm
     ray = ray_session
     name = f"profiler-{uuid.uuid4().hex[:8]}"
     run = _run(name, steps=10)
+    cfg = _config(tmp_path)
+    if workers == 2:  # no save_path: the traces go under Ray Train's storage_path
+        cfg = {k: v for k, v in cfg.items() if k != "save_path"}
     try:
-        losses = run_ray_train(_config(tmp_path), run, workers, str(tmp_path / "train"))
+        losses = run_ray_train(cfg, run, workers, str(tmp_path / "train"))
     finally:
         ray_actors.append(_coordinator(ray, name))
     assert len(losses) == 10 and losses[-1] < losses[0]
@@ -177,3 +184,82 @@ def test_a_ray_train_job_is_profiled_on_every_worker(ray_session, ray_actors, tm
     assert st["counters"].get("worker_rpcs", 0) == 0
     listed = {r["rank"]: r for r in st["ranks"]}
     assert sorted(listed) == ranks and all(r["node_id"] for r in listed.values())
+    save = tmp_path / "train" / "sft-train" / "profiler" if workers == 2 else tmp_path
+    assert st["run_dir"] == str(save / "run")
+    d = save / "run" / "window_0000_steps_3-4" / "policy"
+    assert sorted(p.name.split(".")[0] for p in d.iterdir()) == [f"rank{r}" for r in ranks]
+
+
+def test_the_coordinator_killed_mid_run_comes_back_and_the_ranks_go_on(
+    ray_session, ray_actors, spmd_workers, tmp_path
+):
+    """Ray restarts the coordinator; the ranks' reports and closes wait for it, training never
+    does, and the windows after the restart are recorded on every rank."""
+    import time
+
+    ray = ray_session
+    name = f"profiler-{uuid.uuid4().hex[:8]}"
+    cfg = profiler_config(tmp_path, wait=2, warmup=1, active=2, repeat=0).to_dict()
+    run = _run(name, steps=40, pace_s=0.05)
+    workers = spmd_workers(2)
+    host, port = ray.get(workers[0].address.remote())
+    refs = [w.run.remote(cfg, run, r, 2, host, port) for r, w in enumerate(workers)]
+    deadline = time.monotonic() + 120
+    while True:  # until the run is past its third window
+        assert time.monotonic() < deadline
+        try:
+            coord = _coordinator(ray, name)
+            if (ray.get(coord.status.remote())["global_step"] or 0) >= 12:
+                break
+        except ValueError:
+            pass  # (not created yet)
+        time.sleep(0.1)
+    ray_actors.append(coord)
+    ray.kill(coord, no_restart=False)
+    losses = ray.get(refs, timeout=300)
+    assert all(len(x) == 40 for x in losses)
+    st = ray.get(coord.status.remote())
+    assert st["restarts"] == 1 and st["global_step"] == 39
+    after = [w for w in st["windows"] if w["steps"] and w["steps"][0] >= 20]
+    assert [w["steps"] for w in after] == [[23, 24], [28, 29], [33, 34], [38, 39]]
+    st = _settled(ray, coord, [w["index"] for w in after])
+    for w in after:
+        assert ray.get(coord.kernel_summary.remote(window=w["index"]))["ranks"] == [0, 1]
+
+
+def test_a_ray_train_worker_lost_mid_window_restarts_and_profiling_resumes_on_the_step(
+    ray_session, ray_actors, tmp_path
+):
+    """FailureConfig(max_failures=1): rank 1 dies inside window 2 (steps 13-14); Ray Train
+    restarts the group from its last checkpoint; the new ranks attach to the same run; window 2
+    is partial, rank 1 lost with the reason; the windows from the checkpoint's step on are
+    profiled again, on both ranks."""
+    ray = ray_session
+    name = f"profiler-{uuid.uuid4().hex[:8]}"
+    marker = tmp_path / "failed-once"
+    run = _run(name, steps=20, checkpoint_every=5, fail_at=13, fail_marker=str(marker))
+    try:
+        losses = run_ray_train(_config(tmp_path), run, 2, str(tmp_path / "train"))
+    finally:
+        ray_actors.append(_coordinator(ray, name))
+    assert marker.exists() and len(losses) == 20 and losses[-1] < losses[0]
+    coord = _coordinator(ray, name)
+    st = ray.get(coord.status.remote())
+    st = _settled(ray, coord, [w["index"] for w in st["windows"]])
+    assert st["run"]["name"] == "run" and st["global_step"] == 19  # one run, on the step
+    windows = {w["index"]: w for w in st["windows"]}
+    got = [(i, w["steps"], w["partial"], w["reason"]) for i, w in windows.items()]
+    assert [windows[i]["steps"] for i in (0, 1)] == [[3, 4], [8, 9]], got
+    # The new group resumed from Ray Train's last checkpoint (step 4 or 9): the schedule's
+    # windows from there on (repeat 3: the last records 13-14), numbered on after window 2,
+    # each on both ranks.
+    again = [windows[i]["steps"] for i in sorted(windows) if i > 2]
+    assert again in ([[8, 9], [13, 14]], [[13, 14]]), got
+    # Rank 1 never told its close: lost. Rank 0 closed its window when its loop raised
+    # (the all-reduce with a dead rank), or was killed first: then it is lost too.
+    cut = ray.get(coord.kernel_summary.remote(window=2))
+    assert cut["bad_ranks"][1].startswith("lost: rank 1 attached again"), cut["bad_ranks"]
+    assert cut["ranks"] == [0] or cut["bad_ranks"][0].startswith("lost: rank 0"), cut
+    assert {w["index"]: w["partial"] for w in st["windows"]}[2]
+    for i in [i for i in windows if i > 2]:
+        assert ray.get(coord.kernel_summary.remote(window=i))["ranks"] == [0, 1]

@@ -25,6 +25,7 @@ with one logged error (``disabled_reason``); training never stops and nothing ra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -72,6 +73,7 @@ class RankSession:
         self._phases: list[list[Any]] = []
         self._said_backwards = False
         self._told_fault = False
+        self._generation = 0  # this process's attach to the run (``attach_rank``)
 
     # ------------------------------------------------------------------ attach
 
@@ -90,7 +92,8 @@ class RankSession:
 
         Args:
             config: a ``ProfilerConfig``, a dict of its fields or an OmegaConf node; None or
-                ``enable: false`` gives a session that makes no Ray call at all.
+                ``enable: false``: no Ray call at all. In Ray Train, a dict without
+                ``save_path`` writes under the job's ``{storage_path}/{name}/profiler``.
             trainer_id: the job's name for its ranks; every rank passes the same one.
             role: what these ranks do (``policy``, ...): ``window_.../<role>/rank<r>...``.
             rank, world_size: this rank and the number of ranks, used only when neither Ray
@@ -114,8 +117,9 @@ class RankSession:
         >>> prof.enabled, prof.disabled_reason, prof.phase
         (False, 'profiling is not enabled', 'off')
         """
-        cfg = config if isinstance(config, ProfilerConfig) else ProfilerConfig.from_dict(config)
-        cfg.validate()
+        if not isinstance(config, ProfilerConfig):
+            config = ProfilerConfig.from_dict(with_train_storage(config))
+        cfg = config.validate()
         if not cfg.enable:
             return cls(trainer_id)
         found = rank_and_world(rank, world_size)
@@ -125,11 +129,7 @@ class RankSession:
         session = cls(trainer_id, me, world, None)
         taken = _claim(f"trainer {trainer_id!r} rank {me}")
         if taken is not None:
-            why = (
-                f"a RankSession is already attached in this process ({taken}); one session "
-                "per rank: attach once, before the loop"
-            )
-            return _off(session, "attach", why)
+            return _off(session, "attach", taken)
         try:
             session._join(cfg, role, name, namespace)
         except Exception as exc:  # unreachable or refused: this rank goes unprofiled
@@ -149,12 +149,15 @@ class RankSession:
             name=name, namespace=namespace, lifetime="detached", get_if_exists=True
         ).remote(cfg.to_dict(), name, namespace)
         where = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        with contextlib.suppress(Exception):  # (not in an actor: a plain process)
+            where["actor"] = ray.get_runtime_context().current_actor  # (for stacks())
         assert self.rank is not None and self.world_size is not None
         ref = coord.attach_rank.remote(
             cfg.to_dict(), self.trainer_id, self.rank, self.world_size, role, where
         )
         reply = ray.get(ref, timeout=cfg.worker_timeout_s + 60)
         self.coordinator, self.run, self.run_dir = coord, reply["run"], reply["run_dir"]
+        self._generation = reply["generation"]
         self.config = ProfilerConfig.from_dict(reply["config"], check_paths=False)
         self._profiler = RankProfiler(
             self.rank, self.config, self.run_dir, report_to=reply["report_to"], role=role
@@ -178,7 +181,8 @@ class RankSession:
         return "off" if self.disabled_reason or p is None else str(p.phase)
 
     def session(self, first_step: int = 0) -> _Session:
-        """``start(first_step)`` now and ``stop()`` at the end, even on an exception.
+        """``start(first_step)`` now and ``stop()`` at the end; on an exception, only this
+        rank's window closes (``stop(end_run=False)``) and the run goes on for a restart.
 
         Args:
             first_step: the first global step this loop runs (the checkpoint's on resume), so
@@ -192,13 +196,26 @@ class RankSession:
         return Region(self._clock, name)
 
     def start(self, first_step: int = 0) -> None:
-        """Before the loop: the next step this rank runs is ``first_step``."""
+        """Before the loop: the next step this rank runs is ``first_step``. Waits for the
+        coordinator once (``rank_start``): the first rank to start starts the run's plan, and
+        every rank learns how the windows from ``first_step`` on are numbered."""
         if self._plan is None or self.disabled_reason:
             return
+        import ray
+
+        try:
+            ref = self.coordinator.rank_start.remote(
+                self.trainer_id, self.rank, self._generation, first_step
+            )
+            assert self.config is not None
+            begun = ray.get(ref, timeout=self.config.worker_timeout_s + 60)
+        except Exception as exc:  # unreachable, or refused: this rank goes unprofiled
+            _off(self, "start", f"{type(exc).__name__}: {exc}")
+            _release()
+            return
+        self._plan.next_index = begun["index_base"]
         self._last_step = first_step - 1 if first_step > 0 else None
         self._run(self._plan.start(first_step), first_step - 1)
-        if self.rank == 0:
-            self._send("start", first_step)
         if self._clock is not None:
             self._clock.begin_step()
 
@@ -229,12 +246,17 @@ class RankSession:
         if self.rank == 0:
             self._report(step, bool(commands))
 
-    def stop(self) -> None:
-        """After the loop: close an open window (partial); rank 0 ends the run's steps."""
+    def stop(self, end_run: bool = True) -> None:
+        """After the loop: close an open window (partial); rank 0 ends the run's steps.
+
+        ``end_run=False`` (the loop raised: ``session`` passes it) closes this rank's window
+        but leaves the run going, so ranks that Ray Train restarts after a failure attach to
+        the same run and go on at the checkpoint's step.
+        """
         if self._plan is None or self.disabled_reason:
             return
         self._run(self._plan.stop(), self._last_step)
-        if self.rank == 0:
+        if self.rank == 0 and end_run:
             self._close_step(self._last_step)
             if self._unreported is not None:
                 self._send("step", self._unreported)
@@ -292,9 +314,7 @@ class RankSession:
         self._last_report, self._unreported = time.monotonic(), None
         c, tid = self.coordinator, self.trainer_id
         try:
-            if what == "start":
-                ref = c.start.remote(tid, step, False)
-            elif what == "step":
+            if what == "step":
                 phases, self._phases = self._phases or None, []
                 ref = c.step.remote(tid, step, False, phases)
             else:
@@ -306,6 +326,27 @@ class RankSession:
                 ray.get(ref, timeout=self.config.worker_timeout_s + 5)
         except Exception as exc:  # never the training's problem
             log.warning("profiler: rank 0 could not report %s to the coordinator: %s", what, exc)
+
+
+def with_train_storage(config: Any) -> Any:
+    """``config`` (a mapping), with ``save_path`` under Ray Train's storage when it enables
+    profiling without one and this rank runs in Ray Train:
+    ``{RunConfig.storage_path}/{RunConfig.name}/profiler``. Anything else as it is."""
+    train = sys.modules.get("ray.train")
+    if train is None or not hasattr(config, "keys") or not config.get("enable"):
+        return config
+    if config.get("save_path") is not None:
+        return config
+    try:
+        storage = train.get_context().get_storage()
+        kind = storage.storage_filesystem.type_name
+        path = f"{storage.storage_fs_path}/{storage.experiment_dir_name}/profiler"
+    except Exception:
+        return config  # (not in a Ray Train worker: the config says what is missing)
+    scheme = {"local": "", "s3": "s3://", "gcs": "gs://"}.get(kind)
+    if scheme is None:
+        return config
+    return {**{k: config[k] for k in list(config.keys())}, "save_path": scheme + path}
 
 
 def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int] | str:
@@ -332,11 +373,14 @@ def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int] 
 
 
 def _claim(what: str) -> str | None:
-    """Take this process's one session; returns the holder when another one has it."""
+    """Take this process's one session; says why not when another one has it."""
     with _ATTACHED_LOCK:
         held = _ATTACHED.get(os.getpid())
         if held is not None:
-            return held
+            return (
+                f"a RankSession is already attached in this process ({held}); one session "
+                "per rank: attach once, before the loop"
+            )
         _ATTACHED[os.getpid()] = what
         return None
 
@@ -360,5 +404,5 @@ class _Session:
         self.session.start(self.first_step)
         return self.session
 
-    def __exit__(self, *exc: Any) -> None:
-        self.session.stop()
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        self.session.stop(end_run=kind is None)

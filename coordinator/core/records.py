@@ -83,6 +83,9 @@ class TrainerRecord:
     driver: dict[str, Any] | None = None  # the driver's pid, node_id and stack dump
     spmd: bool = False  # its ranks step themselves (RankSession): the coordinator never calls them
     world: int | None = None  # an SPMD trainer's world size (``ranks``: those attached so far)
+    attaches: dict[int, int] = field(default_factory=dict)  # SPMD: rank -> times it attached
+    epochs: dict[tuple[int, int], int] = field(default_factory=dict)  # SPMD: (generation,
+    # first step) -> the index of the first window its ranks' plans open (``rank_start``)
 
     def to_dict(self, stepping: bool) -> TrainerEntry:
         return {

@@ -195,6 +195,15 @@ class RankAttachReply(TypedDict):
     report_to: dict[str, str]  # where the node agent sends this rank's summaries
     selected: bool  # the config profiles this rank
     world_size: int
+    generation: int  # how many times this rank attached to the run: its process's generation
+
+
+class RankStartReply(TypedDict):
+    """``rank_start``: where an SPMD rank's plan begins, the same for every rank of a start."""
+
+    run: str
+    first_step: int
+    index_base: int  # the index of the first window the rank's plan opens
 
 
 class OpenRunReply(TypedDict):

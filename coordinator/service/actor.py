@@ -58,7 +58,7 @@ class _Coordinator(OperatorRPCs, SpmdRPCs):
         self._shell.record_soon = self._recorder.soon
         self._shell.record_entry = self._recorder.entry
         parts = (self._watchdog, self._recorder)
-        self._spmd = SpmdRanks(self._shell, self._runs.open_run, lambda: [p.start() for p in parts])
+        self._spmd = SpmdRanks(self._shell, self._runs, lambda: [p.start() for p in parts])
 
     # ------------------------------------------------------------ the trainer's calls
 

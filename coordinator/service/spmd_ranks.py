@@ -23,13 +23,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import ray
+
 from coordinator.core.records import RankRecord, TrainerRecord
 from coordinator.core.run import Run
-from coordinator.core.validate import is_int, role_problem, trainer_id_problem
+from coordinator.core.validate import is_int, role_problem, step_problem, trainer_id_problem
 from coordinator.core.window_plan import replay
-from coordinator.protocol.replies import RankAttachReply
+from coordinator.protocol.replies import RankAttachReply, RankStartReply
 from coordinator.service.rank_calls import run_commands
-from coordinator.service.runs import trainer_run_dir
+from coordinator.service.runs import RunCalls, trainer_run_dir
 from coordinator.service.shell import CoordinatorShell
 
 log = logging.getLogger(__name__)
@@ -40,13 +42,14 @@ MAX_CATCH_UP = 10_000  # steps a rank's close may move the plan past rank 0's la
 
 
 class SpmdRanks:
-    """``attach_rank`` and ``rank_status``, and the wait for the ranks' closes."""
+    """``attach_rank``, ``rank_start`` and ``rank_status``, and the wait for the ranks' closes."""
 
     def __init__(
-        self, shell: CoordinatorShell, open_run: Any, start_parts: Callable[[], Any]
+        self, shell: CoordinatorShell, runs: RunCalls, start_parts: Callable[[], Any]
     ) -> None:
         self.shell = shell
-        self._open_run = open_run  # RunCalls.open_run
+        self._runs = runs
+        self._starting = asyncio.Lock()  # one rank_start at a time
         self._start_parts = start_parts  # the actor's watchdog and recorder
         self._task: asyncio.Task[None] | None = None
         self._seen: tuple[str, int] = ("", -1)  # (run, the last closed window looked at)
@@ -63,10 +66,8 @@ class SpmdRanks:
     ) -> RankAttachReply:
         """An SPMD rank joins the run (see the module docstring)."""
         rank, world_size = _checked(trainer_id, rank, world_size, role)
-        self._start_parts()
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._watch())
-        await self._open_run(config, trainer_id)
+        self.start()
+        await self._runs.open_run(config, trainer_id)
         sh = self.shell
         async with sh.lock:
             await sh.recover()
@@ -86,11 +87,16 @@ class SpmdRanks:
             key = (trainer_id, rank)
             if key not in st.ranks:
                 bisect.insort(t.ranks, rank)
+            else:
+                _lost(run, key)
+            t.attaches[rank] = generation = t.attaches.get(rank, 0) + 1
             st.ranks[key] = record = RankRecord(trainer_id, rank, selected)
             if isinstance(where, dict):
                 record.pid = where.get("pid") if isinstance(where.get("pid"), int) else None
                 node = where.get("node_id")
                 record.node_id = node if isinstance(node, str) else None
+                if isinstance(where.get("actor"), ray.actor.ActorHandle):  # (stacks, liveness)
+                    t.handles[rank] = where["actor"]
             st.ranks_version += 1
             sh.save()
             return {
@@ -100,7 +106,39 @@ class SpmdRanks:
                 "report_to": sh.report_to(trainer_id),
                 "selected": selected,
                 "world_size": world_size,
+                "generation": generation,
             }
+
+    async def rank_start(
+        self, trainer_id: str, rank: int, generation: int, first_step: int
+    ) -> RankStartReply:
+        """An SPMD rank's loop begins at ``first_step`` (waited for, before the loop). The first
+        rank of a start (its generation and first step) starts the run's plan there, as a
+        trainer's ``start`` does; every rank of it gets the same ``index_base``, so all the
+        ranks' plans number their windows as the coordinator's does, after a restart too."""
+        if not isinstance(trainer_id, str) or not (is_int(rank) and is_int(generation)):
+            raise ValueError(f"no SPMD rank {rank!r} (generation {generation!r}) of {trainer_id!r}")
+        if problem := step_problem("first_step", first_step):
+            raise ValueError(problem)
+        async with self._starting:
+            sh, epoch = self.shell, (generation, first_step)
+            t = self._trainer(trainer_id, rank)
+            if sh.run.lifecycle != "stopped" and epoch in t.epochs:
+                return {"run": sh.run.name, "first_step": first_step, "index_base": t.epochs[epoch]}
+            reply = await self._runs.start(trainer_id, first_step, False)
+            if not reply["applied"]:
+                raise ValueError(f"the run did not start at step {first_step}: {reply['reason']}")
+            plan, t = sh.run.plan, self._trainer(trainer_id, rank)  # (a fresh run: carried)
+            base = plan.current.index if plan.current is not None else plan.next_index
+            t.epochs[epoch] = base
+            return {"run": sh.run.name, "first_step": first_step, "index_base": base}
+
+    def _trainer(self, trainer_id: str, rank: int) -> TrainerRecord:
+        st = self.shell.run.state
+        t = st.trainers.get(trainer_id)
+        if t is None or not t.spmd or (trainer_id, rank) not in st.ranks:
+            raise ValueError(f"no SPMD rank {rank} of trainer {trainer_id!r} is attached")
+        return t
 
     async def rank_status(
         self, trainer_id: str, rank: int, step: int | None, reply: dict[str, Any]
@@ -108,6 +146,7 @@ class SpmdRanks:
         """An SPMD rank's status (``RankReply``): after it configured its profiler, after each
         window it closed (``step``: the step it closed at), when a fault disabled it."""
         sh = self.shell
+        self.start()  # (a restarted coordinator: its first call from the ranks)
         if not isinstance(trainer_id, str) or not is_int(rank):
             sh.refuse("rank_status", f"no SPMD rank {rank!r} of trainer {trainer_id!r}")
             return
@@ -130,6 +169,12 @@ class SpmdRanks:
             st.apply_reply(key, reply)
             self.sweep(run)
             sh.changed()
+
+    def start(self) -> None:
+        """Start the actor's watchdog and recorder, and the wait for closes (once)."""
+        self._start_parts()
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._watch())
 
     async def _watch(self) -> None:
         """Every ``SWEEP_EVERY_S``: the windows waiting for SPMD ranks' closes (``sweep``)."""
@@ -189,6 +234,21 @@ class SpmdRanks:
                 del self._waiting[index]
 
 
+def _lost(run: Run, key: Key) -> None:
+    """A rank attaching again (its process restarted, as after a Ray Train worker group's
+    restart) will never tell the closes of the windows its earlier process was in: each such
+    window is partial for it, with the reason, at once."""
+    st = run.state
+    for index, w in st.windows.items():
+        if key in w.participants and key not in w.acked and not w.has_summary(key):
+            why = (
+                f"lost: rank {key[1]} attached again (its process restarted) before it told "
+                f"that it closed window {index}"
+            )
+            st.summary_failed(key, index, why)
+            w.partial = True
+
+
 def _checked(trainer_id: Any, rank: Any, world_size: Any, role: Any) -> tuple[int, int]:
     problem = trainer_id_problem(trainer_id) if isinstance(trainer_id, str) else None
     if not isinstance(trainer_id, str):
@@ -227,6 +287,16 @@ class SpmdRPCs:
         ValueError for a bad rank, world size, role or trainer id, or a trainer id that
         actor ranks use."""
         return await self._spmd.attach_rank(config, trainer_id, rank, world_size, role, where)
+
+    async def rank_start(
+        self, trainer_id: str, rank: int, generation: int, first_step: int
+    ) -> RankStartReply:
+        """An SPMD rank's loop begins at ``first_step`` (``RankSession.session``, waited for):
+        the first rank of a start starts the run's plan there, as ``start`` does for a trainer;
+        every rank of it (same ``generation`` from ``attach_rank``, same ``first_step``) gets
+        the same ``index_base``, the index of the first window its plan opens. Raises
+        ValueError for a rank that is not attached or a bad step."""
+        return await self._spmd.rank_start(trainer_id, rank, generation, first_step)
 
     async def rank_status(
         self, trainer_id: str, rank: int, step: int | None, reply: dict[str, Any]

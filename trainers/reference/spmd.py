@@ -8,10 +8,10 @@ the same whether profiling is on or off.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -38,14 +38,35 @@ class SpmdRun:
     trainer_id: str = "sft"
     lag_s: float = 0.0  # extra seconds per step on every rank but 0: ranks run steps apart
     sync: bool = True  # average gradients over the ranks (False: each rank trains alone)
+    pace_s: float = 0.0  # seconds each step sleeps on every rank (a slower loop, for tests)
+    checkpoint_every: int = 0  # Ray Train: a checkpoint after every this many steps (0: at the end)
+    fail_at: int | None = None  # Ray Train: rank 1 exits after this step, once (``fail_marker``)
+    fail_marker: str | None = None  # a file that says the failure happened
     name: str = "profiler"  # the coordinator's
     namespace: str = "profiler"
 
 
+@dataclass
+class LoopState:
+    """Where a loop resumes: the last step done, the model's and the optimiser's state, and
+    the losses so far (from a checkpoint)."""
+
+    step: int
+    model: dict[str, Any]
+    opt: dict[str, Any]
+    losses: list[float]
+
+
 def sft_loop(
-    profiler: dict[str, Any] | None, run: SpmdRun, rank: int | None = None, world: int | None = None
+    profiler: dict[str, Any] | None,
+    run: SpmdRun,
+    rank: int | None = None,
+    world: int | None = None,
+    resume: LoopState | None = None,
+    after_step: Callable[[LoopState], None] | None = None,
 ) -> list[float]:
-    """This rank's loop; returns the (all-reduced) loss of every step it ran."""
+    """This rank's loop, from ``resume`` if given; returns the (all-reduced) loss of every step
+    (the resumed ones included). ``after_step`` sees each step's state (checkpoints)."""
     torch.set_num_threads(1)
     prof = RankSession.attach(
         profiler,
@@ -60,16 +81,24 @@ def sft_loop(
     cfg = ModelConfig()
     model = CausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr)
+    first, losses = run.first_step, []
+    if resume is not None:
+        model.load_state_dict(resume.model)
+        opt.load_state_dict(resume.opt)
+        first, losses = resume.step + 1, list(resume.losses)
     corpus = sft_corpus()
-    losses = []
-    with prof.session(first_step=run.first_step):
-        for step in range(run.first_step, run.first_step + run.steps):
+    with prof.session(first_step=first):  # the absolute step: windows land where they would
+        for step in range(first, run.first_step + run.steps):
             with prof.region("train"):
                 rows = sft_batch(corpus, step, run.batch, cfg.seq_len, run.seed)
                 losses.append(_train_step(model, opt, rows, me, size if run.sync else 1))
             if run.lag_s and me:
                 time.sleep(run.lag_s)
+            if run.pace_s:
+                time.sleep(run.pace_s)
             prof.step(step)
+            if after_step is not None:
+                after_step(LoopState(step, model.state_dict(), opt.state_dict(), losses))
     return losses
 
 
@@ -131,32 +160,53 @@ def run_in_actors(
 
 
 def ray_train_loop(config: dict[str, Any]) -> None:
-    """``train_loop_per_worker`` for Ray Train's ``TorchTrainer``: the losses are reported once
-    at the end, with rank 0's checkpoint (``result.metrics["losses"]``)."""
+    """``train_loop_per_worker`` for Ray Train's ``TorchTrainer``: resumes from Ray Train's
+    checkpoint, reports one every ``checkpoint_every`` steps and at the end (rank 0's holds the
+    state; ``result.metrics["losses"]``), and fails once where ``fail_at`` says."""
     from ray import train
 
-    losses = sft_loop(config.get("profiler"), SpmdRun(**config["run"]))
-    with tempfile.TemporaryDirectory() as d:
-        checkpoint = None
-        if train.get_context().get_world_rank() == 0:
-            with open(os.path.join(d, "losses.json"), "w") as f:
-                json.dump(losses, f)
-            checkpoint = train.Checkpoint.from_directory(d)
-        train.report({"losses": losses}, checkpoint=checkpoint)
+    run = SpmdRun(**config["run"])
+    found = train.get_checkpoint()
+    resume = None
+    if found is not None:
+        with found.as_directory() as d:
+            resume = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+    last = run.first_step + run.steps - 1
+
+    def after_step(state: LoopState) -> None:
+        rank = train.get_context().get_world_rank()
+        marker = run.fail_marker
+        if state.step == run.fail_at and rank == 1 and marker and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)  # a worker lost mid-run: Ray Train restarts the group
+        every = run.checkpoint_every
+        if state.step == last or (every and (state.step + 1 - run.first_step) % every == 0):
+            with tempfile.TemporaryDirectory() as d:
+                checkpoint = None
+                if rank == 0:
+                    torch.save(state, os.path.join(d, "state.pt"))
+                    checkpoint = train.Checkpoint.from_directory(d)
+                train.report({"losses": state.losses, "step": state.step}, checkpoint=checkpoint)
+
+    sft_loop(config.get("profiler"), run, resume=resume, after_step=after_step)
 
 
 def run_ray_train(
     profiler: dict[str, Any] | None, run: SpmdRun, workers: int, storage_path: str
 ) -> list[float]:
     """The loop under Ray Train (``TorchTrainer``, CPU, gloo); rank 0's losses."""
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     trainer = TorchTrainer(
         ray_train_loop,
         train_loop_config={"profiler": profiler, "run": asdict(run)},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False),
-        run_config=RunConfig(storage_path=storage_path, name=f"{run.trainer_id}-train"),
+        run_config=RunConfig(
+            storage_path=storage_path,
+            name=f"{run.trainer_id}-train",
+            failure_config=FailureConfig(max_failures=1 if run.fail_at is not None else 0),
+        ),
     )
     result = trainer.fit()
     return list(result.metrics["losses"])
