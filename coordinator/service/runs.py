@@ -236,6 +236,9 @@ class RunCalls:
             sh.throttled = bool(throttled)
             if run.detector is not None:
                 run.detector.restart(first_step)
+            cut = st.current_window()
+            if cut is not None:  # (a restarted driver or worker group, inside a window)
+                cut.cut = f"the trainer started again at step {first_step} inside the window"
             await run_commands(run, run.plan.start(first_step), sh.nodes)
             reply = sh.step_reply(True)
             self._expect_next_report(reply, first_step, waited=True)
