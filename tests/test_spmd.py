@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from coordinator.ops.collect import collect_window
 from tests.configs import profiler_config
 from trainers.reference.spmd import SpmdRun, SpmdWorker, run_in_actors, run_ray_train
 
@@ -83,6 +84,9 @@ def test_ranks_a_few_steps_apart_record_the_same_steps_and_make_one_table(
     phases = ray.get(coord.phase_times.remote(last=100))
     assert [s["step"] for s in phases["steps"]] == list(range(17))
     assert {r["region"] for r in phases["regions"]} == {"train"}
+    # collect gets every rank's trace of a window through the node agents, as for actor ranks.
+    res = collect_window(coord, 1, str(tmp_path / "collected"))
+    assert res["missing"] == {} and sorted(res["files"]) == [0, 1]
     # Each rank's stack, read by its node agent (the ranks' actors, found in Ray's table).
     stacks = ray.get(coord.stacks.remote(trainer_id="sft"))
     read = {e["rank"]: e for e in stacks["entries"] if e["who"] == "rank"}
