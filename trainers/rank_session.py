@@ -257,8 +257,7 @@ class RankSession:
             return
         self._run(self._plan.stop(), self._last_step)
         if self.rank == 0 and end_run:
-            self._close_step(self._last_step)
-            if self._unreported is not None:
+            if self._unreported is not None:  # (with the phase records not yet sent)
                 self._send("step", self._unreported)
             self._send("stop", None, wait=True)
         _release()
