@@ -98,11 +98,16 @@ def test_switching_auto_capture_off_at_run_time_stops_it_and_on_resumes_it(
     coord = hooks.coordinator
     switched = {}
 
+    # (Before step 100 auto capture is on: a host busy enough to slow ten steps in a row may
+    # rightly trigger a capture there; what is judged is from the switch on.)
+    def since_off():
+        return [w for w in auto_windows(ray, coord)[1] if w["planned"][0] >= 100]
+
     def operator(k):
         if k == 100:
             switched["off"] = ray.get(coord.set_auto_capture.remote(False))
         if k == 190:
-            assert auto_windows(ray, coord)[1] == []  # slow for 40 steps, but off: nothing
+            assert since_off() == []  # slow for 40 steps, but off: nothing
             switched["on"] = ray.get(coord.set_auto_capture.remote(True))
 
     train(ray, hooks, workers, steps=260, slow_from=150, on_step=operator)
@@ -110,8 +115,8 @@ def test_switching_auto_capture_off_at_run_time_stops_it_and_on_resumes_it(
     assert off["applied"] and not off["auto_capture"]["enabled"]
     assert off["auto_capture"]["source"] == "operator"
     assert on["applied"] and on["auto_capture"]["enabled"]
-    st, auto = auto_windows(ray, coord)
-    assert auto and 190 <= auto[0]["steps"][0] <= 210, st["windows"]  # back on: at once
+    auto = since_off()
+    assert auto and 190 <= auto[0]["steps"][0] <= 210, auto  # back on: at once
     assert all(w["steps"][0] >= 190 for w in auto)  # and never while it was off
     no = ray.get(coord.set_auto_capture.remote("yes"))
     assert not no["applied"] and "enable must be True or False" in no["reason"]
