@@ -15,7 +15,7 @@ from typing import Any
 import ray
 
 from coordinator.core.config import ProfilerConfig
-from coordinator.core.records import RankRecord, TrainerRecord
+from coordinator.core.records import RankRecord, TrainerRecord, WindowRecord
 from coordinator.core.roles import outside_ranks, role_ranks
 from coordinator.core.run import Run, attach_decision
 from coordinator.core.trace_layout import child
@@ -236,9 +236,7 @@ class RunCalls:
             sh.throttled = bool(throttled)
             if run.detector is not None:
                 run.detector.restart(first_step)
-            cut = st.current_window()
-            if cut is not None:  # (a restarted driver or worker group, inside a window)
-                cut.cut = f"the trainer started again at step {first_step} inside the window"
+            _say_why_cut(st.current_window(), first_step)
             await run_commands(run, run.plan.start(first_step), sh.nodes)
             reply = sh.step_reply(True)
             self._expect_next_report(reply, first_step, waited=True)
@@ -341,6 +339,13 @@ class RunCalls:
         self.shell.next_report_waits = not self.shell.throttled or (
             waited and ns is not None and ns <= next_step
         )
+
+
+def _say_why_cut(open_window: WindowRecord | None, first_step: int) -> None:
+    """A window open when the trainer starts again (a restarted driver or worker group) is cut
+    by that start: its reason says so."""
+    if open_window is not None:
+        open_window.cut = f"the trainer started again at step {first_step} inside the window"
 
 
 def carry_spmd(old: Run, new: Run, t: TrainerRecord, stepping: bool) -> None:
