@@ -6,6 +6,7 @@ matmul) runs, interleaved round by round so this shared machine's drift hits eac
   (a) bare: the work only;
   (b) ``RankSession.step`` on rank 0, which reports its step without waiting at most every 0.1 s;
   (c) ``RankSession.step`` on rank 1, which sends nothing outside windows;
+  ((b) and (c) look at their plan board, which holds a capture planned far ahead;)
   (d) today's single controller, ``ProfilingHooks.step`` with one actor rank registered (its
       ``StepClient`` reports without waiting at most every 0.1 s).
 No window opens in the measured steps (``skip_first`` beyond them). It prints microseconds per
@@ -72,6 +73,16 @@ class Rank:
         r0.start(0)
         r1.start(0)
         hooks.start(0)
+        # A capture far ahead: each SPMD rank's node-local plan board exists and is looked at
+        # (one os.stat, at most every 0.1 s) in the measured steps, as in a run with captures.
+        ref = r0.coordinator.request_capture.remote(active=1, warmup=0, start_step=10**8)
+        while not ray.wait([ref], timeout=0)[0]:
+            for key, session in (("b", r0), ("c", r1)):
+                session.step(k[key])
+                k[key] += 1
+            time.sleep(0.01)
+        planned = ray.get(ref)
+        assert planned["accepted"] and planned["missed"] == [], planned
         run("a", None)  # warm up
         for _ in range(rounds):
             out["a"].append(run("a", None))

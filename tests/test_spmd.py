@@ -3,12 +3,17 @@ Ray Train's ``TorchTrainer``, each rank stepping itself through ``RankSession``.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
 import uuid
 
 import pytest
 
 from coordinator.ops.collect import collect_window
-from tests.configs import profiler_config
+from tests.configs import ROOT, profiler_config
 from trainers.reference.spmd import SpmdRun, SpmdWorker, run_in_actors, run_ray_train
 
 pytestmark = pytest.mark.ray
@@ -271,3 +276,137 @@ def test_a_ray_train_worker_lost_mid_window_restarts_and_profiling_resumes_on_th
     ), windows[2]["reason"]
     for i in [i for i in windows if i > 2]:
         assert ray.get(coord.kernel_summary.remote(window=i))["ranks"] == [0, 1]
+
+
+SECOND_DRIVER = """
+import json, sys, ray
+ray.init(address=sys.argv[1], namespace="profiler-tests", log_to_driver=False)
+coord = ray.get_actor(sys.argv[2])
+print(json.dumps(ray.get(coord.request_capture.remote(active=3, warmup=1))))
+"""
+
+
+def _second_driver_capture(ray, name: str) -> dict:
+    """``request_capture`` from another process, a driver of its own on the same cluster."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_AUTH_MODE": "disabled"}
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.run(
+        [sys.executable, "-c", SECOND_DRIVER, address, name],
+        env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _running(ray, name: str, step: int, timeout_s: float = 120.0):
+    """The coordinator the ranks made, once rank 0 has reported ``step``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            coord = _coordinator(ray, name)
+            if (ray.get(coord.status.remote())["global_step"] or -1) >= step:
+                return coord
+        except ValueError:
+            pass  # (not made yet: the first rank to attach makes it)
+        assert time.monotonic() < deadline, "the SPMD loop did not reach its step"
+        time.sleep(0.2)
+
+
+def _start_loop(ray, config: dict, run: SpmdRun, workers: list) -> list:
+    host, port = ray.get(workers[0].address.remote())
+    return [w.run.remote(config, run, r, len(workers), host, port) for r, w in enumerate(workers)]
+
+
+@pytest.mark.subprocess
+def test_a_capture_from_a_second_driver_lands_on_the_same_steps_on_every_rank(
+    ray_session, ray_actors, spmd_workers, tmp_path
+):
+    """Two ranks a step apart, stepping themselves; scheduled windows every 40 steps. Another
+    driver asks for a capture mid-run: the reply, once both ranks acknowledged the plan, names
+    steps neither had reached; both record exactly those steps, under the reply's window
+    index, and every window around it keeps one number on both ranks and the coordinator."""
+    ray = ray_session
+    name = f"profiler-{uuid.uuid4().hex[:8]}"
+    cfg = profiler_config(tmp_path, wait=37, warmup=1, active=2, repeat=0).to_dict()
+    run = _run(name, steps=420, pace_s=0.01, lag_s=0.01)  # rank 1 a step behind (all-reduce)
+    refs = _start_loop(ray, cfg, run, spmd_workers(2))
+    try:
+        _running(ray, name, 30)
+        reply = _second_driver_capture(ray, name)
+        losses = ray.get(refs, timeout=600)
+    finally:
+        ray_actors.append(_coordinator(ray, name))
+    assert all(len(x) == 420 for x in losses)
+    assert reply["accepted"], reply
+    assert reply["missed"] == [] and reply["ranks"] == [0, 1], reply
+    a, b = reply["steps"]
+    assert b - a == 2 and a > 30, reply
+    coord = _coordinator(ray, name)
+    st = ray.get(coord.status.remote())
+    st = _settled(ray, coord, [w["index"] for w in st["windows"]])
+    windows = {w["index"]: w for w in st["windows"]}
+    cap = windows[reply["window"]]
+    assert cap["steps"] == [a, b] and cap["kind"] == "capture" and not cap["partial"], cap
+    assert sorted(windows) == list(range(len(windows)))  # one numbering, no gap
+    for i, w in windows.items():  # every window: both ranks, their traces under its name
+        assert w["ranks"] == [0, 1] and not w["partial"], w
+        x, y = w["steps"]
+        d = tmp_path / "run" / f"window_{i:04d}_steps_{x}-{y}" / "policy"
+        assert sorted(p.name.split(".")[0] for p in d.iterdir()) == ["rank0", "rank1"], d
+    table = ray.get(coord.kernel_summary.remote(window=reply["window"]))
+    assert table["ranks"] == [0, 1] and table["steps"] == [a, b] and table["kernels"]
+    assert st["counters"].get("worker_rpcs", 0) == 0  # (through the node agent only)
+
+
+@pytest.mark.subprocess
+def test_a_capture_names_a_dead_rank_lost_and_the_window_is_partial_for_it(
+    ray_session, ray_actors, spmd_workers, tmp_path
+):
+    ray = ray_session
+    name = f"profiler-{uuid.uuid4().hex[:8]}"
+    cfg = profiler_config(tmp_path, wait=1000, warmup=1, active=2, repeat=1).to_dict()
+    run = _run(name, steps=500, pace_s=0.01, sync=False)  # (rank 0 trains on alone)
+    workers = spmd_workers(2)
+    refs = _start_loop(ray, cfg, run, workers)
+    try:
+        coord = _running(ray, name, 20)
+        ray.kill(workers[1])
+        reply = ray.get(coord.request_capture.remote(active=2, warmup=0, wait_s=20))
+        losses = ray.get(refs[0], timeout=600)
+    finally:
+        ray_actors.append(_coordinator(ray, name))
+    assert len(losses) == 500 and reply["accepted"], reply
+    assert [m["rank"] for m in reply["missed"]] == [1], reply
+    assert reply["missed"][0]["reason"].startswith("lost: rank 1's process"), reply
+    st = _settled(ray, coord, [reply["window"]])
+    w = next(w for w in st["windows"] if w["index"] == reply["window"])
+    assert w["steps"] == reply["steps"] and w["partial"], w
+    table = ray.get(coord.kernel_summary.remote(window=reply["window"]))
+    assert table["ranks"] == [0] and table["bad_ranks"][1].startswith("lost: rank 1"), table
+
+
+def test_a_slowdown_of_spmd_ranks_is_profiled_by_itself_on_every_rank(
+    ray_session, ray_actors, spmd_workers, tmp_path
+):
+    """Steps of about 20 ms that slow down by 40 ms from step 150: the coordinator's auto
+    capture reaches both ranks through their node agent and records the slow steps on both."""
+    ray = ray_session
+    name = f"profiler-{uuid.uuid4().hex[:8]}"
+    auto = {"enable": True, "after_steps": 10, "cooldown_steps": 1000, "max_per_run": 1,
+            "ignore_first": 20, "baseline_steps": 1000, "active": 2, "warmup": 1}  # fmt: skip
+    cfg = profiler_config(tmp_path, on_demand_only=True, auto_capture=auto).to_dict()
+    run = _run(name, steps=300, pace_s=0.02, slow_from=150, slow_s=0.04)
+    try:
+        run_in_actors(cfg, run, 2, spmd_workers(2))
+    finally:
+        ray_actors.append(_coordinator(ray, name))
+    coord = _coordinator(ray, name)
+    st = ray.get(coord.status.remote())
+    st = _settled(ray, coord, [w["index"] for w in st["windows"]])
+    auto_windows = [w for w in st["windows"] if w["kind"] == "auto"]
+    assert len(auto_windows) == 1, st["windows"]
+    w = auto_windows[0]
+    assert w["steps"][0] >= 150 and w["ranks"] == [0, 1] and not w["partial"], w
+    assert w["trigger"]["ratio"] >= 1.5, w["trigger"]
+    table = ray.get(coord.kernel_summary.remote(window=w["index"]))
+    assert table["ranks"] == [0, 1] and table["kernels"]

@@ -38,6 +38,8 @@ from coordinator.core.config import ProfilerConfig
 from coordinator.core.schedule import Schedule
 from coordinator.core.window_plan import Command, Start, Step, Stop, WindowPlan
 from coordinator.protocol.names import DEFAULT_NAME, DEFAULT_NAMESPACE
+from coordinator.protocol.plan_board import board_id
+from worker_ext.rank.board_reader import BoardReader
 
 log = logging.getLogger(__name__)
 REPORT_EVERY_S = 0.1
@@ -74,6 +76,8 @@ class RankSession:
         self._said_backwards = False
         self._told_fault = False
         self._generation = 0  # this process's attach to the run (``attach_rank``)
+        self._owner = (DEFAULT_NAMESPACE, DEFAULT_NAME)  # the coordinator's namespace and name
+        self._board: BoardReader | None = None  # this node's plan board, once the loop starts
 
     # ------------------------------------------------------------------ attach
 
@@ -157,6 +161,7 @@ class RankSession:
         )
         reply = ray.get(ref, timeout=cfg.worker_timeout_s + 60)
         self.coordinator, self.run, self.run_dir = coord, reply["run"], reply["run_dir"]
+        self._owner = (namespace, name)
         self._generation = reply["generation"]
         self.config = ProfilerConfig.from_dict(reply["config"], check_paths=False)
         self._profiler = RankProfiler(
@@ -215,6 +220,11 @@ class RankSession:
             return
         self._plan.next_index = begun["index_base"]
         self._last_step = first_step - 1 if first_step > 0 else None
+        if self._profiler is not None and self._profiler.selected:
+            self.run = begun["run"]
+            bid = board_id(*self._owner, begun["run"], self.trainer_id)
+            self._board = BoardReader(bid, int(self.rank or 0))
+            self._look(None)  # the captures planned before this start
         self._run(self._plan.start(first_step), first_step - 1)
         if self._clock is not None:
             self._clock.begin_step()
@@ -240,6 +250,8 @@ class RankSession:
                 )
             return
         self._last_step = step
+        if self._board is not None and self._board.due():
+            self._look(step + 1)
         commands = plan.step(step)
         if commands:
             self._run(commands, step)  # type: ignore[arg-type]  # (never Ignored: checked)
@@ -272,6 +284,8 @@ class RankSession:
             return
         reply, closed = None, None
         for cmd in commands:
+            if self._board is not None and self._board.skips(cmd):
+                continue  # a capture of other ranks only
             if isinstance(cmd, Start):
                 reply = p.start_window(cmd.window, cmd.step)
             elif isinstance(cmd, Step):
@@ -283,6 +297,15 @@ class RankSession:
         if reply is not None and (closed or fault):
             self._told_fault = self._told_fault or fault
             self._tell(step, {**reply, "closed": closed})
+
+    def _look(self, next_step: int | None) -> None:
+        """The captures on this node's plan board that this rank has not seen (``BoardReader``);
+        a rank whose windows can no longer carry the run's numbers stops profiling."""
+        assert self._board is not None and self._plan is not None
+        taken = self._board.look(self._plan, next_step)
+        if taken is not None and taken.off is not None:
+            self._run(self._plan.stop(), next_step)
+            _off(self, "plan", taken.off)
 
     def _tell(self, step: int | None, status: Any = None) -> None:
         """This rank's status to the coordinator (a window it closed, a fault), not waited for."""

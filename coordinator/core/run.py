@@ -39,6 +39,8 @@ class Run:
     ended_reason: str | None = None
     # ranks each requested capture profiles, until it opens
     capture_ranks: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
+    # SPMD ranks that will not record a capture (late, lost), with why, until it opens
+    capture_misses: dict[int, dict[tuple[str, int], str]] = field(default_factory=dict)
     # why each planned auto capture was taken, until it opens
     auto_triggers: dict[int, AutoTrigger] = field(default_factory=dict)
     detector: SlowdownDetector | None = None

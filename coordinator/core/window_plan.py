@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 
 from coordinator.core.schedule import Schedule, Window
 
+MAX_SLIDES = 1000
+"""The most windows an SPMD capture's default start slides past to find free steps."""
+
 
 @dataclass(frozen=True)
 class Start:
@@ -74,6 +77,7 @@ class WindowPlan:
         self._started = False
         self.captures: list[Window] = []  # requested, not yet opened; sorted by warm-up start
         self.promised: dict[int, Window] = {}  # captures as first planned, until they open
+        self.gaps: set[int] = set()  # indices no window here takes (an SPMD rank's late captures)
 
     @property
     def started(self) -> bool:
@@ -81,7 +85,7 @@ class WindowPlan:
 
     def next_window(self) -> Window | None:
         """The next window to open: a capture, or the scheduled one numbered as it would be."""
-        sched = self._cursor.renumbered(self.next_index) if self._cursor else None
+        sched = self._cursor.renumbered(self.free_index()) if self._cursor else None
         cap = self.captures[0] if self.captures else None
         if cap is None or (sched is not None and sched.warmup_start < cap.warmup_start):
             return sched
@@ -92,8 +96,42 @@ class WindowPlan:
         """The first step the trainer has not reported finished (0 before any report)."""
         return self.last_step + 1 if self.last_step is not None else 0
 
+    def free_index(self, start: int | None = None) -> int:
+        """The lowest window index from ``start`` (default ``next_index``) that no pending
+        capture holds and that is no gap: the index the next scheduled window opens as."""
+        i = self.next_index if start is None else start
+        held = {c.index for c in self.captures} | self.gaps
+        while i in held:
+            i += 1
+        return i
+
+    def index_for(self, warmup_start: int) -> int:
+        """The index a capture whose warm-up begins at ``warmup_start`` takes when it is
+        numbered by its steps (``request_capture(by_steps=True)``): the one after those of the
+        scheduled windows that open before it, so a plan that opened them before it learnt of
+        the capture (an SPMD rank ahead of the coordinator) numbered them the same."""
+        i, s = self.next_index, self._cursor
+        while s is not None and s.warmup_start < warmup_start:
+            i = self.free_index(i) + 1
+            s = self.schedule.first_window_from(s.last + 1)
+        return self.free_index(i)
+
+    def add_capture(self, w: Window) -> None:
+        """A capture planned elsewhere (the coordinator's plan, for an SPMD rank's copy): it
+        opens at its steps with its own index, which no scheduled window takes."""
+        if w.index in self.promised or (self.current is not None and w.index == self.current.index):
+            return
+        self.captures = sorted([*self.captures, w], key=lambda c: c.warmup_start)
+        self.promised[w.index] = w
+
     def request_capture(
-        self, warmup: int, active: int, start_step: int | None, kind: str = "capture"
+        self,
+        warmup: int,
+        active: int,
+        start_step: int | None,
+        kind: str = "capture",
+        earliest: int | None = None,
+        by_steps: bool = False,
     ) -> Window | str:
         """Plan a capture recording ``active`` steps from ``start_step`` (default: the earliest
         step whose warm-up can begin at a boundary the trainer has not reached).
@@ -102,11 +140,17 @@ class WindowPlan:
         (before ``step`` applies that report), or right after the answer to a report it waited
         for, when it will wait for its next one too: either way it learns of the plan before it
         runs another step. Returns the planned window, or the reason it was refused.
+
+        SPMD ranks run ahead of the plan and learn of the capture later: ``earliest`` is the
+        first step none of them can have reached, and ``by_steps`` numbers the capture with
+        ``index_for`` (its steps' place among the windows), not ``next_index``; without
+        ``start_step`` it takes the first free steps from ``earliest`` on, past other windows.
         """
         if warmup < 0 or active < 1:
             return f"need warmup >= 0 and active >= 1, got warmup={warmup} active={active}"
         # Once started, the trainer may already be running the step after its last report.
-        earliest = self.next_boundary + (1 if self._started else 0)
+        if earliest is None:
+            earliest = self.next_boundary + (1 if self._started else 0)
         if start_step is None:
             warmup_start = earliest
         else:
@@ -117,17 +161,26 @@ class WindowPlan:
                     f"would begin at step {warmup_start}, and the earliest step the trainer can "
                     f"still be prepared for is {earliest}"
                 )
+        length = warmup + active - 1
+        clash = self._clash(Window(0, warmup_start, warmup_start + warmup, warmup_start + length))
+        for _ in range(MAX_SLIDES if by_steps and start_step is None else 0):
+            if clash is None:  # SPMD ranks: the first free steps from the earliest on
+                break
+            warmup_start = clash[1] + 1
+            probe = Window(0, warmup_start, warmup_start + warmup, warmup_start + length)
+            clash = self._clash(probe)
+        if clash is not None:
+            end = warmup_start + length
+            return f"steps {warmup_start}-{end} overlap {clash[0]}"
         w = Window(
-            self.next_index,
+            self.index_for(warmup_start) if by_steps else self.next_index,
             warmup_start,
             warmup_start + warmup,
-            warmup_start + warmup + active - 1,
+            warmup_start + length,
             kind,
         )
-        clash = self._clash(w)
-        if clash is not None:
-            return f"steps {w.warmup_start}-{w.last} overlap {clash}"
-        self.next_index += 1
+        if not by_steps:
+            self.next_index += 1
         self.captures = sorted([*self.captures, w], key=lambda c: c.warmup_start)
         self.promised[w.index] = w
         return w
@@ -143,19 +196,20 @@ class WindowPlan:
         self.promised.pop(index, None)
         return None
 
-    def _clash(self, w: Window) -> str | None:
+    def _clash(self, w: Window) -> tuple[str, int] | None:
+        """The window ``w`` would overlap (what it is, and its last step), or None."""
         cur = self.current
         if cur is not None and cur.overlaps(w):
-            return f"{cur.kind} window {cur.index} (steps {cur.warmup_start}-{cur.last})"
+            return f"{cur.kind} window {cur.index} (steps {cur.warmup_start}-{cur.last})", cur.last
         for c in self.captures:
             if c.overlaps(w):
-                return f"capture {c.index} (steps {c.warmup_start}-{c.last})"
+                return f"capture {c.index} (steps {c.warmup_start}-{c.last})", c.last
         s = self._cursor
         if s is not None and s.warmup_start <= w.last:
             s = self.schedule.first_window_from(max(w.warmup_start, s.warmup_start))
         while s is not None and s.warmup_start <= w.last:
             if s.overlaps(w):
-                return f"the scheduled window recording steps {s.first}-{s.last}"
+                return f"the scheduled window recording steps {s.first}-{s.last}", s.last
             s = self.schedule.first_window_from(s.last + 1)
         return None
 
@@ -225,13 +279,14 @@ class WindowPlan:
             self.captures.pop(0)
             planned = self.promised.pop(cap.index, cap)
             w = cap if step <= cap.first else cap.shifted_to(step)
+            self.next_index = max(self.next_index, cap.index + 1)
         elif sched is not None and sched.warmup_start <= step:
-            planned = sched.renumbered(self.next_index)
+            planned = sched.renumbered(self.free_index())
             w = planned
             if step > w.first and not resumed:
                 # The trainer skipped past this window's start: it opens now, at full length.
                 w = w.shifted_to(step)
-            self.next_index += 1
+            self.next_index = w.index + 1
         else:
             return []
         self.current = w

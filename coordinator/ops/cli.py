@@ -547,6 +547,9 @@ def capture(h: Any, args: argparse.Namespace) -> int:
     if not res["accepted"]:
         raise CliError(f"capture refused: {res['reason']}")
     assert res["window"] is not None and res["steps"] is not None
+    missed = [] if args.json else res.get("missed") or []  # (SPMD ranks: late or lost)
+    for m in missed:
+        print(f"  rank {m['rank']} will not record it: {m['reason']}", file=sys.stderr)
     if not args.wait:
         print(
             json.dumps(res)

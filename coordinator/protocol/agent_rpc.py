@@ -83,6 +83,34 @@ class NodeCommandReply(TypedDict):
     nodes: list[NodeAnswer]
 
 
+class PlanPost(TypedDict):
+    """``post_plan``: a trainer's plan board (``coordinator.protocol.plan_board``) for the SPMD
+    ranks of one node. ``board`` names the file, ``blob`` is the encoded ``Board``; the agent
+    waits up to ``timeout_s`` for each of ``ranks`` (``[rank, pid]``) to acknowledge capture
+    ``window`` (no wait when ``window`` is None)."""
+
+    board: str
+    blob: bytes
+    version: int
+    window: int | None
+    ranks: list[tuple[int, int | None]]
+    timeout_s: float
+
+
+class PlanAnswer(TypedDict):
+    """A node's answer to ``post_plan``: each rank as ``[rank, step]`` (the step it was
+    finishing when it read the board). ``held``: it follows the capture; ``late``: it read the
+    board after the capture's warm-up began; ``off``: it can no longer follow the plan (with
+    why); ``lost``: its process is gone; ``silent``: no acknowledgement within the time."""
+
+    node: str
+    held: list[tuple[int, int | None]]
+    late: list[tuple[int, int | None]]
+    off: list[tuple[int, str]]
+    lost: list[int]
+    silent: list[int]
+
+
 class AgentRPC:
     """The signatures of the node agent's RPCs that the coordinator calls."""
 
@@ -92,6 +120,10 @@ class AgentRPC:
 
     async def command(self, cmd: NodeCommand) -> NodeCommandReply:
         """Run ``cmd`` on the ranks of the nodes it names (see the module docstring)."""
+        raise NotImplementedError
+
+    async def post_plan(self, post: PlanPost) -> PlanAnswer:
+        """Write a plan board on this node and wait for its ranks' acknowledgements."""
         raise NotImplementedError
 
     async def read_stacks(self, req: StackRequest) -> list[ProcessStack]:

@@ -8,7 +8,7 @@ DEFAULT_NAMESPACE = "profiler"
 """The coordinator actor's default namespace."""
 AGENT_NAMESPACE = "profiler_agents"
 """The namespace of every node agent."""
-AGENT_VERSION = "v5"  # v3: commands in the control lane; v4: trace reports batched; v5: partial v2
+AGENT_VERSION = "v6"  # v4: trace reports batched; v5: partial v2; v6: plan boards (post_plan)
 """Part of a node agent's name: a cluster still running an agent of an older protocol gets a
 new one beside it."""
 

@@ -155,8 +155,19 @@ class StepReply(TypedDict):
     next_sync_step: int | None
 
 
+class MissedRank(TypedDict):
+    """A rank of a capture that will not record it: an SPMD rank that did not acknowledge the
+    plan in time (``reason`` begins ``late:``) or is gone (``lost:``)."""
+
+    trainer_id: str
+    rank: int
+    reason: str
+
+
 class CaptureReply(TypedDict):
-    """``request_capture``: the exact steps every selected rank records, or why not."""
+    """``request_capture``: the exact steps every selected rank records, or why not.
+    ``missed``: the ranks (of SPMD trainers) that will not record them, with why; the window
+    is partial for each."""
 
     accepted: bool
     reason: str | None
@@ -165,6 +176,7 @@ class CaptureReply(TypedDict):
     steps: list[int] | None
     warmup_start: int | None
     ranks: list[int] | None
+    missed: list[MissedRank]
 
 
 class CancelReply(TypedDict):

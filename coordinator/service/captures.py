@@ -11,6 +11,8 @@ import asyncio
 import logging
 from typing import Any
 
+from coordinator.core.run import Run
+from coordinator.core.schedule import Window
 from coordinator.core.validate import (
     MAX_WORLD,
     flag_problem,
@@ -20,9 +22,16 @@ from coordinator.core.validate import (
     span,
     step_problem,
 )
-from coordinator.protocol.replies import AutoCaptureReply, AutoTrigger, CancelReply, CaptureReply
+from coordinator.protocol.replies import (
+    AutoCaptureReply,
+    AutoTrigger,
+    CancelReply,
+    CaptureReply,
+    MissedRank,
+)
 from coordinator.service.rank_calls import fan_out
 from coordinator.service.shell import CONFIGURE_TIMEOUT_S, CaptureRequest, CoordinatorShell, Key
+from coordinator.service.spmd_captures import SpmdCaptures, spmd_stepping
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +45,8 @@ class Captures:
 
     def __init__(self, shell: CoordinatorShell) -> None:
         self.shell = shell
+        self.spmd = SpmdCaptures(shell, self)
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def request_capture(
         self,
@@ -53,33 +64,16 @@ class Captures:
         ``wait_s``) for the trainer's next report, which it tells to wait. ``ranks=None``
         means the configured ranks.
         """
-        cap = self.shell.run.config.max_capture_steps
-        for name, value, low in (("active", active, 1), ("warmup", warmup, 0)):
-            if not is_int(value) or not low <= value <= cap:
-                return self.shell.capture_no(
-                    f"{name} must be an int in {low}..{cap} (max_capture_steps), got {value!r:.80}"
-                )
-        if active + warmup > cap:
-            return self.shell.capture_no(
-                f"warmup + active = {active + warmup} steps, more than max_capture_steps ({cap})"
-            )
-        if start_step is not None and (problem := step_problem("start_step", start_step)):
-            return self.shell.capture_no(problem)
-        if ranks is not None and (
-            not isinstance(ranks, (list, tuple))
-            or len(ranks) > MAX_WORLD
-            or not all(is_rank(r) for r in ranks)
-        ):
-            return self.shell.capture_no(
-                f"ranks must be None or a list of ints in 0..{MAX_WORLD - 1}, got {ranks!r:.80}"
-            )
-        if not is_number(wait_s) or not 0 < wait_s <= 3600:
-            return self.shell.capture_no(
-                f"wait_s must be a number in (0, 3600], got {wait_s!r:.80}"
-            )
+        no = request_problem(
+            self.shell.run.config.max_capture_steps, active, warmup, ranks, start_step, wait_s
+        )
+        if no is not None:
+            return self.shell.capture_no(no)
         req = CaptureRequest(active, warmup, None if ranks is None else list(ranks), start_step)
+        if spmd_stepping(self.shell):  # ranks that step themselves: through their node agents
+            return await self.spmd.plan(req, wait_s)
         async with self.shell.lock:
-            no = self._capture_refusal(req)
+            no = self.refusal(req)
             if no:
                 return self.shell.capture_no(no)
             if self.shell.next_report_waits:
@@ -97,7 +91,7 @@ class Captures:
                 "(is it in a long step, or stalled?); ask again"
             )
 
-    def _capture_refusal(self, req: CaptureRequest) -> str | None:
+    def refusal(self, req: CaptureRequest) -> str | None:
         """Why ``req`` cannot be planned now, or None."""
         run, st = self.shell.run, self.shell.run.state
         tid = st.stepping_trainer
@@ -109,17 +103,12 @@ class Captures:
             return f"no trainer is running: {run.ended_reason}"
         if run.lifecycle != "running":
             return f"no trainer is running: trainer {tid!r} has not started"
-        if st.trainers[tid].spmd:
-            return (
-                f"trainer {tid!r} runs SPMD ranks (RankSession), which follow the config's "
-                "schedule; captures at run time do not reach them yet"
-            )
         world = st.trainers[tid].ranks
         if req.ranks is not None:
             unknown = sorted(set(req.ranks) - set(world))
             if unknown:
                 return f"unknown ranks {unknown}: trainer {tid!r} has ranks {span(world)}"
-        keys = self._capture_keys(req)
+        keys = self.keys(req)
         down = [r for (t, r) in keys if st.ranks[(t, r)].selected and not st.ranks[(t, r)].active]
         if req.kind == "auto" and not keys:
             return "no rank the config selects can profile"
@@ -127,9 +116,15 @@ class Captures:
             return f"ranks {down} cannot profile: " + "; ".join(
                 f"rank {r} is {st.ranks[(tid, r)].state}" for r in down
             )
+        idle = [r for t, r in keys if st.trainers[t].spmd and not st.ranks[(t, r)].selected]
+        if idle:  # (no call reaches an SPMD rank to configure it for one window)
+            return (
+                f"ranks {span(idle)} are SPMD ranks the config does not select: they have no "
+                "profiler to record with; select them in the config's roles"
+            )
         return None
 
-    def _capture_keys(self, req: CaptureRequest) -> list[Key]:
+    def keys(self, req: CaptureRequest) -> list[Key]:
         st = self.shell.run.state
         tid = st.stepping_trainer
         assert tid is not None
@@ -150,23 +145,35 @@ class Captures:
     async def _plan(self, req: CaptureRequest) -> CaptureReply:
         """Plan ``req`` now: the trainer learns of it before it runs another step."""
         run = self.shell.run
-        no = self._capture_refusal(req)
+        no = self.refusal(req)
         if no is None:
             planned = run.plan.request_capture(req.warmup, req.active, req.start_step, req.kind)
             no = planned if isinstance(planned, str) else None
         if no is not None:
-            return self._auto_refused(req, no) if req.kind == "auto" else self.shell.capture_no(no)
+            return self.auto_refused(req, no) if req.kind == "auto" else self.shell.capture_no(no)
         assert not isinstance(planned, str)
-        keys = self._capture_keys(req)
-        await self._configure_for_capture(keys)
+        keys = self.keys(req)
+        await configure_for_capture(self.shell, keys)
         run.capture_ranks[planned.index] = keys
+        self.count(req, planned)
+        self.shell.save()
+        return self.accepted(run, planned, keys, [])
+
+    def count(self, req: CaptureRequest, planned: Window) -> None:
+        """A capture was planned: its counter, and an auto capture's trigger."""
+        run = self.shell.run
         if req.trigger is not None and run.detector is not None:
             run.auto_triggers[planned.index] = req.trigger
             run.detector.accepted(req.trigger)
             run.state.counters["auto_captures"] += 1
         else:
             run.state.counters["captures_requested"] += 1
-        self.shell.save()
+
+    @staticmethod
+    def accepted(
+        run: Run, planned: Window, keys: list[Key], missed: list[MissedRank]
+    ) -> CaptureReply:
+        """The reply to a planned capture."""
         return {
             "accepted": True,
             "reason": None,
@@ -175,9 +182,10 @@ class Captures:
             "steps": [planned.first, planned.last],
             "warmup_start": planned.warmup_start,
             "ranks": [r for _, r in keys],
+            "missed": missed,
         }
 
-    def _auto_refused(self, req: CaptureRequest, why: str) -> CaptureReply:
+    def auto_refused(self, req: CaptureRequest, why: str) -> CaptureReply:
         """An auto capture that cannot be planned now (another window is in the way): the
         detector tries again a little later; nobody waits for this answer."""
         run = self.shell.run
@@ -192,6 +200,7 @@ class Captures:
             "steps": None,
             "warmup_start": None,
             "ranks": None,
+            "missed": [],
         }
 
     def request_auto(self, trigger: AutoTrigger) -> None:
@@ -201,7 +210,23 @@ class Captures:
         if any(r.kind == "auto" for r in sh.requests):
             return
         cfg = sh.run.config.auto_capture
-        sh.requests.append(CaptureRequest(cfg.active, cfg.warmup, None, None, "auto", trigger))
+        req = CaptureRequest(cfg.active, cfg.warmup, None, None, "auto", trigger)
+        sh.requests.append(req)
+        if spmd_stepping(sh):  # planned now: SPMD ranks never wait for a report's answer
+            self._tasks.add(task := asyncio.ensure_future(self._auto_spmd(req)))
+            task.add_done_callback(self._tasks.discard)
+
+    async def _auto_spmd(self, req: CaptureRequest) -> None:
+        try:
+            answer = await self.spmd.plan(req, CAPTURE_REPORT_TIMEOUT_S)
+        except Exception as exc:  # (the detector asks again later)
+            log.warning("an auto capture for SPMD ranks could not be planned: %s", exc)
+            answer = self.shell.capture_no(f"{type(exc).__name__}: {exc}")
+        finally:
+            if req in self.shell.requests:
+                self.shell.requests.remove(req)
+        if not req.answer.done():
+            req.answer.set_result(answer)
 
     async def set_auto_capture(self, enable: object) -> AutoCaptureReply:
         sh = self.shell
@@ -237,7 +262,14 @@ class Captures:
                     ),
                     "window": -1,
                 }
-            why = self.shell.run.plan.cancel_capture(window)
+            plan = self.shell.run.plan
+            if spmd_stepping(self.shell) and window in plan.promised:
+                why: str | None = (
+                    f"capture {window} is in the plan SPMD ranks already hold, and a rank "
+                    "that had not heard of a cancel would record it alone: it stays"
+                )
+            else:
+                why = plan.cancel_capture(window)
             if why is not None:
                 return {
                     "cancelled": False,
@@ -249,28 +281,51 @@ class Captures:
             self.shell.save()
             return {"cancelled": True, "reason": None, "window": window}
 
-    async def _configure_for_capture(self, keys: list[Key]) -> None:
-        """Ranks the config does not select are configured for this capture only."""
-        run = self.shell.run
-        st = run.state
-        fresh = [k for k in keys if not st.ranks[k].selected]
-        if not fresh:
-            return
-        for key in fresh:
-            st.ranks[key].selected = True
-        st.ranks_version += 1
-        trainer = st.trainers[fresh[0][0]]  # (only the stepping trainer's ranks are named)
-        report_to, run_dir = self.shell.report_to(trainer.trainer_id), trainer.run_dir
-        base, role = run.config.to_dict(), trainer.role
 
-        def args(key: Key) -> tuple[Any, ...]:
-            just = {**base, "roles": {**base["roles"], role: {"ranks": [key[1]]}}}
-            return (key[1], just, run_dir, False, report_to, role)
+async def configure_for_capture(shell: CoordinatorShell, keys: list[Key]) -> None:
+    """Ranks the config does not select are configured for this capture only."""
+    run = shell.run
+    st = run.state
+    fresh = [k for k in keys if not st.ranks[k].selected]
+    if not fresh:
+        return
+    for key in fresh:
+        st.ranks[key].selected = True
+    st.ranks_version += 1
+    trainer = st.trainers[fresh[0][0]]  # (only the stepping trainer's ranks are named)
+    report_to, run_dir = shell.report_to(trainer.trainer_id), trainer.run_dir
+    base, role = run.config.to_dict(), trainer.role
 
-        await fan_out(
-            run,
-            fresh,
-            "configure_profiler",
-            args,
-            timeout=max(CONFIGURE_TIMEOUT_S, run.config.worker_timeout_s),
-        )
+    def args(key: Key) -> tuple[Any, ...]:
+        just = {**base, "roles": {**base["roles"], role: {"ranks": [key[1]]}}}
+        return (key[1], just, run_dir, False, report_to, role)
+
+    await fan_out(
+        run,
+        fresh,
+        "configure_profiler",
+        args,
+        timeout=max(CONFIGURE_TIMEOUT_S, run.config.worker_timeout_s),
+    )
+
+
+def request_problem(
+    cap: int, active: Any, warmup: Any, ranks: Any, start_step: Any, wait_s: Any
+) -> str | None:
+    """Why ``request_capture``'s arguments are refused (``cap``: ``max_capture_steps``)."""
+    for name, value, low in (("active", active, 1), ("warmup", warmup, 0)):
+        if not is_int(value) or not low <= value <= cap:
+            return f"{name} must be an int in {low}..{cap} (max_capture_steps), got {value!r:.80}"
+    if active + warmup > cap:
+        return f"warmup + active = {active + warmup} steps, more than max_capture_steps ({cap})"
+    if start_step is not None and (problem := step_problem("start_step", start_step)):
+        return problem
+    if ranks is not None and (
+        not isinstance(ranks, (list, tuple))
+        or len(ranks) > MAX_WORLD
+        or not all(is_rank(r) for r in ranks)
+    ):
+        return f"ranks must be None or a list of ints in 0..{MAX_WORLD - 1}, got {ranks!r:.80}"
+    if not is_number(wait_s) or not 0 < wait_s <= 3600:
+        return f"wait_s must be a number in (0, 3600], got {wait_s!r:.80}"
+    return None

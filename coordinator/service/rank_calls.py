@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from coordinator.core.run import Run
+from coordinator.core.spmd_plan import apply_misses
 from coordinator.core.window_plan import Command, Start, Step, Stop
 from coordinator.protocol.reasons import reason
 from coordinator.raylink.failures import LOST, call_failure, no_answer
@@ -90,6 +91,9 @@ async def run_commands(
             keys = [k for k in keys if st.ranks[k].active]
             opened = st.open_window(cmd.window, keys, cmd.planned)
             opened.trigger = run.auto_triggers.pop(cmd.window.index, None)
+            missed = run.capture_misses.pop(cmd.window.index, None)
+            if missed:  # SPMD ranks that never took the capture (``spmd_captures``)
+                apply_misses(run, cmd.window.index, missed)
             w = cmd.window.to_dict()
             await send(run, keys, "start_profile", (w, cmd.step), nodes)
             continue

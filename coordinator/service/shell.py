@@ -374,4 +374,5 @@ class CoordinatorShell:
             "steps": None,
             "warmup_start": None,
             "ranks": None,
+            "missed": [],
         }

@@ -39,6 +39,8 @@ class SpmdRun:
     lag_s: float = 0.0  # extra seconds per step on every rank but 0: ranks run steps apart
     sync: bool = True  # average gradients over the ranks (False: each rank trains alone)
     pace_s: float = 0.0  # seconds each step sleeps on every rank (a slower loop, for tests)
+    slow_from: int | None = None  # from this step on, every rank sleeps ``slow_s`` more a step
+    slow_s: float = 0.0
     checkpoint_every: int = 0  # Ray Train: a checkpoint after every this many steps (0: at the end)
     fail_at: int | None = None  # Ray Train: rank 1 exits after this step, once (``fail_marker``)
     fail_marker: str | None = None  # a file that says the failure happened
@@ -96,6 +98,8 @@ def sft_loop(
                 time.sleep(run.lag_s)
             if run.pace_s:
                 time.sleep(run.pace_s)
+            if run.slow_from is not None and step >= run.slow_from:
+                time.sleep(run.slow_s)
             prof.step(step)
             if after_step is not None:
                 after_step(LoopState(step, model.state_dict(), opt.state_dict(), losses))

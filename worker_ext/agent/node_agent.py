@@ -33,6 +33,8 @@ from coordinator.protocol.agent_rpc import (
     AgentRPC,
     NodeCommand,
     NodeCommandReply,
+    PlanAnswer,
+    PlanPost,
 )
 from coordinator.protocol.names import AGENT_NAMESPACE, agent_name, is_agent_name
 from coordinator.protocol.reasons import reason
@@ -51,6 +53,7 @@ from worker_ext.agent.partials import (
     group_key,
     node_blob,
 )
+from worker_ext.agent.plan_posts import BoardWriter
 from worker_ext.agent.rank_fanout import RankFanOut, command_problem
 from worker_ext.agent.stack_reader import check_request, read_stacks, sweep_dumps
 from worker_ext.agent.timeline_pieces import PieceStore
@@ -98,6 +101,7 @@ class NodeAgent(AgentRPC):
         self._in_flight = 0  # trace jobs being processed
         self._owners: set[tuple[str, str]] = set()
         self._pieces = PieceStore()  # merged window traces of this node's ranks
+        self._boards = BoardWriter(self._node)  # plan boards of this node's SPMD ranks
 
     @control_lane
     async def ping(self) -> int:
@@ -116,6 +120,13 @@ class NodeAgent(AgentRPC):
         if command_problem(cmd) is None and cmd["method"] == "start_profile":
             self._routes.lead(cmd)
         return await self._fanout.command(cmd)
+
+    @control_lane
+    async def post_plan(self, post: PlanPost) -> PlanAnswer:
+        """A trainer's plan board for this node's SPMD ranks: written where they look, then
+        their acknowledgements awaited (``worker_ext.agent.plan_posts``)."""
+        self._idle.touch()
+        return await self._boards.post(post)
 
     @control_lane
     async def read_stacks(self, req: StackRequest) -> list[ProcessStack]:

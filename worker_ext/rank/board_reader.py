@@ -1,0 +1,82 @@
+"""An SPMD rank's reader of its node's plan board (``coordinator.protocol.plan_board``).
+
+Between two steps, at most every ``LOOK_EVERY_S``, ``due()`` says to look; ``look`` costs one
+``os.stat`` while the board has not changed, and otherwise takes the captures this rank has not
+seen into its plan (``coordinator.core.spmd_plan.take_captures``) and writes its acknowledgement
+for the node agent. Runs on the training thread; never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from coordinator.core.schedule import Window
+from coordinator.core.spmd_plan import Capture, Taken, take_captures
+from coordinator.core.window_plan import Command, Start, Step, Stop, WindowPlan
+from coordinator.protocol import plan_board
+
+log = logging.getLogger(__name__)
+
+
+class BoardReader:
+    """One rank's view of its trainer's plan board on this node."""
+
+    def __init__(self, board: str, rank: int) -> None:
+        self.board, self.rank = board, rank  # the board's id (``plan_board.board_id``)
+        self.path = plan_board.board_path(board)
+        self.seen: set[int] = set()  # captures taken from the board
+        self.not_mine: set[int] = set()  # captures held but recorded by other ranks only
+        self._stamp: tuple[int, int, int] | None = None  # the board's mtime, size and inode
+        self._looked = 0.0
+        self._skipping = False  # the open window is one of ``not_mine``
+
+    def due(self) -> bool:
+        """Whether ``LOOK_EVERY_S`` has passed since the last look."""
+        return time.monotonic() - self._looked >= plan_board.LOOK_EVERY_S
+
+    def look(self, plan: WindowPlan, next_step: int | None) -> Taken | None:
+        """Take the board's new captures into ``plan`` (``next_step``: the first step whose
+        window the plan has not decided; None before the loop) and acknowledge them; None
+        when the board is absent, unchanged or unreadable."""
+        self._looked = time.monotonic()
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None  # (no capture was planned yet)
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp == self._stamp:
+            return None
+        self._stamp = stamp
+        try:
+            board = plan_board.decode_board(plan_board.read_capped(self.path))
+            caps = [
+                Capture(
+                    Window(e.index, e.warmup_start, e.first, e.last, e.kind),
+                    None if e.ranks is None else tuple(e.ranks),
+                )
+                for e in board.entries
+            ]
+            taken = take_captures(plan, caps, self.rank, next_step, self.seen, self.not_mine)
+            at = None if next_step is None else next_step - 1
+            ack = plan_board.PlanAck(
+                os.getpid(), at, board.version, taken.held, taken.late, taken.off
+            )
+            ack_file = plan_board.ack_path(self.board, self.rank)
+            plan_board.write_atomic(ack_file, plan_board.encode_ack(ack))
+        except Exception as exc:  # a bad board or a full disk: the schedule goes on
+            log.warning("profiler: rank %s could not take the plan board: %s", self.rank, exc)
+            return None
+        return taken
+
+    def skips(self, cmd: Command) -> bool:
+        """Whether ``cmd`` is for a capture that this rank holds (for the windows' numbers)
+        but that other ranks record."""
+        if isinstance(cmd, Start) and cmd.window.index in self.not_mine:
+            self._skipping = True
+            return True
+        if self._skipping and (isinstance(cmd, Stop) or (isinstance(cmd, Step) and cmd.stops)):
+            self._skipping = False
+            return True
+        return self._skipping
