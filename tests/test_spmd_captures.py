@@ -195,3 +195,36 @@ def test_an_spmd_capture_without_a_start_takes_the_first_free_steps_past_other_w
     assert isinstance(w, str) and "overlap" in w
     assert isinstance(plan.request_capture(1, 1, 5, earliest=6, by_steps=True), str)  # (early)
     assert isinstance(plan.request_capture(1, 2, None), str)  # (actor ranks: refused as before)
+
+
+def test_a_silent_rank_that_hears_of_a_capture_after_it_opened_keeps_the_run_s_numbers():
+    """Rank 1 was silent (a long step) past a capture's warm-up; the board it reads later still
+    lists the capture (opened, without rank 1): it keeps the number free and records nothing
+    under it. A restarted rank, before its loop, leaves opened captures to rank_start."""
+    cfg = _cfg(wait=5, warmup=0, active=1, repeat=0)  # scheduled windows at 5, 11, 17, ...
+    coord, silent = WindowPlan(Schedule(cfg)), WindowPlan(Schedule(cfg))
+    coord.start(0), silent.start(0)
+    replay(coord, 1)
+    cap = coord.request_capture(0, 2, 7, earliest=3, by_steps=True)
+    assert isinstance(cap, Window)
+    told = _starts(replay(coord, 40))  # type: ignore[arg-type]
+    ran = _starts([c for k in range(10) for c in silent.step(k)])  # type: ignore[union-attr]
+    board = [Capture(cap, (0,), opened=True)]  # (rank 1 named late: left out of its ranks)
+    taken = take_captures(silent, board, 1, 10, set(), set())
+    assert taken.late == [cap.index] and taken.off is None
+    ran += _starts([c for k in range(10, 41) for c in silent.step(k)])  # type: ignore[union-attr]
+    assert ran == [w for w in told if w.index != cap.index]
+    restarted = WindowPlan(Schedule(cfg))
+    restarted.next_index = coord.next_index  # (rank_start's index_base)
+    taken = take_captures(restarted, board, 1, None, set(), set())
+    assert taken.held == [cap.index] and not restarted.captures and not restarted.gaps
+
+
+def test_a_rank_behind_its_steps_records_an_opened_capture_it_is_one_of():
+    cfg = _cfg(wait=50, warmup=0, active=1, repeat=0)
+    behind = WindowPlan(Schedule(cfg))
+    behind.start(0)
+    cap = Window(0, 20, 20, 21, "capture")
+    taken = take_captures(behind, [Capture(cap, (0, 1), opened=True)], 1, 10, set(), set())
+    assert taken.held == [0]
+    assert _starts([c for k in range(10, 30) for c in behind.step(k)]) == [cap]  # type: ignore[union-attr]

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.schedule import Schedule
 from coordinator.core.slowdown import SlowdownDetector
+from coordinator.core.spmd_plan import PlannedCapture
 from coordinator.core.state import CoordinatorState
 from coordinator.core.trace_layout import child, default_run_name
 from coordinator.core.window_plan import WindowPlan
@@ -39,8 +40,8 @@ class Run:
     ended_reason: str | None = None
     # ranks each requested capture profiles, until it opens
     capture_ranks: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
-    # SPMD ranks that will not record a capture (late, lost), with why, until it opens
-    capture_misses: dict[int, dict[tuple[str, int], str]] = field(default_factory=dict)
+    # captures planned for SPMD ranks (their boards): pending ones, and the latest opened
+    spmd_captures: dict[int, PlannedCapture] = field(default_factory=dict)
     # why each planned auto capture was taken, until it opens
     auto_triggers: dict[int, AutoTrigger] = field(default_factory=dict)
     detector: SlowdownDetector | None = None

@@ -16,10 +16,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from coordinator.core.run import Run
 from coordinator.core.schedule import Window
 from coordinator.core.window_plan import WindowPlan
+
+if TYPE_CHECKING:
+    from coordinator.core.run import Run
+
+Key = tuple[str, int]
 
 LEAD_S = 2.0
 """How far ahead of the ranks a capture for SPMD ranks is planned, in time: the board's way to
@@ -54,12 +59,30 @@ def earliest_step(
     return next_boundary + SPREAD_STEPS + math.ceil((since + lead_s) / pace)
 
 
+MAX_KEPT = 64
+"""Captures for SPMD ranks a run keeps on its boards after they opened (the latest)."""
+
+
+@dataclass
+class PlannedCapture:
+    """A capture planned for SPMD ranks, as the coordinator keeps it for the boards: its window,
+    its ranks, and those that will not record it (with why). It stays on the boards after it
+    opens (the latest ``MAX_KEPT``), so a rank that hears of it only then still keeps its
+    number free."""
+
+    window: Window
+    keys: list[Key]
+    missed: dict[Key, str] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class Capture:
-    """A capture as a board carries it: its window, and its ranks (None: every selected rank)."""
+    """A capture as a board carries it: its window, its ranks (None: every selected rank), and
+    whether the coordinator's plan has opened it already."""
 
     window: Window
     ranks: tuple[int, ...] | None
+    opened: bool = False
 
 
 @dataclass
@@ -87,7 +110,9 @@ def take_captures(
         captures: the board's captures.
         rank: this rank.
         next_step: the first step whose window the plan has not yet decided: a capture whose
-            warm-up begins there or later is taken; None (before the loop starts) takes all.
+            warm-up begins there or later is taken; None (before the loop starts) takes every
+            capture not yet opened (the plan's start moves them as the coordinator's did), and
+            leaves the opened ones to ``rank_start``'s numbering.
         seen: the captures this rank took already (updated).
         not_mine: the captures this rank holds but does not record (updated).
     """
@@ -104,6 +129,9 @@ def take_captures(
             taken.held.append(w.index)
             continue
         seen.add(w.index)
+        if next_step is None and cap.opened:  # (the run's numbering from rank_start has it)
+            taken.held.append(w.index)
+            continue
         if next_step is None or w.warmup_start >= next_step:
             plan.add_capture(w)
             _mine(cap, rank, not_mine)
@@ -128,7 +156,7 @@ def _mine(cap: Capture, rank: int, not_mine: set[int]) -> None:
         not_mine.add(cap.window.index)
 
 
-def apply_misses(run: Run, index: int, misses: dict[tuple[str, int], str]) -> None:
+def apply_misses(run: Run, index: int, misses: dict[Key, str]) -> None:
     """Window ``index`` is partial for each missed rank, with its reason."""
     st = run.state
     w = st.windows.get(index)

@@ -34,8 +34,9 @@ _ID = re.compile(r"[0-9a-f]{32}")
 
 
 class BoardEntry(msgspec.Struct, frozen=True):
-    """One capture: its window (index and steps) and the ranks that record it (None: every
-    rank the config selects)."""
+    """One capture: its window (index and steps), the ranks that record it (None: every rank
+    the config selects), and whether the coordinator's plan has opened it (a rank that has not
+    seen it by then keeps its number free, and records it only if still before its steps)."""
 
     index: int
     warmup_start: int
@@ -43,11 +44,12 @@ class BoardEntry(msgspec.Struct, frozen=True):
     last: int
     kind: str
     ranks: list[int] | None
+    opened: bool = False
 
 
 class Board(msgspec.Struct, frozen=True):
-    """A trainer's captures not yet opened, as the coordinator's plan holds them; ``version``
-    grows with every board the coordinator sends."""
+    """A trainer's captures: those not yet opened, and the latest opened (``spmd_plan``);
+    ``version`` grows with every board the coordinator sends."""
 
     run: str
     trainer_id: str

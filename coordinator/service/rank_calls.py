@@ -91,9 +91,9 @@ async def run_commands(
             keys = [k for k in keys if st.ranks[k].active]
             opened = st.open_window(cmd.window, keys, cmd.planned)
             opened.trigger = run.auto_triggers.pop(cmd.window.index, None)
-            missed = run.capture_misses.pop(cmd.window.index, None)
-            if missed:  # SPMD ranks that never took the capture (``spmd_captures``)
-                apply_misses(run, cmd.window.index, missed)
+            planned = run.spmd_captures.get(cmd.window.index)
+            if planned is not None and planned.missed:  # SPMD ranks that never took it
+                apply_misses(run, cmd.window.index, planned.missed)
             w = cmd.window.to_dict()
             await send(run, keys, "start_profile", (w, cmd.step), nodes)
             continue

@@ -299,7 +299,6 @@ class RunCalls:
             for w in run.plan.drop_captures():
                 st.never_opened(w, f"{why} before the window opened")
                 run.capture_ranks.pop(w.index, None)
-                run.capture_misses.pop(w.index, None)
             sh.end_requests(why)
             pending = sorted({k for w in st.windows.values() for k in w.summaries_pending})
             if pending:

@@ -6,9 +6,9 @@ trainer runs SPMD ranks (``trainers.RankSession``), which no coordinator call re
 
 1. Under the coordinator's lock, the capture is planned at ``spmd_plan.earliest_step`` or later
    (past where any rank can be once the plan reaches it) and numbered by its steps.
-2. Without the lock, the trainer's board (its pending captures) goes to the agent of every node
-   with one of its ranks (``post_plan``), which writes it where the ranks look and waits for the
-   capture's ranks to acknowledge it.
+2. Without the lock, the trainer's board (its pending captures and the latest opened) goes to
+   the agent of every node with one of its ranks (``post_plan``), which writes it where the
+   ranks look and waits for the capture's ranks to acknowledge it.
 3. Ranks that did not (dead, read it too late, silent for ``wait_s``) are named in the reply and
    the window is partial for each of them, with the reason ``late`` or ``lost``; the board goes
    out again without them, so one that reads it later does not record a window alone.
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from coordinator.core.run import Run
 from coordinator.core.schedule import Window
-from coordinator.core.spmd_plan import apply_misses, earliest_step
+from coordinator.core.spmd_plan import MAX_KEPT, PlannedCapture, apply_misses, earliest_step
 from coordinator.protocol.agent_rpc import PlanAnswer, PlanPost
 from coordinator.protocol.names import agent_name
 from coordinator.protocol.plan_board import Board, BoardEntry, board_id, encode_board
@@ -58,7 +58,7 @@ class SpmdCaptures:
         misses = _misses(planned, keys, posts, answers, wait_s)
         async with sh.lock:
             if misses and sh.run is run:
-                note_misses(run, planned.index, misses)
+                note_misses(run, run.spmd_captures[planned.index], misses)
                 posts = self._posts(run, None, [], 0.0)
             else:
                 posts = []
@@ -84,7 +84,11 @@ class SpmdCaptures:
                 return self.captures.auto_refused(req, no)
             return sh.capture_no(no)
         assert isinstance(planned, Window)
-        run.capture_ranks[planned.index] = self.captures.keys(req)
+        run.capture_ranks[planned.index] = keys = self.captures.keys(req)
+        run.spmd_captures[planned.index] = PlannedCapture(planned, keys)
+        opened = [i for i in run.spmd_captures if i not in run.plan.promised]
+        for i in opened[: max(0, len(opened) - MAX_KEPT)]:
+            del run.spmd_captures[i]  # (the oldest opened)
         self.captures.count(req, planned)
         sh.save()
         return planned
@@ -142,26 +146,24 @@ class SpmdCaptures:
 
 
 def board(run: Run, trainer_id: str, version: int) -> Board:
-    """The board of ``trainer_id``'s SPMD ranks: the plan's captures not yet opened, each with
-    its ranks of this trainer (those named late or lost left out)."""
+    """The board of ``trainer_id``'s SPMD ranks: the captures planned for them (those not yet
+    opened, the latest opened), each with its ranks of this trainer (those named late or lost
+    left out)."""
     entries = []
-    for c in run.plan.captures:
-        keys = run.capture_ranks.get(c.index)
-        if keys is None:
-            continue
-        missed = run.capture_misses.get(c.index, {})
-        ranks = sorted(r for t, r in keys if t == trainer_id and (t, r) not in missed)
-        entries.append(BoardEntry(c.index, c.warmup_start, c.first, c.last, c.kind, ranks))
+    for pc in run.spmd_captures.values():
+        c, opened = pc.window, pc.window.index not in run.plan.promised
+        ranks = sorted(r for t, r in pc.keys if t == trainer_id and (t, r) not in pc.missed)
+        entry = BoardEntry(c.index, c.warmup_start, c.first, c.last, c.kind, ranks, opened)
+        entries.append(entry)
     return Board(run.name, trainer_id, version, entries)
 
 
-def note_misses(run: Run, index: int, misses: dict[Key, str]) -> None:
-    """These ranks will not record window ``index``: it is partial for each, with the reason,
-    when it opens (or now, if it already has)."""
-    if run.state.windows.get(index) is not None:
-        apply_misses(run, index, misses)
-    else:
-        run.capture_misses.setdefault(index, {}).update(misses)
+def note_misses(run: Run, planned: PlannedCapture, misses: dict[Key, str]) -> None:
+    """These ranks will not record ``planned``: it is partial for each, with the reason, when
+    it opens (or now, if it already has)."""
+    planned.missed.update(misses)
+    if run.state.windows.get(planned.window.index) is not None:
+        apply_misses(run, planned.window.index, misses)
 
 
 def _misses(

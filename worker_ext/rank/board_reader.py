@@ -55,6 +55,7 @@ class BoardReader:
                 Capture(
                     Window(e.index, e.warmup_start, e.first, e.last, e.kind),
                     None if e.ranks is None else tuple(e.ranks),
+                    e.opened,
                 )
                 for e in board.entries
             ]
