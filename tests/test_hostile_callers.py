@@ -65,7 +65,7 @@ METHODS = {
     "flush_record": 1,
     "attach_rank": 6,
     "rank_start": 4,
-    "rank_status": 4,
+    "rank_status": 5,
 }
 CALLS = st.sampled_from(sorted(METHODS)).flatmap(
     lambda m: st.tuples(st.just(m), st.lists(HOSTILE, min_size=METHODS[m], max_size=METHODS[m]))

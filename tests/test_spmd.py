@@ -410,3 +410,28 @@ def test_a_slowdown_of_spmd_ranks_is_profiled_by_itself_on_every_rank(
     assert w["trigger"]["ratio"] >= 1.5, w["trigger"]
     table = ray.get(coord.kernel_summary.remote(window=w["index"]))
     assert table["ranks"] == [0, 1] and table["kernels"]
+
+
+def test_a_status_from_a_rank_s_earlier_process_is_refused_and_moves_nothing(
+    ray_session, ray_actors, tmp_path
+):
+    """A Ray Train restart: rank 1 attached again (generation 2); its earlier process's close,
+    arriving late, would move the new group's plan to its old step. It is refused."""
+    from coordinator.client.attach import attach_coordinator
+
+    ray = ray_session
+    cfg = _config(tmp_path)
+    coord, _ = attach_coordinator(cfg, name=f"profiler-{uuid.uuid4().hex[:8]}",
+                                  namespace="profiler-tests")  # fmt: skip
+    ray_actors.append(coord)
+    for rank in (0, 1, 1):
+        reply = ray.get(coord.attach_rank.remote(cfg, "sft", rank, 2))
+    assert reply["generation"] == 2
+    ray.get(coord.rank_start.remote("sft", 0, 1, 0))
+    status = {"state": "ok", "closed": None, "summaries_pending": []}
+    ray.get(coord.rank_status.remote("sft", 1, 12, status, 1))  # (the earlier process)
+    st = ray.get(coord.status.remote())
+    assert st["global_step"] in (None, -1) and st["counters"]["refused_rank_status"] == 1
+    ray.get(coord.rank_status.remote("sft", 1, 12, status, 2))
+    st = ray.get(coord.status.remote())
+    assert st["global_step"] == 12 and st["counters"]["rank_status"] == 1

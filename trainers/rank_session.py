@@ -76,6 +76,7 @@ class RankSession:
         self._said_backwards = False
         self._told_fault = False
         self._generation = 0  # this process's attach to the run (``attach_rank``)
+        self._stepped: Any = None  # rank 0's last step report (its ObjectRef)
         self._owner = (DEFAULT_NAMESPACE, DEFAULT_NAME)  # the coordinator's namespace and name
         self._board: BoardReader | None = None  # this node's plan board, once the loop starts
 
@@ -239,15 +240,7 @@ class RankSession:
         if plan is None or self.disabled_reason:
             return
         if self._last_step is not None and step <= self._last_step:
-            if not self._said_backwards:
-                self._said_backwards = True
-                log.error(
-                    "profiler: rank %s step %d after step %d: steps must go forward; "
-                    "ignored (training goes on)",
-                    self.rank,
-                    step,
-                    self._last_step,
-                )
+            _backwards(self, step)
             return
         self._last_step = step
         if self._board is not None and self._board.due():
@@ -311,7 +304,9 @@ class RankSession:
         """This rank's status to the coordinator (a window it closed, a fault), not waited for."""
         try:
             status = status if status is not None else self._profiler.status()
-            self.coordinator.rank_status.remote(self.trainer_id, self.rank, step, status)
+            self.coordinator.rank_status.remote(
+                self.trainer_id, self.rank, step, status, self._generation
+            )
         except Exception as exc:  # the coordinator is away: it learns at the next close
             log.debug("profiler: rank %s status not sent: %s", self.rank, exc)
 
@@ -333,18 +328,20 @@ class RankSession:
         self._clock.begin_step()
 
     def _send(self, what: str, step: int | None, wait: bool = False) -> None:
+        import ray
+
         self._last_report, self._unreported = time.monotonic(), None
         c, tid = self.coordinator, self.trainer_id
+        assert self.config is not None
         try:
             if what == "step":
                 phases, self._phases = self._phases or None, []
-                ref = c.step.remote(tid, step, False, phases)
-            else:
+                ref = self._stepped = c.step.remote(tid, step, False, phases)
+            else:  # (an async actor may run two calls out of order: the last step goes first)
+                if self._stepped is not None:
+                    ray.wait([self._stepped], timeout=self.config.worker_timeout_s)
                 ref = c.stop.remote(tid)
             if wait:
-                import ray
-
-                assert self.config is not None
                 ray.get(ref, timeout=self.config.worker_timeout_s + 5)
         except Exception as exc:  # never the training's problem
             log.warning("profiler: rank 0 could not report %s to the coordinator: %s", what, exc)
@@ -410,6 +407,19 @@ def _claim(what: str) -> str | None:
 def _release() -> None:
     with _ATTACHED_LOCK:
         _ATTACHED.pop(os.getpid(), None)
+
+
+def _backwards(session: RankSession, step: int) -> None:
+    """A step that does not move forward: said once, then ignored."""
+    if not session._said_backwards:
+        session._said_backwards = True
+        log.error(
+            "profiler: rank %s step %d after step %d: steps must go forward; ignored "
+            "(training goes on)",
+            session.rank,
+            step,
+            session._last_step,
+        )
 
 
 def _off(session: RankSession, where: str, why: str) -> RankSession:

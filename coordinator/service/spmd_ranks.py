@@ -141,10 +141,16 @@ class SpmdRanks:
         return t
 
     async def rank_status(
-        self, trainer_id: str, rank: int, step: int | None, reply: dict[str, Any]
+        self,
+        trainer_id: str,
+        rank: int,
+        step: int | None,
+        reply: dict[str, Any],
+        generation: int | None = None,
     ) -> None:
         """An SPMD rank's status (``RankReply``): after it configured its profiler, after each
-        window it closed (``step``: the step it closed at), when a fault disabled it."""
+        window it closed (``step``: the step it closed at), when a fault disabled it. One from
+        an earlier process of the rank (``generation``) is refused: it would move the plan."""
         sh = self.shell
         self.start()  # (a restarted coordinator: its first call from the ranks)
         if not isinstance(trainer_id, str) or not is_int(rank):
@@ -157,6 +163,10 @@ class SpmdRanks:
             t = st.trainers.get(trainer_id)
             if t is None or not t.spmd or key not in st.ranks:
                 sh.refuse("rank_status", f"no SPMD rank {rank!r} of trainer {trainer_id!r}")
+                return
+            if generation is not None and generation != t.attaches.get(rank):
+                why = f"rank {rank}'s status from its earlier process (generation {generation!r})"
+                sh.refuse("rank_status", why)
                 return
             st.counters["rank_status"] += 1
             if isinstance(step, int) and is_int(step) and trainer_id == st.stepping_trainer:
@@ -299,9 +309,15 @@ class SpmdRPCs:
         return await self._spmd.rank_start(trainer_id, rank, generation, first_step)
 
     async def rank_status(
-        self, trainer_id: str, rank: int, step: int | None, reply: dict[str, Any]
+        self,
+        trainer_id: str,
+        rank: int,
+        step: int | None,
+        reply: dict[str, Any],
+        generation: int | None = None,
     ) -> None:
         """An SPMD rank's status (a ``RankReply``), sent without waiting: once its profiler is
         configured, after each window it closed (``step``: the step it closed at), and when a
-        fault disabled it. A rank the run does not know is refused (counted, logged once)."""
-        await self._spmd.rank_status(trainer_id, rank, step, reply)
+        fault disabled it. A rank the run does not know, or a status from an earlier process
+        of the rank (``generation``, from ``attach_rank``), is refused (counted, logged once)."""
+        await self._spmd.rank_status(trainer_id, rank, step, reply, generation)
