@@ -435,3 +435,32 @@ def test_a_status_from_a_rank_s_earlier_process_is_refused_and_moves_nothing(
     ray.get(coord.rank_status.remote("sft", 1, 12, status, 2))
     st = ray.get(coord.status.remote())
     assert st["global_step"] == 12 and st["counters"]["rank_status"] == 1
+
+
+def test_a_capture_from_the_web_view_reaches_spmd_ranks(
+    ray_session, ray_actors, spmd_workers, tmp_path
+):
+    """The web view's capture button (``POST /api/captures``) on a running SPMD loop: the answer
+    comes once both ranks hold the plan, and both record its steps."""
+    from coordinator.ops.web.server import CoordinatorLink
+    from tests.test_web import TOKEN, ServerThread
+
+    ray = ray_session
+    name = f"profiler-{uuid.uuid4().hex[:8]}"
+    cfg = profiler_config(tmp_path, on_demand_only=True).to_dict()
+    run = _run(name, steps=400, pace_s=0.01, lag_s=0.01)
+    refs = _start_loop(ray, cfg, run, spmd_workers(2))
+    web = None
+    try:
+        coord = _running(ray, name, 20)
+        web = ServerThread(CoordinatorLink(name, "profiler-tests", coord))
+        status, reply = web.http("POST", "/api/captures", {"active": 2, "warmup": 1}, token=TOKEN)
+        ray.get(refs, timeout=600)
+    finally:
+        if web is not None:
+            web.close()
+        ray_actors.append(_coordinator(ray, name))
+    assert status == 200 and reply["accepted"] and reply["missed"] == [], reply
+    st = _settled(ray, coord, [reply["window"]])
+    w = next(w for w in st["windows"] if w["index"] == reply["window"])
+    assert w["steps"] == reply["steps"] and w["ranks"] == [0, 1] and not w["partial"], w

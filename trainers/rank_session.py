@@ -262,9 +262,7 @@ class RankSession:
             return
         self._run(self._plan.stop(), self._last_step)
         if self.rank == 0 and end_run:
-            if self._unreported is not None:  # (with the phase records not yet sent)
-                self._send("step", self._unreported)
-            self._send("stop", None, wait=True)
+            self._end_run()
         _release()
 
     # ------------------------------------------------------------------ inside
@@ -317,7 +315,7 @@ class RankSession:
         if not now and time.monotonic() - self._last_report < REPORT_EVERY_S:
             self._unreported = step
             return
-        self._send("step", step)
+        self._send_step(step)
 
     def _close_step(self, step: int | None) -> None:
         if self._clock is None or step is None:
@@ -327,24 +325,30 @@ class RankSession:
             self._phases.append(record)
         self._clock.begin_step()
 
-    def _send(self, what: str, step: int | None, wait: bool = False) -> None:
+    def _send_step(self, step: int) -> None:
+        """Rank 0's report of ``step``, with the phase records since the last, not waited for."""
+        self._last_report, self._unreported = time.monotonic(), None
+        phases, self._phases = self._phases or None, []
+        try:
+            self._stepped = self.coordinator.step.remote(self.trainer_id, step, False, phases)
+        except Exception as exc:  # never the training's problem
+            log.warning("profiler: rank 0 could not report step %s: %s", step, exc)
+
+    def _end_run(self) -> None:
+        """Rank 0 ends the run: its last step report (answered first: an async actor may run
+        two calls out of order), then ``stop``, waited for."""
         import ray
 
-        self._last_report, self._unreported = time.monotonic(), None
-        c, tid = self.coordinator, self.trainer_id
+        if self._unreported is not None:  # (with the phase records not yet sent)
+            self._send_step(self._unreported)
         assert self.config is not None
+        wait_s = self.config.worker_timeout_s
         try:
-            if what == "step":
-                phases, self._phases = self._phases or None, []
-                ref = self._stepped = c.step.remote(tid, step, False, phases)
-            else:  # (an async actor may run two calls out of order: the last step goes first)
-                if self._stepped is not None:
-                    ray.wait([self._stepped], timeout=self.config.worker_timeout_s)
-                ref = c.stop.remote(tid)
-            if wait:
-                ray.get(ref, timeout=self.config.worker_timeout_s + 5)
+            if self._stepped is not None:
+                ray.wait([self._stepped], timeout=wait_s)
+            ray.get(self.coordinator.stop.remote(self.trainer_id), timeout=wait_s + 5)
         except Exception as exc:  # never the training's problem
-            log.warning("profiler: rank 0 could not report %s to the coordinator: %s", what, exc)
+            log.warning("profiler: rank 0 could not end the run at the coordinator: %s", exc)
 
 
 def with_train_storage(config: Any) -> Any:
