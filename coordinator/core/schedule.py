@@ -125,6 +125,14 @@ class Schedule:
         first = self._origin + index * self.cycle + self.wait + self.warmup
         return Window(index, first - self.warmup, first, first + self.active - 1)
 
+    def windows_before(self, step: int) -> int:
+        """How many windows begin their warm-up before ``step``."""
+        n = self.num_windows
+        if n == 0:
+            return 0
+        count = max(0, -(-(step - self._origin - self.wait) // self.cycle))  # ceil division
+        return count if n is None else min(count, n)
+
     def first_window_from(self, step: int) -> Window | None:
         """The earliest window whose last recorded step is >= ``step``, or None."""
         n = self.num_windows

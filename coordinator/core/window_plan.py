@@ -110,11 +110,13 @@ class WindowPlan:
         numbered by its steps (``request_capture(by_steps=True)``): the one after those of the
         scheduled windows that open before it, so a plan that opened them before it learnt of
         the capture (an SPMD rank ahead of the coordinator) numbered them the same."""
-        i, s = self.next_index, self._cursor
-        while s is not None and s.warmup_start < warmup_start:
-            i = self.free_index(i) + 1
-            s = self.schedule.first_window_from(s.last + 1)
-        return self.free_index(i)
+        s = self._cursor  # (its index counts the schedule's windows)
+        before = 0 if s is None else max(0, self.schedule.windows_before(warmup_start) - s.index)
+        i = self.next_index + before  # (no loop: a start far ahead costs nothing more)
+        for held in sorted({c.index for c in self.captures} | self.gaps):
+            if self.next_index <= held <= i:
+                i += 1
+        return i
 
     def add_capture(self, w: Window) -> None:
         """A capture planned elsewhere (the coordinator's plan, for an SPMD rank's copy): it
