@@ -272,7 +272,8 @@ def round_line(n: int, r: dict[str, Any]) -> str:
         f"slower rank's whole RPC {r['closing_rpc'] * 1e3:.0f} ms); "
         f"worst of {r['later_steps']} later steps +{r['worst_later'] * 1e3:.1f} ms "
         f"({r['worst_later_after']} steps after the close, {r['worst_later_report'] * 1e3:.1f} ms "
-        f"of it in hooks.step); later steps over the median: {r['before_table'][0]} before the "
+        f"of it in hooks.step); the table {r['table_after'] * 1e3:.0f} ms after the closing step "
+        f"ended; later steps over the median: {r['before_table'][0]} before the "
         f"table +{r['before_table'][1] * 1e3:.2f} ms each, {r['after_table'][0]} after it "
         f"+{r['after_table'][1] * 1e3:.2f} ms; lost {r['lost'] * 1e3:.0f} ms; plain torch "
         f"window: stop + export {r['plain'] * 1e3:.0f} ms, with the free of its results "
@@ -308,6 +309,7 @@ def summary_table(rounds: list[dict[str, Any]]) -> str:
             ms("worst_later", "{:.1f}"),
             "<= 20 ms",
         ),
+        ("the table listed both ranks, after the closing step", ms("table_after"), ""),
         ("training time lost (closing step + every later step)", ms("lost"), ""),
         ("lost / torch's stop + export in the closing step", ratio("lost", "torch"), "<= 1.1x"),
         ("lost / plain torch's stop + export", ratio("lost", "plain"), ""),

@@ -1,6 +1,7 @@
 import gzip
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -286,3 +287,80 @@ print(len(st["summaries"]), st["agent"]["kind"], st["last_agent_error"])
     )
     assert out.stdout.split() == ["1", "local_process", "None"], out.stderr[-2000:]
     assert marker.read_text() == "ran\n"
+
+
+@pytest.mark.parametrize(
+    "kw, trace_only",
+    [
+        ({}, True),
+        ({"record_shapes": True, "with_flops": True, "profile_memory": True}, True),
+        ({"with_stack": True}, False),  # torch refuses trace_only with stacks
+        ({"with_stack": True, "export_type": "stacks"}, False),  # verbose, for folded stacks
+    ],
+)
+def test_a_window_skips_torch_s_event_build_unless_it_needs_stacks(tmp_path, kw, trace_only):
+    """Nothing in the rank reads torch's events (the agent reads the trace): torch is told not
+    to build them in stop(), the closing step's largest share after stop and export."""
+    from worker_ext.rank.torch_session import experimental_config, window_profiler
+
+    cfg = cfg_for(tmp_path, **kw)
+    made = experimental_config(cfg)
+    assert (made is not None and made.trace_only) == trace_only
+    window = Window(index=0, warmup_start=0, first=1, last=2)
+    prof = window_profiler(cfg, "cpu", 0, window, 0, lambda p: None)
+    model = TinyMLP()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when it drops trace_only: it must not
+        prof.start()
+        for _ in range(3):
+            model.train_step()
+            prof.step()
+        prof.stop()
+    if trace_only:
+        with pytest.raises(RuntimeError, match="trace_only"):
+            prof.events()
+    else:
+        assert len(prof.events()) > 0
+
+
+def test_a_trace_without_torch_s_events_summarises_as_a_default_one(tmp_path):
+    """trace_only changes what torch keeps in memory, not the trace: the same work profiled
+    both ways gives the same ops, counts and flops (from the shapes' metadata)."""
+    from worker_ext.agent.trace_summary import summarise_trace
+    from worker_ext.rank.torch_session import window_profiler
+
+    cfg = cfg_for(tmp_path, record_shapes=True, with_flops=True, top_k=1000)
+    window = Window(index=0, warmup_start=0, first=1, last=3)
+    tables = []
+    action = torch.profiler.ProfilerAction
+    for trace_only in (True, False):
+        model = TinyMLP()
+        if trace_only:
+            prof = window_profiler(cfg, "cpu", 0, window, 0, lambda p: None)
+        else:
+            prof = torch.profiler.profile(
+                activities=activities(["cpu"]),
+                schedule=lambda n: action.WARMUP if n < 1 else action.RECORD,
+                record_shapes=True,
+                with_flops=True,
+            )
+        prof.start()
+        for _ in range(4):
+            model.train_step()
+            prof.step()
+        prof.stop()
+        path = str(tmp_path / f"trace_only_{trace_only}.json")
+        prof.export_chrome_trace(path)
+        summary, _ = summarise_trace(
+            path,
+            rank=0,
+            window=0,
+            steps=(1, 3),
+            partial=False,
+            device="cpu",
+            top_k=1000,
+            flops=True,
+        )
+        tables.append({k.name: (k.count, k.flops) for k in summary.kernels})
+    assert tables[0] == tables[1]
+    assert tables[0]["aten::addmm"][0] == 3 * 2 and tables[0]["aten::addmm"][1] > 0  # 2 layers

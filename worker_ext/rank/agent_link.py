@@ -10,18 +10,15 @@ process only submits a small ``TraceJob`` and gets a ``JobResult`` back through 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import multiprocessing
 import sys
 import threading
-import types
-from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Protocol
 
 from coordinator.protocol.agent_rpc import CONTROL_CALLS, CONTROL_LANE
 from coordinator.protocol.names import AGENT_NAMESPACE, agent_name
 from worker_ext.agent.node_agent import NodeAgent
+from worker_ext.agent.spawned import spawn_pool, submit_to
 from worker_ext.agent.trace_jobs import JobResult, TraceJob, run_job
 
 # The first start of an agent can wait for a busy node (Kineto warm-ups on 2 cores: tens of s).
@@ -135,58 +132,40 @@ class NodeAgentLink:
 
 
 class LocalAgentLink:
-    """A spawned child of this process (used when this process is not part of a Ray cluster)."""
+    """A spawned child of this process (used when this process is not part of a Ray cluster);
+    it leaves when this process is gone."""
 
     kind = "local_process"
     name: str | None = None
 
     def __init__(self) -> None:
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._pool: concurrent.futures.Executor | None = None
         self._lock = threading.Lock()
 
-    def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
+    def _executor(self) -> concurrent.futures.Executor:
         with self._lock:
             if self._pool is None:
-                ctx = multiprocessing.get_context("spawn")  # never fork a process running torch
-                self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx)
+                self._pool = spawn_pool()
             return self._pool
 
     def prepare(self) -> int | None:
         import os
 
-        with _main_hidden():
-            fut = self._executor().submit(os.getpid)
+        fut = submit_to(self._executor(), os.getpid)
         return int(fut.result(timeout=START_TIMEOUT_S))
 
     def submit(self, job: TraceJob) -> concurrent.futures.Future[JobResult]:
-        with _main_hidden():  # the child process is started by the first submit
-            try:
-                return self._executor().submit(run_job, job)
-            except BrokenProcessPool:
-                self.forget()
-                return self._executor().submit(run_job, job)
+        try:  # the child process is started by the first submit
+            return submit_to(self._executor(), run_job, job)
+        except BrokenProcessPool:
+            self.forget()
+            return submit_to(self._executor(), run_job, job)
 
     def forget(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
-
-
-@contextlib.contextmanager
-def _main_hidden() -> Iterator[None]:
-    """Start spawned children without re-running the caller's script.
-
-    A spawned child imports the parent's ``__main__`` from its path, which runs a script that
-    has no ``if __name__ == "__main__"`` guard (its training loop included) a second time.
-    """
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        if main is not None:
-            sys.modules["__main__"] = main
 
 
 _LINKS: dict[str, AgentLink] = {}
