@@ -10,6 +10,9 @@ TORCH_PIP_ARGS ?=
 DEMO_ARGS ?=
 # The GPU figures' oracle in the tests; without its notebook requirement (jupyterlab).
 HTA_SPEC ?= holistictraceanalysis==0.5.0
+# SkyRL, whose own profiler calls the attach hook drives (tests/test_attach_jobs.py); without its
+# dependencies (it pins transformers<=5.8.0): the few its modules import are in the test extras.
+SKYRL_SPEC ?= skyrl==0.3.0
 
 .PHONY: venv browser docker-engine test test-docker test-fast lint format demo bench fuzz clean
 
@@ -21,6 +24,7 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps "$(HTA_SPEC)"
+	$(PY) -m pip install -q --no-deps "$(SKYRL_SPEC)"
 	touch $(STAMP)
 
 lint: venv
@@ -71,6 +75,7 @@ bench: venv
 	$(PY) bench/rank_profiler_overhead.py
 	RAY_AUTH_MODE=disabled $(PY) bench/coordinator_overhead.py
 	RAY_AUTH_MODE=disabled $(PY) bench/spmd_step.py
+	RAY_AUTH_MODE=disabled $(PY) bench/attach_step.py
 	RAY_AUTH_MODE=disabled $(PY) bench/summary_cost.py
 	RAY_AUTH_MODE=disabled $(PY) bench/window_cost.py
 	$(PY) bench/summarise_cost.py

@@ -134,11 +134,18 @@ def head():
 
 
 @contextlib.contextmanager
-def ray_head():
+def ray_head(dashboard: bool = False):
     """A private `ray start --head` cluster (its own process group, its own temp dir): its
-    ``env`` reaches it, ``kill()`` stops every process of it at once, by its group's pid."""
+    ``env`` reaches it, ``kill()`` stops every process of it at once, by its group's pid.
+    ``dashboard``: with Ray's dashboard (its job server: ``ray job submit``) on 127.0.0.1, at
+    the ``dashboard`` address it yields."""
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths are capped
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port, dash_port = free_port(), free_port(), free_port()
+    board = (
+        ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}"]
+        if dashboard
+        else ["--include-dashboard=false"]
+    )
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -149,7 +156,7 @@ def ray_head():
             "--block",
             f"--port={port}",
             "--num-cpus=8",
-            "--include-dashboard=false",
+            *board,
             "--disable-usage-stats",
             f"--temp-dir={temp_dir}",
             f"--metrics-export-port={metrics_port}",
@@ -185,8 +192,10 @@ def ray_head():
 
     try:
         wait_for_port(port, 90)
+        if dashboard:
+            wait_for_port(dash_port, 90)
         yield {"env": env(RAY_ADDRESS=f"127.0.0.1:{port}"), "metrics_port": metrics_port,
-               "kill": kill}  # fmt: skip
+               "kill": kill, "dashboard": f"http://127.0.0.1:{dash_port}"}  # fmt: skip
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)

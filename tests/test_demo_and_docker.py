@@ -104,6 +104,30 @@ def test_the_ray_train_demo_prints_a_two_rank_table(tmp_path):
         "rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"]  # fmt: skip
 
 
+@pytest.mark.subprocess
+def test_the_attach_demo_profiles_a_job_that_imports_nothing_of_ours(tmp_path):
+    """``make demo DEMO_ARGS="--attach"``: the job (trainers/reference/unchanged.py) is profiled
+    through the runtime_env's setup hook alone, on its optimizer steps; two-rank table."""
+    from pathlib import Path
+
+    from tests.house_rules import PACKAGES, imports
+
+    job = Path(ROOT, "trainers", "reference", "unchanged.py")
+    used = imports("trainers.reference.unchanged", job)
+    assert not [m for m in used if m.split(".")[0] in PACKAGES], used  # nothing of ours
+    flags = ["--steps", "8", "--run-name", "at", "--skip-first", "1", "--wait", "1"]
+    proc = run_demo("--attach", "--save-path", str(tmp_path), *flags, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "an unchanged job: 2 policy actors, 8 global steps of 2 optimizer steps each" in out
+    assert len([ln for ln in out.splitlines() if ln.startswith("step ")]) == 8
+    # 16 optimizer steps, the first spent attaching: windows record 3-4 and 7-8
+    assert "  window 0: steps [3, 4]\n" in out and "  window 1: steps [7, 8]\n" in out
+    assert "  attached.PolicyWorker rank 1: ok, windows 2" in out
+    assert "== top kernels, policy, window 1 steps [7, 8], ranks [0, 1]" in out
+    assert "Optimizer.step#Adam.step" in out
+
+
 def test_demo_config_file_and_flags(tmp_path):
     cfg_file = tmp_path / "profiler.yaml"
     cfg_file.write_text("wait: 7\nactive: 4\nexport_type: chrome_trace\nranks: [0]\n")

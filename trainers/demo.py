@@ -5,6 +5,8 @@
     python -m trainers.demo --config profiler.yaml --address HOST:PORT
     python -m trainers.demo --trainer ray-train  # SPMD: a Ray Train TorchTrainer, every rank
                                                  # stepping itself (RankSession)
+    python -m trainers.demo --attach             # a job that imports nothing of ours, profiled
+                                                 # through the runtime_env's setup hook alone
 
 With ``--address`` it joins a running cluster and leaves the coordinator alive afterwards, so a
 notebook can read it (``ray.get_actor("profiler", namespace="profiler")``).
@@ -48,6 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--top-k", type=int, default=10, help="rows in the printed kernel table")
     ap.add_argument("--no-profile", action="store_true", help="run with profiling disabled")
     ap.add_argument("--address", help="join this Ray cluster instead of starting one")
+    ap.add_argument(
+        "--attach", action="store_true",
+        help="run a job that imports nothing of ours (trainers.reference.unchanged), profiled "
+        "only through runtime_env's worker_process_setup_hook; steps are optimizer steps",
+    )  # fmt: skip
     ap.add_argument("--namespace", default="profiler")
     ap.add_argument(
         "--spread", action="store_true", help="policy ranks dealt over the nodes in turn"
@@ -99,11 +106,16 @@ def build_config(args: argparse.Namespace) -> ProfilerConfig:
     return ProfilerConfig.from_dict(values)
 
 
-def connect_ray(address: str | None, namespace: str) -> None:
+def connect_ray(address: str | None, namespace: str, hook_config: str | None = None) -> None:
+    """Start or join Ray; ``hook_config``: the job's ``runtime_env`` names the setup hook with
+    this config (the YAML text), as a user attaching to an unchanged job would."""
     import ray
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {"env_vars": {"PYTHONPATH": root}}
+    env: dict[str, Any] = {"env_vars": {"PYTHONPATH": root}}
+    if hook_config is not None:
+        env["worker_process_setup_hook"] = "worker_ext.attach.setup"
+        env["env_vars"]["RAY_PROFILER_CONFIG"] = hook_config
     if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(
@@ -154,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
     from trainers.reference.workers import make_policy_group, make_rollouts
 
     cfg = build_config(args)
+    if args.attach:
+        return run_attached(args, cfg)
     connect_ray(args.address, args.namespace)
     wait_for_nodes(args.min_nodes)
     if args.trainer == "ray-train":
@@ -231,6 +245,42 @@ def run_spmd(args: argparse.Namespace, cfg: ProfilerConfig) -> int:
     return 0
 
 
+def run_attached(args: argparse.Namespace, cfg: ProfilerConfig) -> int:
+    """``--attach``: ``trainers.reference.unchanged`` (policy actors called by this driver, two
+    optimizer steps per global step), which imports nothing of ours; only the job's
+    ``runtime_env`` names the setup hook. Windows are counted in each rank's optimizer steps."""
+    import ray
+
+    from trainers.reference.unchanged import single_controller
+
+    values = cfg.to_dict()
+    values["attach"] = {**values["attach"], "namespace": args.namespace}
+    values["roles"] = {}  # (one role: the policy actors)
+    connect_ray(args.address, args.namespace, yaml.safe_dump(values))
+    t_start = time.perf_counter()
+    print(
+        f"an unchanged job: {args.ranks} policy actors, {args.steps} global steps of 2 optimizer "
+        f"steps each; profiled through the setup hook: {'on' if cfg.enable else 'off'}"
+    )
+    losses = single_controller(
+        args.steps, ranks=args.ranks,
+        on_step=lambda k, loss, s: print_step(k, "loss", loss, s, "(optimizer steps)"),
+    )  # fmt: skip
+    print(f"loss: first {losses[0]:.4f}, last {losses[-1]:.4f}; "
+          f"wall {time.perf_counter() - t_start:.1f} s")  # fmt: skip
+    if cfg.enable:
+        try:
+            coordinator = ray.get_actor(cfg.attach.name, namespace=args.namespace)
+        except ValueError:
+            print("no coordinator: no process attached (see the workers' logs)")
+            return 1
+        report(coordinator, args.top_k)
+        if args.address is None:
+            ray.kill(coordinator)
+    ray.shutdown()
+    return 0
+
+
 def report(coordinator: Any, top_k: int) -> None:
     """Once the traces are finished: the status, the top kernels and the phase times."""
     import ray
@@ -277,8 +327,10 @@ def print_status(status: dict[str, Any]) -> None:
         print(f"  window {w['index']}: steps {w['steps']}{flag}")
         for part in w["roles"].values():
             busy = part["busy_ms_per_step"]
+            opt = part.get("optimizer_steps")
             print(
                 f"    {part['role']:<8} ranks {part['ranks']}"
+                f"{f', optimizer steps {opt[0]}-{opt[1]}' if opt else ''}"
                 f"{f', busy {busy:.1f} ms/step' if busy is not None else ''}"
                 f" -> {part['trace_dir']}"
             )
@@ -286,9 +338,11 @@ def print_status(status: dict[str, Any]) -> None:
 
 def print_kernels(kernels: dict[str, Any]) -> None:
     """One role's cross-rank top-kernel table of the last window."""
+    opt = kernels.get("optimizer_steps")
     print(
         f"\n== top kernels, {kernels['role']}, window {kernels['window']} steps "
-        f"{kernels['steps']}, ranks {kernels['ranks']}, self {kernels['device']} time "
+        f"{kernels['steps']}{f' (optimizer steps {opt[0]}-{opt[1]})' if opt else ''}, "
+        f"ranks {kernels['ranks']}, self {kernels['device']} time "
         f"({kernels['unit']}) =="
     )
     print(

@@ -79,6 +79,8 @@ class RankSession:
         self._stepped: Any = None  # rank 0's last step report (its ObjectRef)
         self._owner = (DEFAULT_NAMESPACE, DEFAULT_NAME)  # the coordinator's namespace and name
         self._board: BoardReader | None = None  # this node's plan board, once the loop starts
+        self._attached: dict[str, Any] | None = None  # set by the attach hook
+        self.closed_extra: Any = None  # closed window -> fields to add (SkyRL: optimizer steps)
 
     # ------------------------------------------------------------------ attach
 
@@ -92,6 +94,7 @@ class RankSession:
         world_size: int | None = None,
         name: str = DEFAULT_NAME,
         namespace: str = DEFAULT_NAMESPACE,
+        attached: dict[str, Any] | None = None,
     ) -> RankSession:
         """Attach this rank to the coordinator's run (creating the coordinator if needed).
 
@@ -103,7 +106,7 @@ class RankSession:
             role: what these ranks do (``policy``, ...): ``window_.../<role>/rank<r>...``.
             rank, world_size: this rank and the number of ranks, used only when neither Ray
                 Train (``ray.train.get_context()``) nor ``torch.distributed`` says.
-            name, namespace: the coordinator actor's.
+            name, namespace: the coordinator actor's; attached: the setup hook's account.
 
         Returns:
             The session; ``enabled`` says whether this rank is profiled, ``disabled_reason``
@@ -132,6 +135,7 @@ class RankSession:
             return _off(cls(trainer_id, rank, world_size, None), "attach", found)
         me, world = found
         session = cls(trainer_id, me, world, None)
+        session._attached = attached
         taken = _claim(f"trainer {trainer_id!r} rank {me}")
         if taken is not None:
             return _off(session, "attach", taken)
@@ -156,6 +160,8 @@ class RankSession:
         where = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
         with contextlib.suppress(Exception):  # (not in an actor: a plain process)
             where["actor"] = ray.get_runtime_context().current_actor  # (for stacks())
+        if self._attached is not None:
+            where["attached"] = self._attached
         assert self.rank is not None and self.world_size is not None
         ref = coord.attach_rank.remote(
             cfg.to_dict(), self.trainer_id, self.rank, self.world_size, role, where
@@ -262,7 +268,7 @@ class RankSession:
             return
         self._run(self._plan.stop(), self._last_step)
         if self.rank == 0 and end_run:
-            self._end_run()
+            _end_run(self)
         _release()
 
     # ------------------------------------------------------------------ inside
@@ -286,6 +292,8 @@ class RankSession:
             closed = reply["closed"] if reply and reply["closed"] else closed
         fault = p.fault is not None and not self._told_fault
         if reply is not None and (closed or fault):
+            if closed and self.closed_extra is not None:
+                closed = {**closed, **self.closed_extra(closed)}
             self._told_fault = self._told_fault or fault
             self._tell(step, {**reply, "closed": closed})
 
@@ -334,21 +342,22 @@ class RankSession:
         except Exception as exc:  # never the training's problem
             log.warning("profiler: rank 0 could not report step %s: %s", step, exc)
 
-    def _end_run(self) -> None:
-        """Rank 0 ends the run: its last step report (answered first: an async actor may run
-        two calls out of order), then ``stop``, waited for."""
-        import ray
 
-        if self._unreported is not None:  # (with the phase records not yet sent)
-            self._send_step(self._unreported)
-        assert self.config is not None
-        wait_s = self.config.worker_timeout_s
-        try:
-            if self._stepped is not None:
-                ray.wait([self._stepped], timeout=wait_s)
-            ray.get(self.coordinator.stop.remote(self.trainer_id), timeout=wait_s + 5)
-        except Exception as exc:  # never the training's problem
-            log.warning("profiler: rank 0 could not end the run at the coordinator: %s", exc)
+def _end_run(session: RankSession) -> None:
+    """Rank 0 ends the run: its last step report (answered first: an async actor may run
+    two calls out of order), then ``stop``, waited for."""
+    import ray
+
+    if session._unreported is not None:  # (with the phase records not yet sent)
+        session._send_step(session._unreported)
+    assert session.config is not None
+    wait_s = session.config.worker_timeout_s
+    try:
+        if session._stepped is not None:
+            ray.wait([session._stepped], timeout=wait_s)
+        ray.get(session.coordinator.stop.remote(session.trainer_id), timeout=wait_s + 5)
+    except Exception as exc:  # never the training's problem
+        log.warning("profiler: rank 0 could not end the run at the coordinator: %s", exc)
 
 
 def with_train_storage(config: Any) -> Any:

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+NO_REGIONS: dict[str, float] = {}
+
 
 class PhaseClock:
     """The regions of the step in progress (see the module docstring)."""
@@ -37,8 +39,14 @@ class PhaseClock:
         self._regions[name] = self._regions.get(name, 0.0) + seconds
 
     def close_step(self, step: int) -> list[Any] | None:
-        """The record of step ``step``; None before the first ``begin_step``."""
-        regions, self._regions = self._regions, {}
+        """The record of step ``step``; None before the first ``begin_step``. A step with no
+        region shares one empty mapping (read, never changed): a step timed by the attach hook
+        alone allocates no dict."""
+        regions = self._regions
+        if regions:
+            self._regions = {}
+        else:
+            regions = NO_REGIONS
         if self._began is None:
             return None
         return [step, max(0.0, self.now() - self._began), regions]

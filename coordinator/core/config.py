@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.core.attach import Attach
 from coordinator.core.roles import POLICY, checked_ranks, checked_roles, role_ranks
 from coordinator.core.slowdown import AutoCapture
 from coordinator.core.storage import check_backend, is_remote, local_path, redact
@@ -134,6 +135,10 @@ class ProfilerConfig:
     """Where each settled window's figures and the phase times go in the trainer's process:
     ``tensorboard: {log_dir}``, ``mlflow: {tracking_uri, experiment}``, ``wandb: {project,
     mode}`` (see ``coordinator.core.trackers_config.Trackers``); none by default."""
+    attach: Attach = field(default_factory=Attach)
+    """The attach hook's settings (``worker_ext.attach.setup``): ``trainer_id``, ``role``,
+    ``actor_classes``, and the coordinator's ``name`` and ``namespace`` (see
+    ``coordinator.core.attach.Attach``)."""
 
     @classmethod
     def from_dict(
@@ -175,6 +180,8 @@ class ProfilerConfig:
                 values[key] = AutoCapture.from_value(value)
             elif key == "trackers":
                 values[key] = Trackers.from_value(value)
+            elif key == "attach":
+                values[key] = Attach.from_value(value)
             else:
                 values[key] = _plain(value)
         return cls(**values).validate(check_paths)
@@ -190,6 +197,7 @@ class ProfilerConfig:
         }
         out["storage_options"] = dict(self.storage_options)
         out["trackers"] = self.trackers.to_dict()
+        out["attach"] = self.attach.to_dict()
         return out
 
     def public_dict(self) -> dict[str, Any]:
@@ -250,6 +258,7 @@ class ProfilerConfig:
                 )
         self.auto_capture = AutoCapture.from_value(self.auto_capture).validate()
         self.trackers = Trackers.from_value(self.trackers).validate()
+        self.attach = Attach.from_value(self.attach).validate()
         self.ranks = checked_ranks(self.ranks)
         self.roles = checked_roles(self.roles)
         self._validate_activities()

@@ -151,6 +151,7 @@ class WindowFile(msgspec.Struct, tag="window", tag_field="kind"):
     roles: dict[str, str]
     primary: str | None
     changes: int
+    optimizer_steps: dict[str, tuple[int, int]] = {}  # (a file written before it: none)
 
 
 class MarksFile(msgspec.Struct, tag="marks", tag_field="kind"):
@@ -293,6 +294,7 @@ def window_file(run: str, rec: WindowRecord) -> WindowFile:
         roles=dict(getattr(rec, "roles", {})),
         primary=getattr(rec, "primary", None),
         changes=getattr(rec, "changes", 0),
+        optimizer_steps=dict(getattr(rec, "optimizer_steps", {})),
     )
 
 

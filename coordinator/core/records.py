@@ -11,7 +11,9 @@ from coordinator.core.schedule import Window
 from coordinator.protocol.replies import (
     AgentEntry,
     AgentError,
+    AttachedEntry,
     AutoTrigger,
+    OptimizerSteps,
     RankEntry,
     RankState,
     RegressionEntry,
@@ -46,6 +48,7 @@ class RankRecord:
     node_id: str | None = None
     pid: int | None = None
     stack_dump: StackDump | None = None  # how its agent reads its stack without py-spy
+    attached: AttachedEntry | None = None  # a rank the setup hook attached: job, class, pid
 
     @property
     def active(self) -> bool:
@@ -70,6 +73,7 @@ class RankRecord:
             "agent": self.agent,
             "last_agent_error": self.last_agent_error,
             "node_id": self.node_id,
+            "attached": self.attached,
         }
 
 
@@ -128,6 +132,8 @@ class WindowRecord:
     roles: dict[str, str] = field(default_factory=dict)  # trainer_id -> role, at the opening
     primary: str | None = None  # the stepping trainer: the per-rank fields are its ranks
     changes: int = 0  # bumped where a trace or a lost summary is recorded over another
+    # trainer_id -> (first, last) optimizer steps, for ranks whose steps are a driver's
+    optimizer_steps: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (the checkpoint) and copied without the cache of role parts."""
@@ -275,4 +281,12 @@ class WindowRecord:
             "busy_ms_per_step_max": busy[1] if busy else None,
             "step_ms": step_ms(agg) if agg is not None else {},
             "regression": None,  # filled in by to_dict (marks change without a new part)
+            **optimizer_steps_of(self, tid),
         }
+
+
+def optimizer_steps_of(rec: WindowRecord, tid: str | None) -> OptimizerSteps:
+    """``{"optimizer_steps": [first, last]}`` of trainer ``tid`` in ``rec``, when its ranks
+    said them (a checkpoint or record from before has none: ``{}``)."""
+    steps = getattr(rec, "optimizer_steps", {}).get(tid or "")
+    return {"optimizer_steps": list(steps)} if steps else {}

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.core.validate import check_known_keys
+from coordinator.core.validate import section_values
 from coordinator.protocol.replies import AutoTrigger
 
 # Steps the baseline needs before anything can be called slow.
@@ -54,15 +54,8 @@ class AutoCapture:
         """From a mapping (unknown keys rejected by name), or an ``AutoCapture``."""
         if isinstance(value, AutoCapture):
             return value
-        if value is None or not hasattr(value, "keys"):
-            raise ValueError(
-                "profiler config: 'auto_capture' must be a mapping of "
-                f"{[f.name for f in dataclasses.fields(cls)]}, got {type(value).__name__}: "
-                f"{value!r:.80}"
-            )
-        keys = list(value.keys())  # (OmegaConf mappings are not always iterable dicts)
-        check_known_keys(keys, [f.name for f in dataclasses.fields(cls)], "auto_capture.")
-        return cls(**{k: value[k] for k in keys})
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**section_values(value, names, "auto_capture"))
 
     def validate(self) -> AutoCapture:
         """Raise ValueError naming the field and the value; returns self."""

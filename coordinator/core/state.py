@@ -12,9 +12,10 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from coordinator.core.aggregate import empty_summary
-from coordinator.core.records import RankRecord, TrainerRecord, WindowRecord
+from coordinator.core.records import RankRecord, TrainerRecord, WindowRecord, optimizer_steps_of
 from coordinator.core.schedule import Window
 from coordinator.core.steps import Steps
+from coordinator.core.validate import is_int
 from coordinator.protocol.partial_codec import decode_partial
 from coordinator.protocol.replies import (
     AgentError,
@@ -161,8 +162,7 @@ class CoordinatorState:
             rec.agent = reply["agent"]
         if isinstance(reply.get("last_agent_error"), dict):
             rec.last_agent_error = reply["last_agent_error"]
-        pending = reply.get("summaries_pending")
-        pending = set(pending) if isinstance(pending, list) else set()
+        pending = set(p) if isinstance(p := reply.get("summaries_pending"), list) else set()
         closed = reply.get("closed")
         if isinstance(closed, dict):
             self._apply_closed(key, closed, pending)
@@ -196,6 +196,7 @@ class CoordinatorState:
                 if key not in w.traces:  # (the agent can report it before the closing reply)
                     w.traces_pending.add(key)
         w.partial = w.partial or bool(closed.get("partial"))
+        _note_optimizer_steps(w, key, closed.get("optimizer_steps"))
         if index in pending and not w.has_summary(key):  # (a push can come before the close)
             w.summaries_pending.add(key)
             _awaiting_summaries(self, index)
@@ -418,4 +419,20 @@ def with_window(
     out["trainer_id"] = tid
     out["role"] = getattr(rec, "roles", {}).get(tid or "") if tid else None
     out["summaries_pending"] = sorted(r for t, r in rec.summaries_pending if t == tid)
+    if opt := optimizer_steps_of(rec, tid):
+        out["optimizer_steps"] = opt["optimizer_steps"]
     return out
+
+
+def _note_optimizer_steps(w: WindowRecord, key: tuple[str, int], steps: Any) -> None:
+    """A rank's optimizer steps of the window (``ClosedWindow.optimizer_steps``): the first
+    rank to say them, rank 0 over any other; anything but two ordered step numbers ignored."""
+    if not (isinstance(steps, list) and len(steps) == 2 and all(is_int(s) for s in steps)):
+        return
+    first, last = steps
+    if not 0 <= first <= last < 2**62:
+        return
+    kept = w.__dict__.setdefault("optimizer_steps", {})  # (a checkpoint from before: none)
+    if key[0] not in kept or key[1] == 0:
+        kept[key[0]] = (first, last)
+        w.changes += 1

@@ -108,6 +108,19 @@ def check_known_keys(keys: Any, names: list[str], prefix: str = "") -> None:
             raise ValueError(f"profiler config: unknown key {prefix + str(key)!r}{hint}")
 
 
+def section_values(value: Any, fields: list[str], name: str) -> dict[str, Any]:
+    """A config section's fields from a mapping (an OmegaConf one too): ValueError naming the
+    section when it is not a mapping, and an unknown key by name (``check_known_keys``)."""
+    if value is None or not hasattr(value, "keys"):
+        raise ValueError(
+            f"profiler config: {name!r} must be a mapping of {fields}, got "
+            f"{type(value).__name__}: {value!r:.80}"
+        )
+    keys = list(value.keys())  # (OmegaConf mappings are not always iterable dicts)
+    check_known_keys(keys, fields, f"{name}.")
+    return {k: value[k] for k in keys}
+
+
 def span(ranks: list[int]) -> str:
     """``0-7`` for a contiguous list of ranks, else the list."""
     if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)):

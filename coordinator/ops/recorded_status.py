@@ -74,6 +74,7 @@ def recorded_status(rec: Recorded, ranks: str = "summary") -> StatusReply:
             "last_trigger": None,
         },
         "stalls": list(rec.stalls),
+        "attach_problems": [],
     }
 
 

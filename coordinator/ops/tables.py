@@ -152,8 +152,11 @@ def render_top(ks: KernelSummaryReply) -> str:
         if ks["device"] == "cuda"
         else f"self {ks['device']} time"
     )
+    opt = ks.get("optimizer_steps")
     head = (
-        f"window {ks['window']} steps {ks['steps']}{' partial' if ks['partial'] else ''}, "
+        f"window {ks['window']} steps {ks['steps']}"
+        f"{f' (optimizer steps {opt[0]}-{opt[1]})' if opt else ''}"
+        f"{' partial' if ks['partial'] else ''}, "
         f"{ks.get('role') or 'policy'} ranks {ks['ranks']}, {what} in {ks['unit']}"
     )
     if ks.get("summaries_pending"):

@@ -69,7 +69,14 @@ class AgentEntry(TypedDict):
     name: str | None  # the node agent's actor name (namespace ``profiler_agents``)
 
 
-class ClosedWindow(TypedDict):
+class OptimizerSteps(TypedDict, total=False):
+    """A window's optimizer steps, where they are not its steps: a rank that counts global
+    steps a driver reports (SkyRL's ``profile_step``) runs several optimizer steps per step."""
+
+    optimizer_steps: list[int] | None  # [first, last] of the window, its first rank's
+
+
+class ClosedWindow(OptimizerSteps):
     """On the reply that stopped a window (whether the rank's summary of it is still being
     built: ``RankReply.summaries_pending``)."""
 
@@ -267,7 +274,7 @@ class AutoTrigger(TypedDict):
     region: str | None  # the part of the step that grew, when known
 
 
-class RoleWindow(TypedDict):
+class RoleWindow(OptimizerSteps):
     """One trainer's (one role's) part of a window, in ``WindowEntry["roles"]``: its ranks and
     traces are its own, and its ops never mix into another role's table."""
 
@@ -327,6 +334,32 @@ class TrainerEntry(TypedDict):
     spmd: bool  # its ranks step themselves (``RankSession``); ``ranks``: those attached
 
 
+class AttachedEntry(TypedDict):
+    """A rank attached by the setup hook (``worker_ext.attach``), with no code of ours in its
+    job: where it runs and how it knew its rank."""
+
+    job_id: str | None
+    actor_class: str | None
+    pid: int | None
+    node_id: str | None
+    source: str  # "torch.distributed", "ray.train" or "actor"
+    optimizer: str  # the class of the optimizer whose steps are its steps
+
+
+class AttachProblemEntry(TypedDict):
+    """``status()["attach_problems"]``: a process of an attached job that is not profiled, or
+    an attached rank's warning (its ``trainer_id`` and ``rank`` then set), newest last."""
+
+    at: float  # epoch seconds
+    problem: str
+    pid: int | None
+    node_id: str | None
+    job_id: str | None
+    actor_class: str | None
+    trainer_id: str | None
+    rank: int | None
+
+
 class RankEntry(TypedDict):
     """One registered rank, in ``status()["ranks"]``."""
 
@@ -341,6 +374,7 @@ class RankEntry(TypedDict):
     agent: AgentEntry | None
     last_agent_error: AgentError | None
     node_id: str | None
+    attached: AttachedEntry | None  # set for a rank attached by the setup hook
 
 
 class WindowSteps(TypedDict):
@@ -458,6 +492,7 @@ class StatusReply(TypedDict):
     record: RecordEntry
     auto_capture: AutoCaptureEntry
     stalls: list[StallEntry]  # the watchdog's recent stalls, oldest first (bounded)
+    attach_problems: list[AttachProblemEntry]  # attached processes not profiled (bounded)
 
 
 NodePath = Literal["agent", "direct"]
@@ -598,7 +633,7 @@ class MemoryTable(TypedDict):
     ops: list[MemoryStats]
 
 
-class KernelSummaryReply(TypedDict):
+class KernelSummaryReply(OptimizerSteps):
     """``kernel_summary()``: one window's cross-rank tables."""
 
     run: str

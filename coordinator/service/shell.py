@@ -25,6 +25,7 @@ from coordinator.core.config import ProfilerConfig
 from coordinator.core.run import Run, new_run
 from coordinator.core.stall_watch import StallWatch
 from coordinator.protocol.replies import (
+    AttachProblemEntry,
     AutoCaptureEntry,
     AutoTrigger,
     CaptureReply,
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 CONFIGURE_TIMEOUT_S = 120.0
 PREVIOUS_RUNS = 8
 STALL_HISTORY = 16  # stalls kept in status()
+ATTACH_PROBLEMS = 32  # attached processes' problems kept in status()
 # Changes that only move the global step, or add a summary, are saved at most this often.
 CHECKPOINT_INTERVAL_S = 1.0
 Key = tuple[str, int]
@@ -109,6 +111,7 @@ class CoordinatorShell:
         # status()'s parts of large windows: never queued behind a table a read is building
         self.status_parts = concurrent.futures.ThreadPoolExecutor(1, "profiler-status")
         self.stalls: collections.deque[StallEntry] = collections.deque(maxlen=STALL_HISTORY)
+        self.attach_problems = collections.deque[AttachProblemEntry](maxlen=ATTACH_PROBLEMS)
         self._watch: tuple[str, StallWatch] | None = None
         self.phases = PhaseStore(self.refuse, self.metrics.phases)
         # The run's record in save_path (``run_recorder``): told of changes, shown in status().

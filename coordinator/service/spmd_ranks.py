@@ -25,6 +25,7 @@ from typing import Any
 
 import ray
 
+from coordinator.core.attach import attached_entry, problem_entry
 from coordinator.core.records import RankRecord, TrainerRecord
 from coordinator.core.run import Run
 from coordinator.core.validate import is_int, role_problem, step_problem, trainer_id_problem
@@ -97,6 +98,7 @@ class SpmdRanks:
                 record.node_id = node if isinstance(node, str) else None
                 if isinstance(where.get("actor"), ray.actor.ActorHandle):  # (stacks, liveness)
                     t.handles[rank] = where["actor"]
+                record.attached = attached_entry(where.get("attached"))
             st.ranks_version += 1
             sh.save()
             return {
@@ -321,3 +323,13 @@ class SpmdRPCs:
         fault disabled it. A rank the run does not know, or a status from an earlier process
         of the rank (``generation``, from ``attach_rank``), is refused (counted, logged once)."""
         await self._spmd.rank_status(trainer_id, rank, step, reply, generation)
+
+    async def attach_problem(self, where: dict[str, Any], problem: str) -> None:
+        """A process of a job attached by the setup hook (``worker_ext.attach``) is not
+        profiled, or an attached rank warns (``where``: its ``pid``, ``node_id``, ``job_id``,
+        ``actor_class``, and ``trainer_id`` and ``rank`` when known); kept, bounded, in
+        ``status()["attach_problems"]``. Sent without waiting. Raises ValueError for an
+        empty problem or a ``where`` that is not a mapping."""
+        entry = problem_entry(where, problem, time.time())
+        self._spmd.shell.attach_problems.append(entry)
+        log.warning("profiler: attached process %s: %s", entry["pid"], entry["problem"])

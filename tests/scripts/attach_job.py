@@ -1,0 +1,50 @@
+"""A user's driver: ``python -m tests.scripts.attach_job JOB OUT [--hook]``. It imports nothing of
+this project; with ``--hook`` the job's ``runtime_env`` names the setup hook and the config
+(``RAY_PROFILER_CONFIG`` from this process's environment), and nothing else changes.
+
+JOB: ``hf``, ``lightning`` or ``trl`` (Ray Train, 2 workers) or ``single`` (two actors called by
+this driver: ``trainers.reference.unchanged``, which imports nothing of the project either).
+Joins the cluster at ``RAY_ADDRESS``. Prints ``JOB-DONE`` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import ray
+
+from tests.scripts.unchanged_jobs import TRAIN
+from trainers.reference.unchanged import single_controller
+
+
+def main() -> None:
+    job, out, hook = sys.argv[1], sys.argv[2], "--hook" in sys.argv[3:]
+    pace_s = float(os.environ.get("PACE_S", "0.05"))
+    os.makedirs(out, exist_ok=True)
+    env = {"PYTHONPATH": os.environ["PYTHONPATH"], "RAY_AUTH_MODE": "disabled"}
+    runtime_env: dict = {"env_vars": env}
+    if hook:
+        runtime_env["worker_process_setup_hook"] = "worker_ext.attach.setup"
+        env["RAY_PROFILER_CONFIG"] = os.environ["RAY_PROFILER_CONFIG"]
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), runtime_env=runtime_env,
+             log_to_driver=False)  # fmt: skip
+    if job == "single":  # (two actors, 20 global steps of 2 optimizer steps each)
+        with open(os.path.join(out, "losses.json"), "w") as f:
+            json.dump(single_controller(20, pace_s=pace_s), f)
+    else:
+        from ray.train import RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        TorchTrainer(
+            TRAIN[job],
+            train_loop_config={"out": out, "pace_s": pace_s},
+            scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+            run_config=RunConfig(storage_path=os.path.join(out, "train"), name=f"{job}-job"),
+        ).fit()
+    print("JOB-DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()

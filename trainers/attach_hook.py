@@ -1,0 +1,235 @@
+"""An attached process's first optimizer step, and every step after it (``worker_ext.attach``).
+
+The first step reads the config (``RAY_PROFILER_CONFIG``), says who the process is
+(``coordinator.core.attach.identify``) and attaches a ``RankSession`` for it. From then on each
+optimizer step is a step of that session: step ``k`` is the process's ``k``-th optimizer step
+(as Hugging Face's ``global_step`` counts them), so the first step, spent attaching, is never
+in a window. Windows, captures and the step reports are ``RankSession``'s.
+
+What the windows count: the steps of one optimizer, the first the process stepped; a second
+optimizer's steps are not counted (said once, in the log and ``status()``); when the counted
+optimizer is gone (freed), the next one stepped takes its place. Steps from a thread other
+than the first step's never touch the profiler (torch.profiler is not safe across threads).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from coordinator.core.attach import CONFIG_ENV, Attach, Identity, identify, read_source
+from coordinator.core.config import ProfilerConfig
+from coordinator.protocol.names import DEFAULT_NAME, DEFAULT_NAMESPACE
+from trainers.rank_session import RankSession, with_train_storage
+
+log = logging.getLogger(__name__)
+Step = Callable[[Any], None]
+_thread_id = threading.get_ident
+
+
+def first_step(optimizer: Any) -> Step:
+    """Attach this process at its first optimizer step; returns what each later step runs."""
+    try:
+        mapping = read_source(os.environ.get(CONFIG_ENV))
+        if not mapping.get("enable") or skyrl_switch(mapping):
+            return _nothing  # (off; or SkyRL's profiler calls drive it: trainers.skyrl_profiler)
+        cfg = ProfilerConfig.from_dict(with_train_storage(mapping))
+    except ValueError as exc:
+        return _refused(str(exc), _where(), DEFAULT_NAME, DEFAULT_NAMESPACE)
+    who = identify(cfg.attach, _dist(), _train(), _actor())
+    name, namespace = cfg.attach.name, cfg.attach.namespace
+    if isinstance(who, str):
+        if cfg.attach.actor_classes is not None and "attach.actor_classes" in who:
+            log.info("profiler: not attached: %s", who)  # (left alone, as asked)
+            return _nothing
+        return _refused(who, _where(), name, namespace)
+    attached = {**_where(), "source": who.source, "optimizer": type(optimizer).__name__}
+    session = RankSession.attach(
+        cfg, who.trainer_id, cfg.attach.role, who.rank, who.world_size, name, namespace, attached
+    )
+    if _is_off(session):
+        return _nothing  # (RankSession said why, once)
+    session.start(first_step=2)  # (this first step was spent attaching)
+    if _is_off(session):
+        return _nothing
+    log.info("profiler: attached as %s, counting %s steps", who.describe(), attached["optimizer"])
+    return AttachedRank(session, who, optimizer).step
+
+
+class AttachedRank:
+    """The steps of an attached rank (see the module docstring)."""
+
+    def __init__(self, session: RankSession, who: Identity, optimizer: Any) -> None:
+        self.session, self.who = session, who
+        self.count = 1  # optimizer steps done (the first one attached)
+        self._counted = weakref.ref(optimizer)
+        self._thread = threading.get_ident()
+        self._said: set[str] = set()
+
+    def step(self, optimizer: Any) -> None:
+        """One optimizer step has finished: a step of the session when it is the counted
+        optimizer's, on the training thread."""
+        if optimizer is self._counted() and _thread_id() == self._thread:
+            self.count += 1
+            self.session.step(self.count)
+        else:
+            self._other(optimizer)
+
+    def _other(self, optimizer: Any) -> None:
+        if threading.get_ident() != self._thread:
+            self._once(
+                "thread",
+                f"an optimizer ({type(optimizer).__name__}) stepped on another thread than the "
+                "training thread: its steps are not counted and never touch the profiler",
+            )
+        elif self._counted() is None:  # the counted optimizer is gone: this one counts now
+            self._counted = weakref.ref(optimizer)
+            self.step(optimizer)
+        else:
+            counted = type(self._counted()).__name__
+            self._once(
+                "optimizer",
+                f"a second optimizer ({type(optimizer).__name__}) steps in this process: the "
+                f"windows count the steps of the first one ({counted}) only",
+            )
+
+    def _once(self, kind: str, what: str) -> None:
+        if kind in self._said:
+            return
+        self._said.add(kind)
+        log.warning("profiler: %s: %s", self.who.describe(), what)
+        tell_problem(self.session.coordinator, _where(self.who), what)
+
+
+def skyrl_loaded(module: Any) -> None:
+    """SkyRL's profiler module has run in this process: with ``attach.skyrl`` on, its
+    ``Profiler`` (what ``build_profiler_from_policy_cfg`` builds) becomes the coordinated one;
+    otherwise it is left as SkyRL ships it."""
+    try:
+        mapping = read_source(os.environ.get(CONFIG_ENV))
+        on = bool(mapping.get("enable")) and skyrl_switch(mapping)
+    except ValueError as exc:  # (SkyRL's profiler, as shipped, is built; the log says why)
+        log.error("profiler: SkyRL's profiler is left as it is: %s", exc)
+        return
+    if on:
+        from trainers.skyrl_profiler import SkyRLProfiler
+
+        module.Profiler = SkyRLProfiler
+
+
+def skyrl_switch(mapping: Any) -> bool:
+    """``attach.skyrl`` of a config mapping, read from its ``attach`` section alone (SkyRL's
+    config brings the rest, ``save_path`` included). Raises ValueError for a bad section."""
+    return Attach.from_value(mapping.get("attach") or {}).validate().skyrl
+
+
+def tell_problem(coordinator: Any, where: dict[str, Any], problem: str) -> None:
+    """One line for ``status()["attach_problems"]``, not waited for; never raises."""
+    try:
+        coordinator.attach_problem.remote(where, problem)
+    except Exception as exc:  # the coordinator is away: the log has it
+        log.debug("profiler: attach problem not sent: %s", exc)
+
+
+def _refused(problem: str, where: dict[str, Any], name: str, namespace: str) -> Step:
+    """Not profiled: one error in this worker's log, and in the coordinator's ``status()``
+    when one is running (none is started for it)."""
+    log.error("profiler: this process is not profiled (%s); training goes on", problem)
+    try:
+        import ray
+
+        if ray.is_initialized():
+            tell_problem(ray.get_actor(name, namespace=namespace), where, problem)
+    except Exception as exc:  # no coordinator: the log has it
+        log.debug("profiler: no coordinator %s/%s to tell: %s", namespace, name, exc)
+    return _nothing
+
+
+def _is_off(session: RankSession) -> bool:
+    return session.disabled_reason is not None
+
+
+def _nothing(optimizer: Any) -> None:
+    return None
+
+
+def _where(who: Identity | None = None) -> dict[str, Any]:
+    """This process: pid, node, job, actor class (and its rank, once known)."""
+    out: dict[str, Any] = {"pid": os.getpid()}
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            out["node_id"], out["job_id"] = ctx.get_node_id(), ctx.get_job_id()
+            actor = _actor_info(ctx)
+            out["actor_class"] = actor[0] if actor else None
+    except Exception:  # (not in Ray: the pid says enough)
+        pass
+    if who is not None:
+        out["trainer_id"], out["rank"] = who.trainer_id, who.rank
+    return out
+
+
+def _dist() -> tuple[int, int] | None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
+    return None
+
+
+def _train() -> tuple[int, int, str] | None:
+    train = sys.modules.get("ray.train")  # (loaded when Ray Train runs this process)
+    if train is None:
+        return None
+    try:
+        ctx = train.get_context()
+        return int(ctx.get_world_rank()), int(ctx.get_world_size()), ctx.get_experiment_name()
+    except Exception:  # not inside a Ray Train worker
+        return None
+
+
+def _actor() -> tuple[str, int, int] | None:
+    """(class, index, count) of this actor among the job's live actors of its class, in
+    actor-id order, from Ray's actor table; None outside an actor."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return _actor_info(ray.get_runtime_context())
+
+
+def _actor_info(ctx: Any) -> tuple[str, int, int] | None:
+    me = ctx.get_actor_id()
+    if me is None:
+        return None
+    table = ray_actor_table(ctx.get_job_id())
+    mine = table.get(me)
+    if mine is None:
+        return None
+    cls = mine["ActorClassName"]
+    peers = sorted(a for a, info in table.items() if info["ActorClassName"] == cls)
+    return cls, peers.index(me), len(peers)
+
+
+_TABLE: dict[str, Any] = {}
+
+
+def ray_actor_table(job_id: str) -> dict[str, dict[str, Any]]:
+    """The job's actors not dead, by id (read once per process: the first step's)."""
+    if "table" not in _TABLE:
+        import ray
+
+        table = ray._private.state.state.actor_table(None)
+        _TABLE["table"] = {
+            aid: info
+            for aid, info in table.items()
+            if info.get("JobID") == job_id and info.get("State") != "DEAD"
+        }
+    table_: dict[str, dict[str, Any]] = _TABLE["table"]
+    return table_
