@@ -50,7 +50,7 @@ class Rank:
         r0 = RankSession.attach(cfg, trainer_id="spmd", rank=0, world_size=2, namespace="bench")
         import trainers.rank_session as rs
 
-        rs._release()  # (two sessions in one process, for this benchmark only: ranks 0 and 1)
+        rs._release(r0)  # (two sessions in one process, for this benchmark only: ranks 0 and 1)
         r1 = RankSession.attach(cfg, trainer_id="spmd", rank=1, world_size=2, namespace="bench")
         assert r0.disabled_reason is None and r1.disabled_reason is None
         hooks = ProfilingHooks.attach(

@@ -3,7 +3,8 @@ Trainer (each on 2 Ray Train workers) and a single controller with two policy ac
 job's ``runtime_env`` names the setup hook. Each job runs twice on one private cluster, with and
 without it: the losses are bit-identical, and with it a scheduled window and an operator's
 capture land on the same optimizer steps on both ranks, with a trace per rank and the
-cross-rank table."""
+cross-rank table; every rank's stack is read while it runs; the web view serves the ranks and
+the tables; and the single controller's coordinator is killed mid-run, restarted by Ray."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def head():
         yield h
 
 
-def _run(head, args, tmp_path, config=None, timeout=500):
-    env = {**head["env"], "PYTHONPATH": ROOT, "PACE_S": "0.1"}
+def _run(head, args, tmp_path, config=None, timeout=500, **extra):
+    env = {**head["env"], "PYTHONPATH": ROOT, "PACE_S": "0.1", **extra}
     if config is not None:
         env["RAY_PROFILER_CONFIG"] = config
     proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, text=True,
@@ -48,9 +49,11 @@ def test_an_unchanged_job_is_profiled_on_the_same_optimizer_steps_on_every_rank(
     pytest.importorskip(NEEDS[job])
     name = f"attach-{job}"
     config = f"{{enable: true, save_path: {tmp_path / 'p'}, {SCHEDULE}, attach: {{name: {name}}}}}"
-    _run(head, ["tests.scripts.attach_job", job, str(tmp_path / "plain")], tmp_path)
-    _run(head, ["tests.scripts.attach_operator", job, str(tmp_path / "hook"), name], tmp_path,
-         config)  # fmt: skip
+    restart = ["--restart"] if job == "single" else []
+    longer = {"GLOBAL_STEPS": "60"} if restart else {}  # (room for the restart, then a capture)
+    _run(head, ["tests.scripts.attach_job", job, str(tmp_path / "plain")], tmp_path, **longer)
+    _run(head, ["tests.scripts.attach_operator", job, str(tmp_path / "hook"), name, *restart],
+         tmp_path, config, **longer)  # fmt: skip
     report = json.loads((tmp_path / "hook" / "operator.json").read_text())
     st, cap = report["status"], report["capture"]
     assert cap["accepted"], cap
@@ -63,6 +66,13 @@ def test_an_unchanged_job_is_profiled_on_the_same_optimizer_steps_on_every_rank(
             assert os.path.getsize(w["traces"][rank]["path"]) > 0
     for table in report["tables"].values():
         assert table["ranks"] == [0, 1] and table["kernels"], table
+    stacks = report["stacks"]  # (read while the job ran)
+    read = sorted(e["rank"] for e in stacks["entries"] if e["who"] == "rank" and e["stack"])
+    assert read == [0, 1], stacks["unreadable"]
+    web, last = report["web"], st["windows"][-1]["index"]
+    assert {r["attached"]["actor_class"] for r in web["/api/status"]["ranks"]} == {ACTOR[job]}
+    assert web[f"/api/windows/{last}/kernels?top_k=5"]["ranks"] == [0, 1]
+    assert st["restarts"] == (1 if restart else 0)
     assert st["attach_problems"] == []
     for r in st["ranks"]:
         a = r["attached"]
@@ -189,5 +199,23 @@ def test_ray_job_submit_with_the_runtime_env_json_attaches_and_the_cli_reads_it(
     _run(head, [*cli, "collect", "--window", "0", "--to", str(tmp_path / "w0")], tmp_path)
     got = sorted(p.name for p in (tmp_path / "w0").rglob("rank*"))
     assert got == ["rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"], got
+    kill = f"import ray; ray.init(); ray.kill(ray.get_actor({name!r}, namespace='profiler'))"
+    subprocess.run([sys.executable, "-c", kill], env=head["env"], timeout=120, check=True)
+
+
+def test_an_attached_job_that_slows_down_is_captured_by_itself_on_every_rank(head, tmp_path):
+    """Auto capture on attached ranks: 20 ms optimizer steps, 100 ms from step 60 on."""
+    name = "attach-auto"
+    auto = ("{enable: true, after_steps: 5, cooldown_steps: 1000, max_per_run: 1, "
+            "ignore_first: 4, baseline_steps: 20}")  # fmt: skip
+    config = (f"{{enable: true, save_path: {tmp_path / 'p'}, on_demand_only: true, ranks: all, "
+              f"activities: [cpu], auto_capture: {auto}, attach: {{name: {name}}}}}")  # fmt: skip
+    _run(head, ["tests.scripts.attach_job", "single", str(tmp_path / "job"), "--hook"], tmp_path,
+         config, PACE_S="0.02", GLOBAL_STEPS="90", SLOW_FROM="60", SLOW_S="0.08")  # fmt: skip
+    cli = ["coordinator", "--name", name]
+    st = json.loads(_run(head, [*cli, "status", "--json"], tmp_path).stdout)
+    (w,) = [w for w in st["windows"] if w["kind"] == "auto"]
+    assert (w["rank_count"], w["partial"]) == (2, False) and w["steps"][0] > 60, st["windows"]
+    assert w["trigger"]["ratio"] > 1.5 and w["trigger"]["step"] >= 60, w["trigger"]
     kill = f"import ray; ray.init(); ray.kill(ray.get_actor({name!r}, namespace='profiler'))"
     subprocess.run([sys.executable, "-c", kill], env=head["env"], timeout=120, check=True)

@@ -110,7 +110,7 @@ def test_a_rank_whose_windows_took_the_capture_s_number_stops_following_the_plan
 
 
 def test_a_capture_of_other_ranks_is_held_for_its_number_and_not_recorded(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAY_PROFILER_PLANS_DIR", str(tmp_path))
+    monkeypatch.setenv("RAY_PROFILER_PLANS_DIR", str(tmp_path / "plans"))
     cfg = _cfg(wait=50, warmup=0, active=1, repeat=0)
     plan = WindowPlan(Schedule(cfg))
     plan.start(0)
@@ -118,7 +118,7 @@ def test_a_capture_of_other_ranks_is_held_for_its_number_and_not_recorded(tmp_pa
     cap = plan_board.BoardEntry(0, 3, 4, 5, "capture", [1])  # rank 1's only
     board = plan_board.Board("run", "sft", 7, [cap])
     plan_board.write_atomic(plan_board.board_path(bid), plan_board.encode_board(board))
-    reader = BoardReader(bid, 0)
+    reader = BoardReader(bid, 0, "run", "sft", max_steps=1000)
     taken = reader.look(plan, 1)
     assert taken is not None and taken.held == [0] and reader.not_mine == {0}
     assert reader.look(plan, 2) is None  # (unchanged: one stat)
@@ -162,7 +162,7 @@ def _post(bid: str, window: int | None, ranks, timeout_s: float, version: int = 
 @pytest.mark.subprocess
 @pytest.mark.asyncio
 async def test_the_agent_writes_the_board_and_names_each_rank_by_its_answer(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAY_PROFILER_PLANS_DIR", str(tmp_path))
+    monkeypatch.setenv("RAY_PROFILER_PLANS_DIR", str(tmp_path / "plans"))
     bid = plan_board.board_id("ns", "profiler", "run", "sft")
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

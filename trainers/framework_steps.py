@@ -7,9 +7,12 @@ This module imports no framework; each callback module imports its own.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from trainers.rank_session import RankSession
+
+_LIVE: dict[int, FrameworkSteps] = {}  # pid -> the steps whose training began and never ended
 
 
 class FrameworkSteps:
@@ -30,9 +33,18 @@ class FrameworkSteps:
         self._last: int | None = None
 
     def begin(self, done: int) -> None:
-        """Training begins with ``done`` steps already done (a resumed run: the checkpoint's)."""
+        """Training begins with ``done`` steps already done (a resumed run: the checkpoint's).
+
+        A training of this process that began and never ended (it raised, and the framework
+        has no exception hook: Hugging Face's) ends first, as a failed one: its window closes
+        and its session slot is freed, so this one attaches."""
+        earlier = _LIVE.pop(os.getpid(), None)
+        if earlier is not None:
+            earlier.end(finished=False)
+            earlier.session = None
         if self.session is None:
             self.session = RankSession.attach(**self._attach)
+        _LIVE[os.getpid()] = self
         self._last = done
         self.session.start(first_step=done + 1)
 
@@ -55,5 +67,7 @@ class FrameworkSteps:
 
     def end(self, finished: bool) -> None:
         """Training ended (``finished``) or raised: see ``RankSession.stop``."""
+        if _LIVE.get(os.getpid()) is self:
+            del _LIVE[os.getpid()]
         if self.session is not None:
             self.session.stop(end_run=finished)

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 REPORT_EVERY_S = 0.1
 """Rank 0 reports its step at most this often outside the steps where a window starts or stops."""
 MAX_PHASES = 10_000  # rank 0's step records between two reports (a coordinator away)
-_ATTACHED: dict[int, str] = {}  # pid -> the session attached in this process (one per rank)
+_ATTACHED: dict[int, RankSession] = {}  # pid -> the session attached in this process (one)
 _ATTACHED_LOCK = threading.Lock()
 
 
@@ -136,13 +136,12 @@ class RankSession:
         me, world = found
         session = cls(trainer_id, me, world, None)
         session._attached = attached
-        taken = _claim(f"trainer {trainer_id!r} rank {me}")
+        taken = _claim(session)
         if taken is not None:
             return _off(session, "attach", taken)
         try:
             session._join(cfg, role, name, namespace)
         except Exception as exc:  # unreachable or refused: this rank goes unprofiled
-            _release()
             return _off(session, "attach", f"{type(exc).__name__}: {exc}")
         return session
 
@@ -223,14 +222,15 @@ class RankSession:
             begun = ray.get(ref, timeout=self.config.worker_timeout_s + 60)
         except Exception as exc:  # unreachable, or refused: this rank goes unprofiled
             _off(self, "start", f"{type(exc).__name__}: {exc}")
-            _release()
             return
         self._plan.next_index = begun["index_base"]
         self._last_step = first_step - 1 if first_step > 0 else None
         if self._profiler is not None and self._profiler.selected:
             self.run = begun["run"]
             bid = board_id(*self._owner, begun["run"], self.trainer_id)
-            self._board = BoardReader(bid, int(self.rank or 0))
+            assert self.config is not None
+            self._board = BoardReader(bid, int(self.rank or 0), begun["run"], self.trainer_id,
+                                      self.config.max_capture_steps)  # fmt: skip
             self._look(None)  # the captures planned before this start
         self._run(self._plan.start(first_step), first_step - 1)
         if self._clock is not None:
@@ -269,7 +269,7 @@ class RankSession:
         self._run(self._plan.stop(), self._last_step)
         if self.rank == 0 and end_run:
             _end_run(self)
-        _release()
+        _release(self)
 
     # ------------------------------------------------------------------ inside
 
@@ -314,7 +314,11 @@ class RankSession:
                 self.trainer_id, self.rank, step, status, self._generation
             )
         except Exception as exc:  # the coordinator is away: it learns at the next close
-            log.debug("profiler: rank %s status not sent: %s", self.rank, exc)
+            log.warning(
+                "profiler: rank %s could not send its status to the coordinator (%s: %s); a "
+                "window it closed will show it as late, with no cause there",
+                self.rank, type(exc).__name__, exc,
+            )  # fmt: skip
 
     def _report(self, step: int, now: bool) -> None:
         """Rank 0: step ``step`` to the coordinator, at most every ``REPORT_EVERY_S`` and at
@@ -404,22 +408,26 @@ def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int] 
     return int(rank), int(world_size)
 
 
-def _claim(what: str) -> str | None:
-    """Take this process's one session; says why not when another one has it."""
+def _claim(session: RankSession) -> str | None:
+    """Take this process's one session slot for ``session``; says why not when another
+    session has it."""
     with _ATTACHED_LOCK:
         held = _ATTACHED.get(os.getpid())
         if held is not None:
             return (
-                f"a RankSession is already attached in this process ({held}); one session "
-                "per rank: attach once, before the loop"
+                f"a RankSession is already attached in this process (trainer "
+                f"{held.trainer_id!r} rank {held.rank}); one session per rank: attach once, "
+                "before the loop"
             )
-        _ATTACHED[os.getpid()] = what
+        _ATTACHED[os.getpid()] = session
         return None
 
 
-def _release() -> None:
+def _release(session: RankSession) -> None:
+    """Free this process's slot, if ``session`` holds it (never another session's)."""
     with _ATTACHED_LOCK:
-        _ATTACHED.pop(os.getpid(), None)
+        if _ATTACHED.get(os.getpid()) is session:
+            del _ATTACHED[os.getpid()]
 
 
 def _backwards(session: RankSession, step: int) -> None:
@@ -436,7 +444,9 @@ def _backwards(session: RankSession, step: int) -> None:
 
 
 def _off(session: RankSession, where: str, why: str) -> RankSession:
+    """Switched off for good: said once, and its slot freed for a later attach."""
     session.disabled_reason = why
+    _release(session)
     log.error("profiler: this rank is not profiled (%s: %s); training goes on", where, why)
     return session
 

@@ -144,9 +144,10 @@ def _step_metric(run: Any) -> None:
 
 
 class _OwnRun:
-    """The figures in the trainer's own W&B run, never moving its step: each row rides on the
-    trainer's next commit (``commit=False``), one row per commit (two would merge into one).
-    Rows still waiting at the end are committed as rows of their own."""
+    """The figures in the trainer's own W&B run: each row rides on the trainer's next commit
+    (``commit=False``), one row per commit (two would merge into one), so the run's step moves
+    only with the trainer's. Rows still waiting at ``close`` are committed as rows of their
+    own: each of those advances the W&B run's step by one."""
 
     def __init__(self, run: Any) -> None:
         self.run, self.waiting, self.at = run, collections.deque[dict[str, float]](), None

@@ -48,6 +48,7 @@ class TrackerFeed:
         self._phase_since = now()
         self._wall, self._steps = 0.0, 0
         self._regions: dict[str, float] = {}
+        self._failing: str | None = None  # why the figures stopped coming, said once
 
     @property
     def on(self) -> bool:
@@ -106,8 +107,18 @@ class TrackerFeed:
         try:
             self._ref = self.coordinator.tracker_figures.remote(after=self.after)
         except Exception as exc:  # an old coordinator without the call, or none
-            log.debug("profiler: tracker figures not asked: %s", exc)
+            self._failed("asked", exc)
             self._ref = None
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        """Said once until the figures come again: the tracker gets no window figures now."""
+        if self._failing is None:
+            log.warning(
+                "profiler: the tracker's window figures were not %s (%s: %s); none are "
+                "logged until the coordinator answers again (asked every %.0f s)",
+                what, type(exc).__name__, exc, self.ask_every_s,
+            )  # fmt: skip
+        self._failing = f"{type(exc).__name__}: {exc}"
 
     def _take(self, block_s: float) -> None:
         """Log the windows of the answer, when it is in (within ``block_s``)."""
@@ -122,8 +133,11 @@ class TrackerFeed:
         try:
             answer = ray.get(ref)
         except Exception as exc:  # the coordinator went away: asked again later
-            log.debug("profiler: tracker figures not answered: %s", exc)
+            self._failed("answered", exc)
             return
+        if self._failing is not None:
+            log.warning("profiler: the tracker's window figures come again")
+            self._failing = None
         if answer["run"] != self.run:  # a new run: its windows from the first
             self.run, self.after = answer["run"], -1
             if self.logged_windows:

@@ -10,6 +10,9 @@ beside the board. The agent waits for the acknowledgements and answers the coord
 node. Nothing on a rank's step path waits or calls Ray.
 
 Both files are msgpack, decoded strictly and size-capped; a file that is not one is refused.
+The directory is private to its user (mode 0700, owned by them, not a link: ``private_dir``),
+files are written through a temporary file of a random name made exclusively and read without
+following a link, so another user of the node can neither plant a board nor redirect a write.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import contextlib
 import hashlib
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import TypeVar
@@ -81,15 +85,46 @@ def is_board_id(value: object) -> bool:
 
 def plans_dir() -> Path:
     """Where this node's boards live: ``$RAY_PROFILER_PLANS_DIR``, else
-    ``<tmp>/ray-profiler-plans`` (the agent and the ranks of a node share it)."""
+    ``<tmp>/ray-profiler-plans-<uid>`` (the agent and the ranks of a node share it)."""
     chosen = os.environ.get("RAY_PROFILER_PLANS_DIR")
-    return Path(chosen) if chosen else Path(tempfile.gettempdir()) / "ray-profiler-plans"
+    default = Path(tempfile.gettempdir()) / f"ray-profiler-plans-{os.getuid()}"
+    return Path(chosen) if chosen else default
+
+
+def private_dir(path: Path) -> Path:
+    """``path``, a directory private to this user: made with mode 0700 when missing.
+
+    Raises:
+        PermissionError: it is a link or not a directory, belongs to another user, or is open
+            to others (a board planted there would inject captures into this user's ranks);
+            the message says what to do.
+    """
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700, parents=True)
+    st = os.lstat(path)
+    why = (
+        "is a link or not a directory"
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode)
+        else f"belongs to uid {st.st_uid}, not this user's ({os.getuid()})"
+        if st.st_uid != os.getuid()
+        else f"has mode {stat.S_IMODE(st.st_mode):04o}, open to others"
+        if st.st_mode & 0o077
+        else None
+    )
+    if why is not None:
+        raise PermissionError(
+            f"the plan boards directory {path} {why}: refused (another user could plant "
+            "captures there); remove it, or set RAY_PROFILER_PLANS_DIR to a directory of "
+            "your own with mode 0700"
+        )
+    return path
 
 
 def board_path(bid: str) -> Path:
+    """The board's file in this node's private plans directory (``private_dir``)."""
     if not is_board_id(bid):
         raise ValueError(f"{bid!r:.80} is not a board id")
-    return plans_dir() / f"{bid}.plan"
+    return private_dir(plans_dir()) / f"{bid}.plan"
 
 
 def ack_path(bid: str, rank: int) -> Path:
@@ -130,20 +165,24 @@ def decode_ack(blob: bytes) -> PlanAck:
 
 
 def write_atomic(path: Path, blob: bytes) -> None:
-    """``blob`` at ``path``, whole or not at all (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """``blob`` at ``path``, whole or not at all (a reader never sees half a file): written to
+    a temporary file of a random name made exclusively (``O_EXCL``: never through a link), then
+    renamed over ``path`` (a rename replaces a link there, never what it points to)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        tmp.write_bytes(blob)
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+            os.unlink(tmp)
 
 
 def read_capped(path: Path) -> bytes:
-    """The file's bytes; ValueError when it is larger than a board may be."""
-    with open(path, "rb") as f:
+    """The file's bytes, never through a link (``OSError``); ValueError when it is larger
+    than a board may be."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
         blob = f.read(MAX_BOARD_BYTES + 1)
     if len(blob) > MAX_BOARD_BYTES:
         raise ValueError(f"{path.name} is over {MAX_BOARD_BYTES} bytes")

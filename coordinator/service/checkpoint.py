@@ -362,7 +362,8 @@ class Checkpointer:
             snapshot.append((without_windows(run), list(run.state.windows)))
             st = run.state
             was = self.saved_ranks.get(run.name, (-1, -1))
-            now = (st.ranks_version, st.counters["registrations"])
+            # (an SPMD rank joining its trainer changes the trainer's part as a registration does)
+            now = (st.ranks_version, st.counters["registrations"] + st.counters["rank_attaches"])
             if was[0] != now[0]:  # (in later turns, unless a trainer registered: see below)
                 self._ranks_due[run.name] = (st, st.ranks_version)
             if was[1] != now[1]:  # its rank records go with it, now: they must match on a load

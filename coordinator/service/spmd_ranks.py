@@ -91,6 +91,7 @@ class SpmdRanks:
             else:
                 _lost(run, key)
             t.attaches[rank] = generation = t.attaches.get(rank, 0) + 1
+            st.counters["rank_attaches"] += 1  # (the trainer's part of the checkpoint changed)
             st.ranks[key] = record = RankRecord(trainer_id, rank, selected)
             if isinstance(where, dict):
                 record.pid = where.get("pid") if isinstance(where.get("pid"), int) else None
@@ -180,7 +181,7 @@ class SpmdRanks:
                 w.participants.add(key)  # (a rank that attached inside the window ran it too)
             st.apply_reply(key, reply)
             self.sweep(run)
-            sh.changed()
+            sh.save(force=False)  # (a restart must not lose a close: within a second)
 
     def start(self) -> None:
         """Start the actor's watchdog and recorder, and the wait for closes (once)."""

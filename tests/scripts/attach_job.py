@@ -3,7 +3,9 @@ this project; with ``--hook`` the job's ``runtime_env`` names the setup hook and
 (``RAY_PROFILER_CONFIG`` from this process's environment), and nothing else changes.
 
 JOB: ``hf``, ``lightning`` or ``trl`` (Ray Train, 2 workers) or ``single`` (two actors called by
-this driver: ``trainers.reference.unchanged``, which imports nothing of the project either).
+this driver: ``trainers.reference.unchanged``, which imports nothing of the project either;
+``GLOBAL_STEPS``, ``SLOW_FROM`` and ``SLOW_S`` in the environment make it longer, and slower from
+an optimizer step on). ``PACE_S``: seconds each step sleeps.
 Joins the cluster at ``RAY_ADDRESS``. Prints ``JOB-DONE`` at the end.
 """
 
@@ -30,9 +32,12 @@ def main() -> None:
         env["RAY_PROFILER_CONFIG"] = os.environ["RAY_PROFILER_CONFIG"]
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), runtime_env=runtime_env,
              log_to_driver=False)  # fmt: skip
-    if job == "single":  # (two actors, 20 global steps of 2 optimizer steps each)
+    if job == "single":  # (two actors, 20 global steps of 2 optimizer steps each, by default)
+        steps, slow = int(os.environ.get("GLOBAL_STEPS", "20")), os.environ.get("SLOW_FROM")
+        losses = single_controller(steps, pace_s=pace_s, slow_from=int(slow) if slow else None,
+                                   slow_s=float(os.environ.get("SLOW_S", "0")))  # fmt: skip
         with open(os.path.join(out, "losses.json"), "w") as f:
-            json.dump(single_controller(20, pace_s=pace_s), f)
+            json.dump(losses, f)
     else:
         from ray.train import RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer

@@ -15,7 +15,9 @@ import ray
 class PolicyWorker:
     """One policy rank: a small MLP, Adam, and its own data stream."""
 
-    def __init__(self, seed: int, pace_s: float = 0.0) -> None:
+    def __init__(
+        self, seed: int, pace_s: float = 0.0, slow_from: int | None = None, slow_s: float = 0.0
+    ) -> None:
         import torch
 
         torch.manual_seed(seed)
@@ -24,7 +26,8 @@ class PolicyWorker:
         )
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
         self.data = torch.Generator().manual_seed(seed)
-        self.pace_s = pace_s
+        self.pace_s, self.slow_from, self.slow_s = pace_s, slow_from, slow_s
+        self.steps = 0
 
     def train_step(self, minibatches: int) -> list[float]:
         import torch
@@ -37,17 +40,20 @@ class PolicyWorker:
             loss.backward()
             self.opt.step()
             losses.append(float(loss.detach()))
-            time.sleep(self.pace_s)
+            self.steps += 1
+            slow = self.slow_from is not None and self.steps >= self.slow_from
+            time.sleep(self.pace_s + (self.slow_s if slow else 0.0))
         return losses
 
 
 def single_controller(
     global_steps: int, ranks: int = 2, minibatches: int = 2, pace_s: float = 0.0,
-    on_step: object = None,
+    on_step: object = None, slow_from: int | None = None, slow_s: float = 0.0,
 ) -> list[float]:  # fmt: skip
     """Train; returns rank 0's loss of every optimizer step. ``on_step(step, loss, seconds)``,
-    when given, is called after each global step."""
-    workers = [PolicyWorker.remote(seed, pace_s) for seed in range(ranks)]
+    when given, is called after each global step; from optimizer step ``slow_from`` on, each
+    optimizer step takes ``slow_s`` longer (a run that slows down)."""
+    workers = [PolicyWorker.remote(seed, pace_s, slow_from, slow_s) for seed in range(ranks)]
     losses: list[float] = []
     for step in range(global_steps):
         t0 = time.perf_counter()

@@ -6,7 +6,8 @@ decoded with msgspec into structs that keep only ``ph, cat, name, ts, dur, pid, 
 ``args`` undecoded (``msgspec.Raw``). Arguments are decoded only for the few events that need
 them: device activity (stream, device), ``[memory]`` events, and the matrix products whose input
 shapes give flops. Each batch then becomes numpy columns in a handful of list comprehensions, so
-memory grows with the number of events (about 40 bytes each), not with the file.
+memory grows with the number of events (about 40 bytes a CPU event, about 190 bytes a device
+event), not with the file.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ Between two steps, at most every ``LOOK_EVERY_S``, ``due()`` says to look; ``loo
 ``os.stat`` while the board has not changed, and otherwise takes the captures this rank has not
 seen into its plan (``coordinator.core.spmd_plan.take_captures``) and writes its acknowledgement
 for the node agent. Runs on the training thread; never raises.
+
+It trusts nothing on the board that its own run did not say: a board that names another run or
+trainer is ignored, and so is a capture of an unknown kind or longer (warm-up and recorded steps)
+than the coordinator lets one be (``max_capture_steps``); each is counted (``ignored``) and said
+once in the log. A plans directory that is not private to this user is refused, once.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 
 from coordinator.core.schedule import Window
 from coordinator.core.spmd_plan import Capture, Taken, take_captures
@@ -18,14 +24,22 @@ from coordinator.core.window_plan import Command, Start, Step, Stop, WindowPlan
 from coordinator.protocol import plan_board
 
 log = logging.getLogger(__name__)
+KINDS = ("capture", "auto")  # what a board carries (scheduled windows never travel)
 
 
 class BoardReader:
     """One rank's view of its trainer's plan board on this node."""
 
-    def __init__(self, board: str, rank: int) -> None:
+    def __init__(self, board: str, rank: int, run: str, trainer_id: str, max_steps: int) -> None:
         self.board, self.rank = board, rank  # the board's id (``plan_board.board_id``)
-        self.path = plan_board.board_path(board)
+        self.run, self.trainer_id, self.max_steps = run, trainer_id, max_steps
+        self.ignored: Counter[str] = Counter()  # what was refused, by why
+        self.refused: str | None = None  # the plans directory, when it is not private
+        try:
+            self.path = plan_board.board_path(board)
+        except (OSError, ValueError) as exc:
+            self.refused = str(exc)
+            log.error("profiler: rank %s takes no capture at run time: %s", rank, exc)
         self.seen: set[int] = set()  # captures taken from the board
         self.not_mine: set[int] = set()  # captures held but recorded by other ranks only
         self._stamp: tuple[int, int, int] | None = None  # the board's mtime, size and inode
@@ -41,6 +55,8 @@ class BoardReader:
         window the plan has not decided; None before the loop) and acknowledge them; None
         when the board is absent, unchanged or unreadable."""
         self._looked = time.monotonic()
+        if self.refused is not None:
+            return None
         try:
             st = os.stat(self.path)
         except OSError:
@@ -51,6 +67,12 @@ class BoardReader:
         self._stamp = stamp
         try:
             board = plan_board.decode_board(plan_board.read_capped(self.path))
+            if (board.run, board.trainer_id) != (self.run, self.trainer_id):
+                self._ignore(
+                    "other run",
+                    f"a board of run {board.run!r:.80}, trainer {board.trainer_id!r:.80}",
+                )
+                return None
             caps = [
                 Capture(
                     Window(e.index, e.warmup_start, e.first, e.last, e.kind),
@@ -58,6 +80,7 @@ class BoardReader:
                     e.opened,
                 )
                 for e in board.entries
+                if self._allowed(e)
             ]
             taken = take_captures(plan, caps, self.rank, next_step, self.seen, self.not_mine)
             at = None if next_step is None else next_step - 1
@@ -70,6 +93,22 @@ class BoardReader:
             log.warning("profiler: rank %s could not take the plan board: %s", self.rank, exc)
             return None
         return taken
+
+    def _allowed(self, e: plan_board.BoardEntry) -> bool:
+        steps = e.last - e.warmup_start + 1
+        if e.kind not in KINDS:
+            self._ignore("unknown kind", f"a capture of unknown kind {e.kind!r:.40}")
+        elif steps > self.max_steps:
+            self._ignore("too long", f"a capture of {steps} steps (at most {self.max_steps})")
+        else:
+            return True
+        return False
+
+    def _ignore(self, kind: str, what: str) -> None:
+        """Counted by ``kind``; the first of each kind said in the log."""
+        if not self.ignored[kind]:
+            log.warning("profiler: rank %s ignored %s on its plan board", self.rank, what)
+        self.ignored[kind] += 1
 
     def skips(self, cmd: Command) -> bool:
         """Whether ``cmd`` is for a capture that this rank holds (for the windows' numbers)

@@ -4,7 +4,8 @@
   ``Authorization: Bearer <token>`` header; a cookie never authorises a change (so another site
   cannot make a browser change a run).
 - Reads need nothing on a loopback address; on any other address they need the token too, in
-  the header or in the cookie that ``/login?token=...`` sets.
+  the header or in the cookie that ``POST /login`` sets (the token in the form's body, never in
+  an address: ``GET /login?token=`` is refused).
 - The ``Host`` header must name the server (its address, or ``localhost`` on loopback), which
   stops a page on another site from reaching a loopback server by DNS rebinding.
 """

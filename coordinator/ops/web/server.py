@@ -67,6 +67,36 @@ class Conflict(Exception):
     """A change asked of a server that cannot make it (409): it serves a run's record."""
 
 
+class Busy(Exception):
+    """Too many expensive reads at once (429); the message says the limit."""
+
+
+EXPENSIVE_AT_ONCE = 2
+"""Merged timelines and trace tarballs built at once; one more is answered 429 (each can cost
+a core and hundreds of MB for a large window, and reads are open on loopback)."""
+RETRY_AFTER_S = 5
+
+
+class ExpensiveReads:
+    """At most ``limit`` expensive reads at once: ``async with reads.one():``, else ``Busy``."""
+
+    def __init__(self, limit: int = EXPENSIVE_AT_ONCE) -> None:
+        self.limit, self.running = limit, 0
+
+    @contextlib.asynccontextmanager
+    async def one(self) -> Any:
+        if self.running >= self.limit:
+            raise Busy(
+                f"{self.running} merged timelines or trace tarballs are being built; at most "
+                f"{self.limit} at once: try again in a few seconds"
+            )
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+
+
 class RecordCache:
     """The records the diff page read last (a few: each holds its windows' tables)."""
 
@@ -168,6 +198,7 @@ class WebServer:
         self.link, self.token = link, token
         self.read_only: str | None = getattr(link, "read_only", None)
         self._records = RecordCache()
+        self.expensive = ExpensiveReads()
         self.hosts = auth.allowed_hosts(host, port)
         self.open_reads = auth.is_loopback(host)
         self.static = resources.files("coordinator.ops.web") / "static"
@@ -181,7 +212,8 @@ class WebServer:
         )
         r = app.router
         r.add_get("/", self.page)
-        r.add_get("/login", self.login)
+        r.add_get("/login", self.login_page)
+        r.add_post("/login", self.login)
         r.add_get("/static/{path:.+}", self.static_file)
         r.add_get("/perfetto", self.perfetto_root)
         r.add_get(perfetto.PREFIX + "{path:.*}", self.perfetto_file)
@@ -215,6 +247,10 @@ class WebServer:
             return reply({"error": str(exc)}, 409)
         except Unavailable as exc:
             return reply({"error": str(exc)}, 503)
+        except Busy as exc:
+            busy = reply({"error": str(exc)}, 429)
+            busy.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return busy
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -238,7 +274,7 @@ class WebServer:
             )
         if refusal is not None:
             return reply({"error": refusal.reason}, refusal.status)
-        if self.read_only and request.method not in ("GET", "HEAD"):
+        if self.read_only and request.method not in ("GET", "HEAD") and request.path != "/login":
             return reply({"error": self.read_only}, 409)
         response = await handler(request)
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
@@ -257,15 +293,28 @@ class WebServer:
             body=(self.static / "index.html").read_bytes(), content_type="text/html"
         )
 
+    async def login_page(self, request: web.Request) -> web.StreamResponse:
+        """``GET /login``: the form that sends the token in its body; a token in the address
+        (browser history, proxies' logs) is refused, never read."""
+        if "token" in request.query:
+            raise BadRequest(
+                "the token is never taken from an address (it would stay in the browser's "
+                "history and in proxies' logs): open /login and type it into the form"
+            )
+        return web.Response(
+            body=(self.static / "login.html").read_bytes(), content_type="text/html"
+        )
+
     async def login(self, request: web.Request) -> web.StreamResponse:
-        """``/login?token=...``: the cookie that lets a browser read a non-loopback server."""
-        given = request.query.get("token", "")
+        """``POST /login`` (form field ``token``): the cookie that lets a browser read a
+        non-loopback server."""
+        given = str((await request.post()).get("token", ""))
         refusal = auth.check(
             "GET", request.headers.get("Host"), None, given, self.token, self.hosts, False
         )
         if refusal is not None:
             return reply({"error": refusal.reason}, refusal.status)
-        response = web.Response(status=302, headers={"Location": "/"})
+        response = web.Response(status=303, headers={"Location": "/"})
         response.set_cookie(auth.COOKIE, given, httponly=True, samesite="Strict")
         return response
 
@@ -378,35 +427,37 @@ class WebServer:
         gzipped: ``collect --merge``."""
         window = window_index(request.match_info["window"])
         q = request.query
-        kw = {
+        kw: dict[str, Any] = {
             "run": str_param(q, "run"),
             "roles": [role] if (role := str_param(q, "role")) else None,
             "ranks": ranks_param(q, "ranks", TIMELINE_RANKS),
             "min_us": float_param(q, "min_us", 0.0, 0.0, 1e9),
             "max_events": int_param(q, "max_events", DEFAULT_MAX_EVENTS, 1, DEFAULT_MAX_EVENTS),
         }
-        loop = asyncio.get_running_loop()
-        work = tempfile.mkdtemp(prefix="ray-profiler-web-")
-        try:
-            fn = functools.partial(_merged, self.link, window, work, **kw)
-            path, name = await loop.run_in_executor(None, fn)
-            return await _send_file(request, path, name)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        fn = functools.partial(_merged, self.link, window, **kw)
+        return await self._built(request, fn)
 
     async def traces(self, request: web.Request) -> web.StreamResponse:
         """Every rank's trace of a window (one role) as one ``.tar.gz``, through ``collect``."""
         window = window_index(request.match_info["window"])
         q = request.query
         role, run = str_param(q, "role"), str_param(q, "run")
-        loop = asyncio.get_running_loop()
-        work = tempfile.mkdtemp(prefix="ray-profiler-web-")
-        try:
-            fn = functools.partial(_archive, self.link, window, role, run, work)
-            path, name = await loop.run_in_executor(None, fn)
-            return await _send_file(request, path, name)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        fn = functools.partial(_archive, self.link, window, role, run)
+        return await self._built(request, fn)
+
+    async def _built(
+        self, request: web.Request, build: Callable[..., tuple[str, str]]
+    ) -> web.StreamResponse:
+        """The file ``build(work_dir)`` makes, off the event loop, sent and then removed; at
+        most ``EXPENSIVE_AT_ONCE`` at once (429 beyond)."""
+        async with self.expensive.one():
+            work = tempfile.mkdtemp(prefix="ray-profiler-web-")
+            try:
+                loop = asyncio.get_running_loop()
+                path, name = await loop.run_in_executor(None, functools.partial(build, work=work))
+                return await _send_file(request, path, name)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
 
 
 async def _send_file(request: web.Request, path: str, name: str) -> web.StreamResponse:
@@ -426,7 +477,7 @@ async def _send_file(request: web.Request, path: str, name: str) -> web.StreamRe
     return response
 
 
-def _merged(link: CoordinatorLink, window: int, work: str, **kw: Any) -> tuple[str, str]:
+def _merged(link: CoordinatorLink, window: int, *, work: str, **kw: Any) -> tuple[str, str]:
     """Merge the window's ranks into one trace in ``work``; its path and name."""
     from coordinator.ops.timeline import TooManyRanks, merge_window
 
@@ -442,7 +493,7 @@ def _merged(link: CoordinatorLink, window: int, work: str, **kw: Any) -> tuple[s
 
 
 def _archive(
-    link: CoordinatorLink, window: int, role: str | None, run: str | None, work: str
+    link: CoordinatorLink, window: int, role: str | None, run: str | None, *, work: str
 ) -> tuple[str, str]:
     """Collect the window's traces into ``work`` and pack them; the archive's path and name."""
     from coordinator.ops.collect import collect_window
@@ -485,7 +536,7 @@ def serve(
     if not server.open_reads:
         print(
             f"bound to {host}, not loopback: every request needs the token; in a browser open "
-            f"http://{shown}:{port}/login?token=<token> once"
+            f"http://{shown}:{port}/login once and type the token into its form"
         )
     with contextlib.suppress(KeyboardInterrupt):
         web.run_app(server.app(), host=host, port=port, print=None, access_log=None)
