@@ -14,6 +14,7 @@ than the first step's never touch the profiler (torch.profiler is not safe acros
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -40,15 +41,15 @@ def first_step(optimizer: Any) -> Step:
             return _nothing  # (off; or SkyRL's profiler calls drive it: trainers.skyrl_profiler)
         cfg = ProfilerConfig.from_dict(with_train_storage(mapping))
     except ValueError as exc:
-        return _refused(str(exc), _where(), DEFAULT_NAME, DEFAULT_NAMESPACE)
-    who = identify(cfg.attach, _dist(), _train(), _actor())
+        return _refused(str(exc), process_where(), DEFAULT_NAME, DEFAULT_NAMESPACE)
+    who = identify(cfg.attach, dist_rank(), train_rank(), actor_rank())
     name, namespace = cfg.attach.name, cfg.attach.namespace
     if isinstance(who, str):
         if cfg.attach.actor_classes is not None and "attach.actor_classes" in who:
             log.info("profiler: not attached: %s", who)  # (left alone, as asked)
             return _nothing
-        return _refused(who, _where(), name, namespace)
-    attached = {**_where(), "source": who.source, "optimizer": type(optimizer).__name__}
+        return _refused(who, process_where(), name, namespace)
+    attached = {**process_where(), "source": who.source, "optimizer": type(optimizer).__name__}
     session = RankSession.attach(
         cfg, who.trainer_id, cfg.attach.role, who.rank, who.world_size, name, namespace, attached
     )
@@ -81,7 +82,7 @@ class AttachedRank:
             self._other(optimizer)
 
     def _other(self, optimizer: Any) -> None:
-        if threading.get_ident() != self._thread:
+        if _thread_id() != self._thread:
             self._once(
                 "thread",
                 f"an optimizer ({type(optimizer).__name__}) stepped on another thread than the "
@@ -103,7 +104,7 @@ class AttachedRank:
             return
         self._said.add(kind)
         log.warning("profiler: %s: %s", self.who.describe(), what)
-        tell_problem(self.session.coordinator, _where(self.who), what)
+        tell_problem(self.session.coordinator, process_where(self.who), what)
 
 
 def skyrl_loaded(module: Any) -> None:
@@ -144,7 +145,7 @@ def _refused(problem: str, where: dict[str, Any], name: str, namespace: str) -> 
         import ray
 
         if ray.is_initialized():
-            tell_problem(ray.get_actor(name, namespace=namespace), where, problem)
+            tell_problem(ray.getactor_rank(name, namespace=namespace), where, problem)
     except Exception as exc:  # no coordinator: the log has it
         log.debug("profiler: no coordinator %s/%s to tell: %s", namespace, name, exc)
     return _nothing
@@ -158,7 +159,7 @@ def _nothing(optimizer: Any) -> None:
     return None
 
 
-def _where(who: Identity | None = None) -> dict[str, Any]:
+def process_where(who: Identity | None = None) -> dict[str, Any]:
     """This process: pid, node, job, actor class (and its rank, once known)."""
     out: dict[str, Any] = {"pid": os.getpid()}
     try:
@@ -167,7 +168,7 @@ def _where(who: Identity | None = None) -> dict[str, Any]:
         if ray.is_initialized():
             ctx = ray.get_runtime_context()
             out["node_id"], out["job_id"] = ctx.get_node_id(), ctx.get_job_id()
-            actor = _actor_info(ctx)
+            actor = actor_place(ctx)
             out["actor_class"] = actor[0] if actor else None
     except Exception:  # (not in Ray: the pid says enough)
         pass
@@ -176,14 +177,14 @@ def _where(who: Identity | None = None) -> dict[str, Any]:
     return out
 
 
-def _dist() -> tuple[int, int] | None:
+def dist_rank() -> tuple[int, int] | None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank()), int(dist.get_world_size())
     return None
 
 
-def _train() -> tuple[int, int, str] | None:
+def train_rank() -> tuple[int, int, str] | None:
     train = sys.modules.get("ray.train")  # (loaded when Ray Train runs this process)
     if train is None:
         return None
@@ -194,17 +195,17 @@ def _train() -> tuple[int, int, str] | None:
         return None
 
 
-def _actor() -> tuple[str, int, int] | None:
+def actor_rank() -> tuple[str, int, int] | None:
     """(class, index, count) of this actor among the job's live actors of its class, in
     actor-id order, from Ray's actor table; None outside an actor."""
     import ray
 
     if not ray.is_initialized():
         return None
-    return _actor_info(ray.get_runtime_context())
+    return actor_place(ray.get_runtime_context())
 
 
-def _actor_info(ctx: Any) -> tuple[str, int, int] | None:
+def actor_place(ctx: Any) -> tuple[str, int, int] | None:
     me = ctx.get_actor_id()
     if me is None:
         return None
@@ -217,19 +218,14 @@ def _actor_info(ctx: Any) -> tuple[str, int, int] | None:
     return cls, peers.index(me), len(peers)
 
 
-_TABLE: dict[str, Any] = {}
-
-
+@functools.cache
 def ray_actor_table(job_id: str) -> dict[str, dict[str, Any]]:
     """The job's actors not dead, by id (read once per process: the first step's)."""
-    if "table" not in _TABLE:
-        import ray
+    import ray
 
-        table = ray._private.state.state.actor_table(None)
-        _TABLE["table"] = {
-            aid: info
-            for aid, info in table.items()
-            if info.get("JobID") == job_id and info.get("State") != "DEAD"
-        }
-    table_: dict[str, dict[str, Any]] = _TABLE["table"]
-    return table_
+    table = ray._private.state.state.actor_table(None)
+    return {
+        aid: info
+        for aid, info in table.items()
+        if info.get("JobID") == job_id and info.get("State") != "DEAD"
+    }

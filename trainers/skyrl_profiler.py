@@ -31,7 +31,7 @@ from typing import Any
 
 from coordinator.core.attach import CONFIG_ENV, Attach, identify, read_source
 from coordinator.core.config import ProfilerConfig
-from trainers.attach_hook import _actor, _dist, _where
+from trainers.attach_hook import actor_rank, dist_rank, process_where
 from trainers.rank_session import RankSession
 from worker_ext import attach as attach_hook
 
@@ -72,12 +72,12 @@ class SkyRLProfiler:
         if not self.enable or cfg is None or self.session is not None:
             return
         base = cfg.attach.trainer_id or "skyrl"
-        who = identify(Attach(trainer_id=base), _dist(), None, _actor())
+        who = identify(Attach(trainer_id=base), dist_rank(), None, actor_rank())
         if isinstance(who, str):
             self._off(who)
             return
         a = cfg.attach
-        info = {**_where(), "source": who.source, "optimizer": "SkyRL global steps"}
+        info = {**process_where(), "source": who.source, "optimizer": "SkyRL global steps"}
         self.session = RankSession.attach(
             cfg, who.trainer_id, a.role, who.rank, who.world_size, a.name, a.namespace, info
         )

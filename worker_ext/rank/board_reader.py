@@ -18,13 +18,13 @@ import os
 import time
 from collections import Counter
 
-from coordinator.core.schedule import Window
+from coordinator.core.schedule import WINDOW_KINDS, Window
 from coordinator.core.spmd_plan import Capture, Taken, take_captures
 from coordinator.core.window_plan import Command, Start, Step, Stop, WindowPlan
 from coordinator.protocol import plan_board
 
 log = logging.getLogger(__name__)
-KINDS = ("capture", "auto")  # what a board carries (scheduled windows never travel)
+KINDS = tuple(k for k in WINDOW_KINDS if k != "scheduled")  # (scheduled ones never travel)
 
 
 class BoardReader:
