@@ -145,9 +145,11 @@ def _refused(problem: str, where: dict[str, Any], name: str, namespace: str) -> 
         import ray
 
         if ray.is_initialized():
-            tell_problem(ray.getactor_rank(name, namespace=namespace), where, problem)
-    except Exception as exc:  # no coordinator: the log has it
+            tell_problem(ray.get_actor(name, namespace=namespace), where, problem)
+    except ValueError as exc:  # no coordinator of that name: the log has it
         log.debug("profiler: no coordinator %s/%s to tell: %s", namespace, name, exc)
+    except Exception as exc:  # (anything else is a fault of ours: said, never raised)
+        log.warning("profiler: could not tell coordinator %s/%s: %r", namespace, name, exc)
     return _nothing
 
 
