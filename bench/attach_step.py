@@ -8,7 +8,9 @@ beyond them). In each actor, round by round so this shared machine's drift hits 
   (a) bare: the optimizer step with the hook taken out of torch's global hook table;
   (b) attached: the same step with the hook in it (a ``RankSession`` step per optimizer step:
       rank 0 keeps a phase record per step and reports at most every 0.1 s without waiting);
-  (c) the hook's own path alone: the post-hook called in a loop, no optimizer step around it.
+  (c) the hook's own path alone: the post-hook called in a loop, no optimizer step around it;
+  (d) a control: the same step with a post-hook that does nothing in place of ours (what any
+      Python post-hook costs inside torch's step, before it does anything).
 It prints microseconds per optimizer step (medians over rounds), the cost over the bare step
 (the median of each round's difference: a drift between rounds cancels), and the ratio.
 
@@ -53,15 +55,17 @@ class Bench:
         from torch.optim.optimizer import _global_optimizer_post_hooks as hooks
 
         (key, hook), = hooks.items()  # fmt: skip
-        out: dict[str, list[float]] = {"bare": [], "attached": [], "hook alone": []}
+        out: dict[str, list[float]] = {"bare": [], "attached": [], "hook alone": [], "empty": []}
         for _ in range(rounds):
             t0 = time.perf_counter()
             for _ in range(steps):
                 hook(self.opt, (), {})
             out["hook alone"].append((time.perf_counter() - t0) / steps * 1e6)
-            for label in ("bare", "attached"):
+            for label in ("bare", "attached", "empty"):
                 if label == "bare":
                     del hooks[key]
+                elif label == "empty":
+                    hooks[key] = _empty_hook
                 step = self.opt.step
                 t0 = time.perf_counter()
                 for _ in range(steps):
@@ -69,6 +73,10 @@ class Bench:
                 out[label].append((time.perf_counter() - t0) / steps * 1e6)
                 hooks[key] = hook
         return out
+
+
+def _empty_hook(optimizer: object, args: object, kwargs: object) -> None:
+    return None
 
 
 def main() -> None:
@@ -92,15 +100,19 @@ def main() -> None:
         rank = who[ranks.index(r)].split(" rank ")[1].split(" ")[0]
         by_rank[rank] = got
     print(f"\nmedians of {args.rounds} rounds of {args.steps} optimizer steps:\n")
-    print("| rank | bare us/step | attached us/step | over bare | ratio | the hook alone |")
-    print("|---|---|---|---|---|---|")
+    print("| rank | bare us/step | attached us/step | over bare | ratio | the hook alone "
+          "| an empty hook, over bare | attached, over the empty hook |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for rank in sorted(by_rank):
         got = by_rank[rank]
         bare, att = statistics.median(got["bare"]), statistics.median(got["attached"])
-        over = statistics.median(a - b for a, b in zip(got["attached"], got["bare"], strict=True))
+        over, empty, ours = (
+            statistics.median(a - b for a, b in zip(got[x], got[y], strict=True))
+            for x, y in (("attached", "bare"), ("empty", "bare"), ("attached", "empty"))
+        )
         alone = statistics.median(got["hook alone"])
         print(f"| {rank} | {bare:.2f} | {att:.2f} | {over:+.2f} us | {att / bare:.3f}x | "
-              f"{alone:.2f} us |")  # fmt: skip
+              f"{alone:.2f} us | {empty:+.2f} us | {ours:+.2f} us |")  # fmt: skip
     ray.kill(ray.get_actor("attach-bench", namespace="bench"))
     ray.shutdown()
 

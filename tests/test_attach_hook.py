@@ -149,3 +149,35 @@ def test_a_forked_child_is_never_profiled_and_says_so():
     assert proc.returncode == 0 and "CHILD 0" in proc.stdout, proc.stderr[-3000:]
     warnings = [x for x in proc.stderr.splitlines() if "forked from pid" in x]
     assert len(warnings) == 1, proc.stderr[-3000:]
+
+
+def test_the_count_goes_on_from_an_optimizer_state_a_checkpoint_restored():
+    proc = run(
+        """
+        import copy, json, torch
+        from trainers.attach_hook import steps_taken
+        frozen, model = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+        frozen.requires_grad_(False)  # (no gradient, no state: looked past)
+        params = [*frozen.parameters(), *model.parameters()]
+        def step(opt):
+            model(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()
+        adam = torch.optim.AdamW(params, lr=0.1)
+        for _ in range(3):
+            step(adam)
+        counts = [steps_taken(adam)]
+        resumed = torch.optim.AdamW(params, lr=0.1)
+        resumed.load_state_dict(copy.deepcopy(adam.state_dict()))  # (as from a file)
+        step(resumed)
+        sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        step(sgd)
+        fresh = torch.optim.RMSprop(params, lr=0.1)
+        step(fresh)
+        class Odd:
+            param_groups = [{"params": params}]
+            state = {params[2]: {"step": "many"}}
+        counts += [steps_taken(o) for o in (resumed, sgd, fresh, Odd())]
+        print("LOSSES", json.dumps(counts))  # (the line that losses() reads)
+        """,
+        setup=False,
+    )
+    assert losses(proc) == [3, 4, None, 1, None]

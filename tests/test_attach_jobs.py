@@ -144,6 +144,54 @@ def test_skyrl_own_profiler_calls_drive_the_coordinator_with_the_switch(head, tm
     assert hooked["losses"] == plain["losses"] and len(plain["losses"]) == 16
 
 
+SETTLED = """
+import json, sys, ray
+ray.init(address="auto", log_to_driver=False)
+coord = ray.get_actor(sys.argv[1], namespace="profiler")
+for w in ray.get(coord.status.remote())["windows"]:
+    ray.get(coord.wait_window.remote(w["index"], timeout_s=60))
+st = ray.get(coord.status.remote())
+st["phase_times"] = ray.get(coord.phase_times.remote(last=100))
+json.dump(st, open(sys.argv[2], "w"), default=str)
+ray.kill(coord)
+"""
+
+
+def test_a_ray_train_group_restarted_from_its_checkpoint_counts_on_from_its_optimizer(
+    head, tmp_path
+):
+    """A plain DDP job with AdamW loses rank 1 after optimizer step 20; Ray Train restarts the
+    group from its last checkpoint, which restores the optimizer's state. The new processes
+    count on from the optimizer's own step count: the schedule's windows land on the same
+    optimizer steps as in a run with no failure, on both ranks, and the run ends on step 40."""
+    name = "attach-resume"
+    schedule = "skip_first: 4, wait: 4, warmup: 1, active: 2, repeat: 0, ranks: all"
+    config = f"{{enable: true, save_path: {tmp_path / 'p'}, {schedule}, activities: [cpu], " \
+             f"attach: {{name: {name}}}}}"  # fmt: skip
+    out = tmp_path / "job"
+    _run(head, ["tests.scripts.attach_job", "resume", str(out), "--hook"], tmp_path, config,
+         FAIL_AT="20")  # fmt: skip
+    assert (out / "failed-once").exists()  # (rank 1 was lost once)
+    proc = subprocess.run([sys.executable, "-c", SETTLED, name, str(tmp_path / "status.json")],
+                          cwd=ROOT, env=head["env"], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    st = json.loads((tmp_path / "status.json").read_text())
+    got = [(w["steps"], w["rank_count"], w["partial"]) for w in st["windows"]]
+    assert all((n, partial) == (2, False) for _, n, partial in got), got
+    # Resumed from step 10, the group ran steps 11-20 again, window [16, 17] included; from
+    # step 15 or 20, the next window is [23, 24]. Counted from 1, [9, 10] would come again.
+    before, again = [[9, 10], [16, 17]], [[16, 17]] if len(got) == 6 else []
+    assert [w[0] for w in got] == before + again + [[23, 24], [30, 31], [37, 38]], got
+    assert st["global_step"] == 40 and st["attach_problems"] == []
+    # Rank 0's wall time of each step (a compact run of them a report), from its second
+    # optimizer step on; the first step after the restart attached again (untimed), and the
+    # steps the new group ran again were timed already.
+    steps = [s["step"] for s in st["phase_times"]["steps"]]
+    assert steps == sorted(set(steps)) and (steps[0], steps[-1]) == (2, 40) and len(steps) >= 38
+    assert sorted(r["rank"] for r in st["ranks"]) == [0, 1]
+
+
 MISSING = """
 import ray
 ray.init(address="auto", log_to_driver=True, runtime_env={

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import array
 import asyncio
 
 import pytest
 
 from coordinator.client.phase_clock import PhaseClock, Region
+from coordinator.client.rank_reports import StepReports
 from coordinator.core.phases import (
     BUCKET_STEPS,
     EXACT_STEPS,
     MAX_REGIONS,
     PhaseLog,
     check_records,
+    check_walls,
+    walls_records,
 )
 from coordinator.ops import notebook as nb
 from coordinator.ops.tables import render_phases
@@ -65,6 +69,70 @@ def test_old_or_repeated_steps_and_regions_beyond_the_cap_are_counted_not_kept()
 )
 def test_malformed_phase_records_are_refused_with_a_reason(records):
     assert check_records(records)
+
+
+@pytest.mark.parametrize(
+    "walls",
+    [
+        "x",
+        (1,),
+        (-1, [0.1]),
+        (True, [0.1]),
+        (2**62, [0.1]),
+        (1, "0.1"),
+        (1, [0.1, float("nan")]),
+        (1, [0.1, -0.1]),
+        (1, [0.1, "slow"]),
+        (1, array.array("d", [float("inf")])),
+        (1, [0.1] * 20_001),
+    ],
+)
+def test_malformed_walls_are_refused_with_a_reason(walls):
+    assert check_walls(walls)
+
+
+def test_a_compact_run_of_walls_is_kept_as_a_record_a_step_after_the_records():
+    """Rank 0's report: records (a step with regions), then the steps after it as wall times."""
+    walls = (3, array.array("d", [0.5, 0.25]))
+    assert check_walls(walls) is None and check_walls((0, [])) is None
+    log = PhaseLog()
+    assert log.add([[2, 1.0, {"train": 0.5}], *walls_records(walls)]) == 3
+    got = log.reply(last=10)["steps"]
+    assert [(s["step"], s["wall_ms"]) for s in got] == [(2, 1000.0), (3, 500.0), (4, 250.0)]
+
+
+def test_rank_0_sends_steps_with_no_region_as_walls_and_keeps_their_order():
+    sent, tick = [], 1 / 64  # (clock readings exact in binary)
+    now = iter([8.0, 8.5, *(8.5 + tick * i for i in range(1, 6))])
+
+    class Coordinator:
+        class step:  # noqa: N801 (an actor method's handle)
+            @staticmethod
+            def remote(*args):
+                sent.append(args)
+
+    reports = StepReports(Coordinator, "t", now=lambda: next(now))
+    reports.clock.begin_step()
+    reports.step(0, now=False)  # (the first report goes at once)
+    reports.step(1, now=False)
+    with Region(reports.clock, "train"):
+        pass
+    reports.step(2, now=False)
+    reports.step(4, now=False)  # (step 3 skipped)
+    reports.step(5, now=True)  # (a window's first or last step: sent at once)
+    reports.step(6, now=False)  # (a tick after the last report: not sent yet)
+    assert reports.unreported == 6
+    reports.flush()
+    got = [
+        (step, [(r[0], r[1], list(r[2])) for r in records or ()], walls and (walls[0], [*walls[1]]))
+        for _, step, waiting, records, walls in sent
+    ]
+    assert got == [
+        (0, [], (0, [0.5])),
+        (5, [(1, tick, []), (2, tick, ["train"])], (4, [tick, tick])),
+        (6, [], (6, [tick])),
+    ]
+    assert reports.unreported is None and not any(waiting for _, _, waiting, _, _ in sent)
 
 
 def test_regions_add_up_within_a_step_in_with_and_async_with():

@@ -3,7 +3,7 @@ from hypothesis import strategies as st
 
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.schedule import Schedule, Window
-from coordinator.core.window_plan import Ignored, Start, Step, Stop, WindowPlan
+from coordinator.core.window_plan import MAX_STEP, Ignored, Start, Step, Stop, WindowPlan
 from tests.plan_sim import recorded_steps
 
 
@@ -169,20 +169,20 @@ def test_capture_overlapping_the_open_window_is_refused_and_cancel_works():
     assert "too early" in d.request_capture(2, 1, 1)
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    st.integers(0, 6),
-    st.integers(0, 3),
-    st.integers(0, 3),
-    st.integers(1, 3),
-    st.integers(0, 3),
-    st.lists(
-        st.tuples(
-            st.integers(0, 40), st.integers(0, 2), st.integers(1, 3), st.none() | st.integers(0, 45)
-        ),
-        max_size=6,
+# Schedules (skip_first, wait, warmup, active, repeat) and capture requests (at step, warmup,
+# active, start step) for the property tests.
+SCHEDULES = (st.integers(0, 6), st.integers(0, 3), st.integers(0, 3), st.integers(1, 3),
+             st.integers(0, 3))  # fmt: skip
+REQUESTS = st.lists(
+    st.tuples(
+        st.integers(0, 40), st.integers(0, 2), st.integers(1, 3), st.none() | st.integers(0, 45)
     ),
+    max_size=6,
 )
+
+
+@settings(max_examples=200, deadline=None)
+@given(*SCHEDULES, REQUESTS)
 def test_opened_windows_never_overlap(skip_first, wait, warmup, active, repeat, requests):
     d = new_plan(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
     opened = []
@@ -203,3 +203,43 @@ def test_opened_windows_never_overlap(skip_first, wait, warmup, active, repeat, 
         if w.kind == "capture":
             p = pending[w.index]
             assert w.last - w.first == p.last - p.first
+
+
+@settings(max_examples=300, deadline=None)
+@given(*SCHEDULES, REQUESTS)
+def test_a_rank_that_skips_the_quiet_steps_gets_the_same_commands(
+    skip_first, wait, warmup, active, repeat, requests
+):
+    """``quiet_through``: a rank that passes the plan by (only ``last_step`` moves) on every
+    step up to it, as ``RankSession.step`` does, runs the same commands on the same steps as
+    one that asks the plan each step, captures taken mid-run included."""
+    kw = {"skip_first": skip_first, "wait": wait, "warmup": warmup, "active": active}
+    every, skipping = new_plan(**kw, repeat=repeat), new_plan(**kw, repeat=repeat)
+    assert every.start(0) == skipping.start(0) and skipping.quiet_through() >= -1
+    quiet = -1
+    for k in range(60):
+        for at, w_up, act, start in requests:
+            if at == k:
+                assert every.request_capture(w_up, act, start) == skipping.request_capture(
+                    w_up, act, start
+                )
+                quiet = -1  # (a capture taken: ask again)
+        want = every.step(k)
+        if k <= quiet:
+            skipping.last_step, got = k, []
+        else:
+            got = skipping.step(k)
+            quiet = skipping.quiet_through()
+        assert got == want, k
+
+
+def test_quiet_through_is_the_step_before_the_next_warm_up_and_none_inside_a_window():
+    d = new_plan(skip_first=10, wait=0, warmup=1, active=2, repeat=1)  # warm-up 10, record 11-12
+    assert d.quiet_through() == -1  # (not started)
+    d.start(0)
+    assert d.quiet_through() == 8  # (step(9) opens the window: its warm-up is step 10)
+    assert d.step(8) == [] and d.step(9) != [] and d.quiet_through() == -1
+    d.step(10), d.step(11), d.step(12)
+    assert d.quiet_through() == MAX_STEP  # (no window to come)
+    d.request_capture(1, 2, 20)  # (warm-up at 19, records 20-21)
+    assert d.quiet_through() == 17

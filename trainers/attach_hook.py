@@ -55,19 +55,21 @@ def first_step(optimizer: Any) -> Step:
     )
     if _is_off(session):
         return _nothing  # (RankSession said why, once)
-    session.start(first_step=2)  # (this first step was spent attaching)
+    done = steps_taken(optimizer) or 1  # (resumed from a checkpoint: its count goes on)
+    session.start(first_step=done + 1)  # (this first step was spent attaching)
     if _is_off(session):
         return _nothing
-    log.info("profiler: attached as %s, counting %s steps", who.describe(), attached["optimizer"])
-    return AttachedRank(session, who, optimizer).step
+    log.info("profiler: attached as %s at optimizer step %d, counting %s steps",
+             who.describe(), done, attached["optimizer"])  # fmt: skip
+    return AttachedRank(session, who, optimizer, done).step
 
 
 class AttachedRank:
     """The steps of an attached rank (see the module docstring)."""
 
-    def __init__(self, session: RankSession, who: Identity, optimizer: Any) -> None:
+    def __init__(self, session: RankSession, who: Identity, optimizer: Any, done: int) -> None:
         self.session, self.who = session, who
-        self.count = 1  # optimizer steps done (the first one attached)
+        self.count = done  # optimizer steps done (the last one attached)
         self._counted = weakref.ref(optimizer)
         self._thread = threading.get_ident()
         self._said: set[str] = set()
@@ -105,6 +107,27 @@ class AttachedRank:
         self._said.add(kind)
         log.warning("profiler: %s: %s", self.who.describe(), what)
         tell_problem(self.session.coordinator, process_where(self.who), what)
+
+
+def steps_taken(optimizer: Any, look_at: int = 64) -> int | None:
+    """How many steps ``optimizer`` has taken, this one included, as its own state counts
+    them: the ``step`` that Adam, AdamW, RMSprop, Adagrad and most others keep per
+    parameter, which ``load_state_dict`` restores, so a process resumed from a checkpoint
+    (a Ray Train worker group restarted after a failure) goes on counting where the
+    checkpoint was. None when the state has no count (SGD), or it cannot be read; only the
+    first ``look_at`` parameters are looked at (those without a gradient have no state).
+    Read once, at the process's first optimizer step."""
+    try:
+        state = optimizer.state
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        for _, param in zip(range(look_at), params, strict=False):
+            count = state.get(param, {}).get("step")
+            if count is not None:
+                value = float(count.item() if hasattr(count, "item") else count)
+                return int(value) if value >= 1 and value.is_integer() else None
+    except Exception as exc:  # (an optimizer of its own kind: count from this step)
+        log.debug("profiler: the optimizer's step count is unreadable: %r", exc)
+    return None
 
 
 def skyrl_loaded(module: Any) -> None:

@@ -13,9 +13,10 @@ Ray Train: nobody owns the ranks, so the coordinator cannot call them. Each rank
 holds the run's window plan (``coordinator.core.window_plan``, the same pure plan the coordinator
 keeps) and starts, steps and stops its own ``torch.profiler`` on its training thread, at the
 steps the plan names; every rank computes the same windows from the same config. Outside windows
-``step(k)`` is a few dict lookups: no Ray call, no wait. Rank 0 reports its step to the
-coordinator without waiting, at most every ``REPORT_EVERY_S`` and at once on a step where a
-window starts or stops; each rank tells the coordinator, never waiting, when it closed a window.
+``step(k)`` is a few attribute lookups: no Ray call, no wait. Rank 0 reports its step to the
+coordinator without waiting, at most every 0.1 s and at once on a step where a window starts or
+stops, with each step's wall time (``coordinator.client.rank_reports``); each rank tells the
+coordinator, never waiting, when it closed a window.
 The node agent builds the summaries from the traces, as for actor ranks.
 
 A disabled config makes no Ray call at all. An unreachable coordinator, no rank information,
@@ -30,10 +31,10 @@ import logging
 import os
 import sys
 import threading
-import time
 from typing import Any
 
-from coordinator.client.phase_clock import PhaseClock, Region
+from coordinator.client.phase_clock import Region
+from coordinator.client.rank_reports import StepReports
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.schedule import Schedule
 from coordinator.core.window_plan import Command, Start, Step, Stop, WindowPlan
@@ -42,9 +43,6 @@ from coordinator.protocol.plan_board import board_id
 from worker_ext.rank.board_reader import BoardReader
 
 log = logging.getLogger(__name__)
-REPORT_EVERY_S = 0.1
-"""Rank 0 reports its step at most this often outside the steps where a window starts or stops."""
-MAX_PHASES = 10_000  # rank 0's step records between two reports (a coordinator away)
 _ATTACHED: dict[int, RankSession] = {}  # pid -> the session attached in this process (one)
 _ATTACHED_LOCK = threading.Lock()
 
@@ -68,15 +66,12 @@ class RankSession:
         self.coordinator: Any = None
         self._profiler: Any = None  # worker_ext.rank.rank_profiler.RankProfiler
         self._plan: WindowPlan | None = None
-        self._clock: PhaseClock | None = None
+        self._reports: StepReports | None = None  # rank 0's
         self._last_step: int | None = None
-        self._last_report = 0.0
-        self._unreported: int | None = None
-        self._phases: list[list[Any]] = []
+        self._quiet_through = -1  # the plan's: steps up to it need no look at the plan
         self._said_backwards = False
         self._told_fault = False
         self._generation = 0  # this process's attach to the run (``attach_rank``)
-        self._stepped: Any = None  # rank 0's last step report (its ObjectRef)
         self._owner = (DEFAULT_NAMESPACE, DEFAULT_NAME)  # the coordinator's namespace and name
         self._board: BoardReader | None = None  # this node's plan board, once the loop starts
         self._attached: dict[str, Any] | None = None  # set by the attach hook
@@ -174,7 +169,7 @@ class RankSession:
             self.rank, self.config, self.run_dir, report_to=reply["report_to"], role=role
         )
         self._plan = WindowPlan(Schedule(self.config))
-        self._clock = PhaseClock() if self.rank == 0 else None
+        self._reports = StepReports(self.coordinator, self.trainer_id) if self.rank == 0 else None
         self._tell(None)  # its node, pid and stack-dump file, for stacks and stragglers
 
     # ------------------------------------------------------------------ the loop
@@ -204,7 +199,7 @@ class RankSession:
     def region(self, name: str) -> Region:
         """Time a named part of the step (``with prof.region("train"):``); rank 0's regions
         ride on its step reports (``phase_times()``, ``ray-profiler phases``)."""
-        return Region(self._clock, name)
+        return Region(self._reports.clock if self._reports is not None else None, name)
 
     def start(self, first_step: int = 0) -> None:
         """Before the loop: the next step this rank runs is ``first_step``. Waits for the
@@ -233,8 +228,8 @@ class RankSession:
                                       self.config.max_capture_steps)  # fmt: skip
             self._look(None)  # the captures planned before this start
         self._run(self._plan.start(first_step), first_step - 1)
-        if self._clock is not None:
-            self._clock.begin_step()
+        if self._reports is not None:
+            self._reports.clock.begin_step()
 
     def step(self, step: int) -> None:
         """Global step ``step`` has finished on this rank; call it once per step, after it.
@@ -245,17 +240,24 @@ class RankSession:
         plan = self._plan
         if plan is None or self.disabled_reason:
             return
-        if self._last_step is not None and step <= self._last_step:
+        last = self._last_step
+        if last is not None and step <= last:
             _backwards(self, step)
             return
         self._last_step = step
-        if self._board is not None and self._board.due():
+        board = self._board
+        if board is not None and board.due():
             self._look(step + 1)
-        commands = plan.step(step)
-        if commands:
-            self._run(commands, step)  # type: ignore[arg-type]  # (never Ignored: checked)
-        if self.rank == 0:
-            self._report(step, bool(commands))
+        if step <= self._quiet_through:  # (the hot path: the plan has nothing before then)
+            plan.last_step = step
+            commands = None
+        else:
+            commands = plan.step(step)
+            if commands:
+                self._run(commands, step)  # type: ignore[arg-type]  # (never Ignored: checked)
+            self._quiet_through = plan.quiet_through()
+        if self._reports is not None:
+            self._reports.step(step, bool(commands))
 
     def stop(self, end_run: bool = True) -> None:
         """After the loop: close an open window (partial); rank 0 ends the run's steps.
@@ -302,6 +304,7 @@ class RankSession:
         a rank whose windows can no longer carry the run's numbers stops profiling."""
         assert self._board is not None and self._plan is not None
         taken = self._board.look(self._plan, next_step)
+        self._quiet_through = -1  # (a capture taken changes the plan: ask it again)
         if taken is not None and taken.off is not None:
             self._run(self._plan.stop(), next_step)
             _off(self, "plan", taken.off)
@@ -320,45 +323,19 @@ class RankSession:
                 self.rank, type(exc).__name__, exc,
             )  # fmt: skip
 
-    def _report(self, step: int, now: bool) -> None:
-        """Rank 0: step ``step`` to the coordinator, at most every ``REPORT_EVERY_S`` and at
-        once on a step where a window started or stopped."""
-        self._close_step(step)
-        if not now and time.monotonic() - self._last_report < REPORT_EVERY_S:
-            self._unreported = step
-            return
-        self._send_step(step)
-
-    def _close_step(self, step: int | None) -> None:
-        if self._clock is None or step is None:
-            return
-        record = self._clock.close_step(step)
-        if record is not None and len(self._phases) < MAX_PHASES:
-            self._phases.append(record)
-        self._clock.begin_step()
-
-    def _send_step(self, step: int) -> None:
-        """Rank 0's report of ``step``, with the phase records since the last, not waited for."""
-        self._last_report, self._unreported = time.monotonic(), None
-        phases, self._phases = self._phases or None, []
-        try:
-            self._stepped = self.coordinator.step.remote(self.trainer_id, step, False, phases)
-        except Exception as exc:  # never the training's problem
-            log.warning("profiler: rank 0 could not report step %s: %s", step, exc)
-
 
 def _end_run(session: RankSession) -> None:
     """Rank 0 ends the run: its last step report (answered first: an async actor may run
     two calls out of order), then ``stop``, waited for."""
     import ray
 
-    if session._unreported is not None:  # (with the phase records not yet sent)
-        session._send_step(session._unreported)
-    assert session.config is not None
+    reports = session._reports
+    assert session.config is not None and reports is not None
+    reports.flush()  # (with the phase records not yet sent)
     wait_s = session.config.worker_timeout_s
     try:
-        if session._stepped is not None:
-            ray.wait([session._stepped], timeout=wait_s)
+        if reports.sent is not None:
+            ray.wait([reports.sent], timeout=wait_s)
         ray.get(session.coordinator.stop.remote(session.trainer_id), timeout=wait_s + 5)
     except Exception as exc:  # never the training's problem
         log.warning("profiler: rank 0 could not end the run at the coordinator: %s", exc)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-NO_REGIONS: dict[str, float] = {}
+from coordinator.core.phases import NO_REGIONS
 
 
 class PhaseClock:
@@ -30,6 +30,7 @@ class PhaseClock:
         self.now = now
         self._regions: dict[str, float] = {}
         self._began: float | None = None
+        self.lapped = 0.0  # the clock's reading at the last ``lap``
 
     def begin_step(self) -> None:
         """The trainer's next step starts now (after the previous step's report returned)."""
@@ -50,6 +51,42 @@ class PhaseClock:
         if self._began is None:
             return None
         return [step, max(0.0, self.now() - self._began), regions]
+
+    def lap_wall(self) -> float | None:
+        """``lap`` for a step with no region in it: its wall time alone (a compact record);
+        None, reading no clock, when the step had regions or no step had begun (``lap``
+        then).
+
+        >>> clock = PhaseClock(now=lambda: 2.0)
+        >>> clock.begin_step(); clock.now = lambda: 2.25
+        >>> clock.lap_wall(), clock.lapped
+        (0.25, 2.25)
+        """
+        began = self._began
+        if self._regions or began is None:
+            return None
+        now = self.lapped = self._began = self.now()
+        return now - began if now > began else 0.0
+
+    def lap(self, step: int) -> list[Any] | None:
+        """``close_step(step)`` then ``begin_step()`` on one reading of the clock (kept in
+        ``lapped``): steps timed back to back, whose wall times add up to the time elapsed.
+
+        >>> clock = PhaseClock(now=lambda: 2.0)
+        >>> clock.lap(0), clock.lapped
+        (None, 2.0)
+        >>> clock.now = lambda: 2.5
+        >>> clock.lap(1)
+        [1, 0.5, {}]
+        """
+        now = self.lapped = self.now()
+        regions = self._regions
+        if regions:
+            self._regions = {}
+        else:
+            regions = NO_REGIONS
+        began, self._began = self._began, now
+        return None if began is None else [step, max(0.0, now - began), regions]
 
 
 class Region:

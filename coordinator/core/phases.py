@@ -19,6 +19,7 @@ slowest step), so a run of a million steps holds about 20,000 entries.
 
 from __future__ import annotations
 
+import array
 import collections
 import math
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ MAX_REGIONS = 32
 MAX_NAME = 64
 MAX_RECORDS = 20_000  # per report
 SLOWEST = 5
+NO_REGIONS: dict[str, float] = {}  # (a step timed with no region in it: read, never changed)
 
 
 def check_records(records: Any) -> str | None:
@@ -54,6 +56,28 @@ def check_records(records: Any) -> str | None:
             if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or not _seconds(value):
                 return f"a region must be a name (1..{MAX_NAME} chars) -> seconds >= 0"
     return None
+
+
+def check_walls(walls: Any) -> str | None:
+    """Why ``walls`` (``(first_step, seconds)``: the wall times of steps ``first_step``,
+    ``first_step + 1``, ... with no region in them, a compact run of records) cannot be taken;
+    None when they can."""
+    if not isinstance(walls, (list, tuple)) or len(walls) != 2:
+        return f"walls must be (first_step, [wall_s, ...]), got {walls!r:.80}"
+    first, seconds = walls
+    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < 2**62:
+        return f"walls' first step must be an int >= 0, got {first!r:.80}"
+    if not isinstance(seconds, (list, tuple, array.array)) or len(seconds) > MAX_RECORDS:
+        return f"walls' seconds must be a list of at most {MAX_RECORDS} numbers"
+    if not all(_seconds(x) for x in seconds):
+        return "walls' seconds must each be a number >= 0"
+    return None
+
+
+def walls_records(walls: tuple[int, Any]) -> list[list[Any]]:
+    """Checked ``walls`` (``check_walls``) as phase records, one a step."""
+    first, seconds = walls
+    return [[first + i, wall, NO_REGIONS] for i, wall in enumerate(seconds)]
 
 
 def _seconds(x: Any) -> bool:

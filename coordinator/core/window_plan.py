@@ -24,6 +24,8 @@ from coordinator.core.schedule import Schedule, Window
 
 MAX_SLIDES = 1000
 """The most windows an SPMD capture's default start slides past to find free steps."""
+MAX_STEP = 2**62
+"""``quiet_through`` of a plan with no window to come."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,25 @@ class WindowPlan:
     def next_boundary(self) -> int:
         """The first step the trainer has not reported finished (0 before any report)."""
         return self.last_step + 1 if self.last_step is not None else 0
+
+    def quiet_through(self) -> int:
+        """The last step ``k`` whose ``step(k)`` surely returns no command as the plan stands
+        now (no window open, the next one's warm-up after ``k + 1``); -1 when none is. A rank
+        that counts its steps past the plan up to it calls ``step`` again only after it (its
+        hot path), and asks again whenever the plan changes (a command, a capture taken).
+
+        >>> from coordinator.core.config import ProfilerConfig
+        >>> cfg = ProfilerConfig(enable=True, skip_first=10, wait=0, warmup=1, active=2)
+        >>> plan = WindowPlan(Schedule(cfg)); _ = plan.start(0)
+        >>> plan.quiet_through(), plan.step(8), plan.step(9)[0].window.warmup_start
+        (8, [], 10)
+        """
+        if not self._started or self.current is not None:
+            return -1
+        starts = [w.warmup_start for w in (self._cursor, *self.captures[:1]) if w is not None]
+        if not starts:
+            return MAX_STEP
+        return max(-1, min(starts) - 2)
 
     def free_index(self, start: int | None = None) -> int:
         """The lowest window index from ``start`` (default ``next_index``) that no pending

@@ -103,18 +103,19 @@ class _Coordinator(OperatorRPCs, SpmdRPCs):
         return await self._runs.start(trainer_id, first_step, throttled)
 
     async def step(
-        self, trainer_id: str, k: int, waiting: bool = True, phases: list[Any] | None = None
+        self, trainer_id: str, k: int, waiting: bool = True, phases: Any = None, walls: Any = None
     ) -> StepReply:
         """Global step ``k`` has finished. Returns once the ranks that act are ready for k+1.
 
         ``waiting``: the trainer waits for this answer before it runs step k+1 (``StepClient``
         sends reports of idle steps without waiting, and says so). ``phases``: the phase
-        records (``[step, wall_s, {region: seconds}]``) of the steps since the last report;
-        malformed ones are refused (``refused_phases``) and the step still counts.
+        records (``[step, wall_s, {region: seconds}]``) of the steps since the last report, then
+        ``walls``: ``(first_step, [wall_s, ...])``, later steps with no region (rank 0 of SPMD
+        ranks); malformed ones are refused (``refused_phases``) and the step still counts.
         """
         self._watchdog.start()  # (a no-op once running; after a restart, its first start)
         self._recorder.start()
-        return await self._runs.step(trainer_id, k, waiting, phases)
+        return await self._runs.step(trainer_id, k, waiting, phases, walls)
 
     async def stop(self, trainer_id: str) -> StepReply:
         """After the loop: stop an open window (partial), end the captures that never opened,

@@ -243,7 +243,9 @@ class RunCalls:
             sh.save()
             return reply
 
-    async def step(self, trainer_id: str, k: int, waiting: bool, phases: Any = None) -> StepReply:
+    async def step(
+        self, trainer_id: str, k: int, waiting: bool, phases: Any = None, walls: Any = None
+    ) -> StepReply:
         sh = self.shell
         arrived = time.monotonic()
         async with sh.lock:
@@ -251,8 +253,8 @@ class RunCalls:
             no = self._trainer_call_problem(trainer_id, "step", ("step", k), ("waiting", waiting))
             if no:
                 return sh.step_reply(False, no)
-            if phases is not None:
-                sh.phases.keep(sh.run.name, (r.name for r in sh.previous), phases)
+            if phases is not None or walls is not None:
+                sh.phases.keep(sh.run.name, (r.name for r in sh.previous), phases, walls)
             run = sh.run
             if run.lifecycle == "stopped":
                 why = f"the run {run.name} stopped; start() begins a new run first"
@@ -325,8 +327,7 @@ class RunCalls:
         self, trainer_id: str, what: str, step: tuple[str, object], flag: tuple[str, object]
     ) -> str | None:
         """Why a ``start``/``step`` call is refused (its trainer, its step, its flag), or None."""
-        no = self.shell.not_the_stepping_trainer(trainer_id, what)
-        if no:
+        if no := self.shell.not_the_stepping_trainer(trainer_id, what):
             return no
         problem = step_problem(*step) or flag_problem(*flag)
         return self.shell.refuse(what, problem) if problem else None

@@ -2,10 +2,11 @@
 this project; with ``--hook`` the job's ``runtime_env`` names the setup hook and the config
 (``RAY_PROFILER_CONFIG`` from this process's environment), and nothing else changes.
 
-JOB: ``hf``, ``lightning`` or ``trl`` (Ray Train, 2 workers) or ``single`` (two actors called by
-this driver: ``trainers.reference.unchanged``, which imports nothing of the project either;
-``GLOBAL_STEPS``, ``SLOW_FROM`` and ``SLOW_S`` in the environment make it longer, and slower from
-an optimizer step on). ``PACE_S``: seconds each step sleeps.
+JOB: ``hf``, ``lightning``, ``trl`` or ``resume`` (Ray Train, 2 workers; ``resume`` loses rank 1
+once after optimizer step ``FAIL_AT`` and resumes from its checkpoint) or ``single`` (two actors
+called by this driver: ``trainers.reference.unchanged``, which imports nothing of the project
+either; ``GLOBAL_STEPS``, ``SLOW_FROM`` and ``SLOW_S`` in the environment make it longer, and
+slower from an optimizer step on). ``PACE_S``: seconds each step sleeps.
 Joins the cluster at ``RAY_ADDRESS``. Prints ``JOB-DONE`` at the end.
 """
 
@@ -39,14 +40,21 @@ def main() -> None:
         with open(os.path.join(out, "losses.json"), "w") as f:
             json.dump(losses, f)
     else:
-        from ray.train import RunConfig, ScalingConfig
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
+        loop = {"out": out, "pace_s": pace_s}
+        if job == "resume":  # (rank 1 dies once after this step; Ray Train restarts the group)
+            loop |= {"fail_at": int(os.environ.get("FAIL_AT", "17")),
+                     "marker": os.path.join(out, "failed-once")}  # fmt: skip
+        failures = FailureConfig(max_failures=int(job == "resume"))
         TorchTrainer(
             TRAIN[job],
-            train_loop_config={"out": out, "pace_s": pace_s},
+            train_loop_config=loop,
             scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-            run_config=RunConfig(storage_path=os.path.join(out, "train"), name=f"{job}-job"),
+            run_config=RunConfig(
+                storage_path=os.path.join(out, "train"), name=f"{job}-job", failure_config=failures
+            ),
         ).fit()
     print("JOB-DONE", flush=True)
 

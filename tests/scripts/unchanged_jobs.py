@@ -163,4 +163,50 @@ def train_trl(cfg: dict[str, Any]) -> None:
     _write_losses(cfg, [h["loss"] for h in trainer.state.log_history if "loss" in h])
 
 
-TRAIN = {"hf": train_hf, "lightning": train_lightning, "trl": train_trl}
+def train_resume(cfg: dict[str, Any]) -> None:
+    """A plain DDP loop with AdamW that saves a Ray Train checkpoint (model, optimizer, step)
+    every 5 steps and resumes from the last one; on its first attempt rank 1 dies after step
+    ``cfg["fail_at"]`` (the file ``cfg["marker"]`` says it did), so Ray Train restarts the
+    group (``FailureConfig(max_failures=1)``)."""
+    import tempfile
+
+    import ray.train
+    import torch
+    from ray.train.torch import prepare_model
+
+    rank = ray.train.get_context().get_world_rank()
+    torch.manual_seed(0)
+    model = prepare_model(torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    start, losses = 0, []
+    found = ray.train.get_checkpoint()
+    if found is not None:
+        with found.as_directory() as d:
+            state = torch.load(os.path.join(d, "state.pt"))
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start, losses = state["step"], state["losses"]
+    data = torch.Generator().manual_seed(rank)
+    for step in range(start + 1, STEPS + 1):  # (step: the optimizer steps done, this one too)
+        loss = model(torch.randn(8, 16, generator=data)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+        time.sleep(cfg["pace_s"])
+        if step == cfg["fail_at"] and rank == 1 and not os.path.exists(cfg["marker"]):
+            open(cfg["marker"], "w").close()
+            os._exit(1)  # a worker lost: Ray Train restarts the group from its checkpoint
+        if step % 5 == 0:
+            with tempfile.TemporaryDirectory() as d:
+                checkpoint = None
+                if rank == 0:
+                    state = {"model": model.module.state_dict(), "opt": opt.state_dict(),
+                             "step": step, "losses": losses}  # fmt: skip
+                    torch.save(state, os.path.join(d, "state.pt"))
+                    checkpoint = ray.train.Checkpoint.from_directory(d)
+                ray.train.report({"step": step}, checkpoint=checkpoint)
+    _write_losses(cfg, losses)
+
+
+TRAIN = {"hf": train_hf, "lightning": train_lightning, "trl": train_trl, "resume": train_resume}

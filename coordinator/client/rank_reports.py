@@ -1,0 +1,102 @@
+"""Rank 0's step reports, for an SPMD rank (``RankSession``) or an attached one: every step's
+phase record, and the step to the coordinator at most every ``REPORT_EVERY_S``, never waited for.
+
+A step's wall time runs from the previous step's end (one clock reading a step). A step with no
+``region`` in it adds its wall time to a compact run (an ``array``: no object made a step, and
+a few bytes a step on the wire: the ``walls`` of the ``step`` RPC) while the steps follow one
+another; a step with regions, or after a gap, is a record of its own, and the run before it
+becomes records first, so the coordinator gets them in order.
+
+>>> sent = []
+>>> class Coordinator:
+...     class step:
+...         @staticmethod
+...         def remote(*args):
+...             sent.append(args)
+>>> times = iter([0.0, 0.015625, 0.03125, 0.0625])
+>>> reports = StepReports(Coordinator, "sft", now=lambda: next(times))
+>>> reports.clock.begin_step()
+>>> reports.step(0, now=False); reports.step(1, now=False); reports.step(2, now=True)
+>>> trainer, step, waiting, records, (first, walls) = sent[0]
+>>> step, records, first, list(walls)
+(2, None, 0, [0.015625, 0.015625, 0.03125])
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+from coordinator.client.phase_clock import PhaseClock
+from coordinator.core.phases import walls_records
+
+log = logging.getLogger(__name__)
+REPORT_EVERY_S = 0.1
+"""Rank 0 reports its step at most this often outside the steps where a window starts or stops."""
+MAX_PHASES = 10_000  # step records between two reports (a coordinator away)
+
+
+class StepReports:
+    """Rank 0's phase records and step reports (see the module docstring)."""
+
+    def __init__(
+        self, coordinator: Any, trainer_id: str, now: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self.coordinator, self.trainer_id = coordinator, trainer_id
+        self.clock = PhaseClock(now)
+        self.unreported: int | None = None  # the last step not yet sent
+        self.sent: Any = None  # the last report's ObjectRef
+        self._last = 0.0  # (the clock's reading when the last report was sent)
+        self._records: list[list[Any]] = []
+        self._walls = array("d")  # wall times of steps _first, _first + 1, ... (no region)
+        self._first = 0
+
+    def step(self, step: int, now: bool) -> None:
+        """Step ``step`` has finished: its record, and the report when one is due (``now``: a
+        window started or stopped on it)."""
+        clock = self.clock
+        wall = clock.lap_wall()
+        walls = self._walls
+        if wall is not None:
+            if walls and step != self._first + len(walls):
+                self._fold()  # (a step skipped: the run so far becomes records)
+            if not walls:
+                self._first = step
+            if len(walls) < MAX_PHASES:
+                walls.append(wall)
+        else:
+            record = clock.lap(step)  # (regions in it, or the first step timed)
+            if record is not None:
+                self._fold()
+                if len(self._records) < MAX_PHASES:
+                    self._records.append(record)
+        if not now and clock.lapped - self._last < REPORT_EVERY_S:
+            self.unreported = step
+            return
+        self.send(step)
+
+    def send(self, step: int) -> None:
+        """The report of ``step``, with the records since the last (the records, then the
+        compact run), not waited for; never raises."""
+        self._last, self.unreported = self.clock.lapped, None
+        records, self._records = self._records or None, []
+        walls = (self._first, self._walls) if self._walls else None
+        self._walls = array("d")
+        try:
+            self.sent = self.coordinator.step.remote(self.trainer_id, step, False, records, walls)
+        except Exception as exc:  # never the training's problem
+            log.warning("profiler: rank 0 could not report step %s: %s", step, exc)
+
+    def flush(self) -> None:
+        """The last step not yet sent, if any (the loop's end)."""
+        if self.unreported is not None:
+            self.send(self.unreported)
+
+    def _fold(self) -> None:
+        if self._walls:
+            room = max(0, MAX_PHASES - len(self._records))
+            self._records += walls_records((self._first, self._walls[:room]))
+            self._walls = array("d")
