@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -227,11 +228,27 @@ print("JOB-DONE")
 """
 
 
+ENDED = """
+import json, sys, time, ray
+ray.init(address="auto", log_to_driver=False)
+coord = ray.get_actor(sys.argv[1], namespace="profiler")
+deadline = time.monotonic() + 90
+while True:
+    st = ray.get(coord.status.remote())
+    if st["run"]["lifecycle"] == "stopped" or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+print(json.dumps({"run": st["run"], "stalls": st["stalls"]}, default=str))
+"""
+
+
 def test_ray_job_submit_with_the_runtime_env_json_attaches_and_the_cli_reads_it(head, tmp_path):
     """``ray job submit --runtime-env-json '{"worker_process_setup_hook": ...}' -- python ...``;
-    then an operator's ``ray-profiler status`` and ``collect`` of the window, from the CLI."""
+    once the job has ended, its run ends (no stall is taken on its gone processes); then an
+    operator's ``ray-profiler status`` and ``collect`` of the window, from the CLI."""
     name = "attach-submit"
-    config = f"{{enable: true, save_path: {tmp_path / 'p'}, {SCHEDULE}, attach: {{name: {name}}}}}"
+    config = f"{{enable: true, save_path: {tmp_path / 'p'}, {SCHEDULE}, stall_min_s: 5, " \
+             f"attach: {{name: {name}}}}}"  # fmt: skip
     runtime_env = {"worker_process_setup_hook": "worker_ext.attach.setup",
                    "env_vars": {"RAY_PROFILER_CONFIG": config, "PYTHONPATH": ROOT,
                                 "RAY_AUTH_MODE": "disabled"}}  # fmt: skip
@@ -240,6 +257,13 @@ def test_ray_job_submit_with_the_runtime_env_json_attaches_and_the_cli_reads_it(
               SUBMITTED, str(tmp_path / "losses.json")]  # fmt: skip
     out = _run(head, submit, tmp_path).stdout
     assert "JOB-DONE" in out and len(json.loads((tmp_path / "losses.json").read_text())) == 24
+    proc = subprocess.run([sys.executable, "-c", ENDED, name], cwd=ROOT, env=head["env"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ended = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ended["run"]["lifecycle"] == "stopped" and ended["stalls"] == [], ended
+    assert re.fullmatch(r"the job of attached\.PolicyWorker ended after step \d+",
+                        ended["run"]["ended_reason"]), ended  # fmt: skip
     cli = ["coordinator", "--name", name]
     st = json.loads(_run(head, [*cli, "status", "--json"], tmp_path).stdout)
     assert [(w["steps"], w["rank_count"]) for w in st["windows"]] == [([5, 7], 2)]

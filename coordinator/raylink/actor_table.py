@@ -55,3 +55,10 @@ def live_nodes() -> set[str]:
     import ray
 
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def ended_jobs(ids: set[str]) -> set[str]:
+    """Those of the listed Ray jobs (hex ids) that Ray says have ended (their driver exited)."""
+    import ray
+
+    return {j["JobID"] for j in ray._private.state.state.job_table() if j["IsDead"]} & ids

@@ -53,7 +53,7 @@ class _Coordinator(OperatorRPCs, SpmdRPCs):
         self._readers = Readers(self._shell)
         self._stacks = StackCalls(self._shell)
         self._diffs = Diffs(self._shell, self._readers)
-        self._watchdog = StallWatchdog(self._shell, self._stacks)
+        self._watchdog = StallWatchdog(self._shell, self._stacks, self._runs.stop)
         self._recorder = RunRecorder(self._shell, self._diffs.mark)
         self._shell.record_soon = self._recorder.soon
         self._shell.record_entry = self._recorder.entry

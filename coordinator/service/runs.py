@@ -285,7 +285,7 @@ class RunCalls:
                 sh.save_progress()  # only the step moved: its counters, soon
             return reply
 
-    async def stop(self, trainer_id: str) -> StepReply:
+    async def stop(self, trainer_id: str, why: str | None = None) -> StepReply:
         sh = self.shell
         async with sh.lock:
             await sh.recover()
@@ -297,7 +297,7 @@ class RunCalls:
                 return sh.step_reply(True)  # nothing started, or stopped already
             st = run.state
             await run_commands(run, run.plan.stop(), sh.nodes)
-            why = f"the run stopped at step {st.global_step}"
+            why = why or f"the run stopped at step {st.global_step}"
             for w in run.plan.drop_captures():
                 st.never_opened(w, f"{why} before the window opened")
                 run.capture_ranks.pop(w.index, None)

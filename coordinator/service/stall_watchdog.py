@@ -6,7 +6,8 @@ for ``max(stall_factor x median step time, stall_min_s)``, it takes stacks once 
 ranks for their NCCL Flight Recorder dump), records the stall in ``status()["stalls"]`` and as
 ``<run dir>/stalls/stall_<n>.json``, logs one line and counts it (``profiler_stalls``). It
 takes stacks again with backoff while the stall lasts, and marks the stall resumed when a step
-comes.
+comes. An attached trainer whose job has ended (its ranks have no loop end to say so) is no
+stall: its run ends at its last step.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from coordinator.core.run import Run
 from coordinator.core.stall_watch import StallWatch
 from coordinator.core.storage import is_remote
 from coordinator.protocol.stack_replies import StacksReply, StallEntry
+from coordinator.raylink.actor_table import ended_jobs
 from coordinator.service.shell import CoordinatorShell
 from coordinator.service.stacks import StackCalls
 
@@ -33,8 +36,10 @@ TICK_S = 1.0
 class StallWatchdog:
     """See the module docstring; ``history`` (the shell's ``stalls``) is ``status()["stalls"]``."""
 
-    def __init__(self, shell: CoordinatorShell, stacks: StackCalls) -> None:
-        self.shell, self.stacks = shell, stacks
+    def __init__(
+        self, shell: CoordinatorShell, stacks: StackCalls, end_run: Callable[[str, str], Any]
+    ) -> None:
+        self.shell, self.stacks, self.end_run = shell, stacks, end_run
         self.history = shell.stalls
         self.current: StallEntry | None = None
         self._task: asyncio.Task[None] | None = None
@@ -65,9 +70,33 @@ class StallWatchdog:
             return
         self._busy = True
         try:
-            await self._take(run, watch, now, first=due == "stall")
+            if due != "stall" or not await self._job_ended(run):
+                await self._take(run, watch, now, first=due == "stall")
         finally:
             self._busy = False
+
+    async def _job_ended(self, run: Run) -> bool:
+        """The stepping trainer's steps stopped because its job ended: its ranks are attached
+        ones (the setup hook's: no loop end tells the coordinator) and Ray says the job of
+        every one of them has ended. The run ends then, at its last reported step (its open
+        window closed, partial), instead of a stall on processes that are gone."""
+        trainer = run.state.stepping_trainer
+        ranks = [r for (t, _), r in run.state.ranks.items() if t == trainer]
+        jobs = {str(r.attached["job_id"]) for r in ranks if r.attached and r.attached["job_id"]}
+        if not ranks or not jobs or any(r.attached is None for r in ranks):
+            return False
+        loop = asyncio.get_running_loop()
+        try:
+            ended = await loop.run_in_executor(None, ended_jobs, jobs)
+        except Exception as exc:  # (Ray's job table unreadable: a stall, as before)
+            log.warning("stall watchdog: Ray's job table unreadable: %s", exc)
+            return False
+        if ended != jobs or trainer is None:
+            return False
+        why = f"the job of {trainer} ended after step {run.state.global_step}"
+        log.info("%s: the run ends there", why)
+        await self.end_run(trainer, why)
+        return True
 
     async def _take(self, run: Run, watch: StallWatch, now: float, first: bool) -> None:
         watch.took(now)
