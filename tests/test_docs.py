@@ -119,6 +119,7 @@ def test_public_entry_points_say_what_they_take_return_and_raise(module, name):
         "coordinator.core.trackers_config",
         "coordinator.core.tracker_figures",
         "coordinator.client.attach",
+        "coordinator.client.phase_buffer",
         "coordinator.client.phase_clock",
         "coordinator.client.rank_reports",
         "coordinator.core.window_plan",

@@ -7,8 +7,10 @@ import asyncio
 
 import pytest
 
+from coordinator.client.phase_buffer import PhaseBuffer
 from coordinator.client.phase_clock import PhaseClock, Region
 from coordinator.client.rank_reports import StepReports
+from coordinator.client.step_client import StepClient
 from coordinator.core.phases import (
     BUCKET_STEPS,
     EXACT_STEPS,
@@ -133,6 +135,29 @@ def test_rank_0_sends_steps_with_no_region_as_walls_and_keeps_their_order():
         (6, [], (6, [tick])),
     ]
     assert reports.unreported is None and not any(waiting for _, _, waiting, _, _ in sent)
+
+
+def test_one_buffer_for_both_reporters_keeps_the_newest_steps_in_order():
+    """The single controller's ``StepClient`` and rank 0's ``StepReports`` hold their records in
+    one ``PhaseBuffer``: at most ``limit`` steps while the coordinator is away, the oldest
+    half dropped past it, and the records before the compact run, in step order."""
+    assert isinstance(StepClient(None, "t").phases, PhaseBuffer)
+    assert isinstance(StepReports(None, "t").phases, PhaseBuffer)
+    buf = PhaseBuffer(limit=10)
+    for k in range(25):
+        buf.add([k, 0.1, {"train": 0.05}])
+    records, walls = buf.take()
+    assert walls is None and [r[0] for r in records] == list(range(15, 25))
+    assert buf.dropped == 15 and buf.take() == (None, None)
+    for k in range(30, 55):
+        buf.add_wall(k, 0.25)
+    buf.add([55, 0.5, {"train": 0.25}])
+    buf.add_wall(56, 0.125)
+    buf.add_wall(58, 0.125)  # (57 skipped: the run so far becomes records)
+    records, (first, seconds) = buf.take()
+    kept = [r[0] for r in records] + [first + i for i in range(len(seconds))]
+    assert kept == sorted(kept) and kept[-4:] == [54, 55, 56, 58] and len(kept) <= 10
+    assert buf.dropped == 15 + 25 + 3 - len(kept)
 
 
 def test_regions_add_up_within_a_step_in_with_and_async_with():

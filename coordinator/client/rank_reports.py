@@ -2,10 +2,8 @@
 phase record, and the step to the coordinator at most every ``REPORT_EVERY_S``, never waited for.
 
 A step's wall time runs from the previous step's end (one clock reading a step). A step with no
-``region`` in it adds its wall time to a compact run (an ``array``: no object made a step, and
-a few bytes a step on the wire: the ``walls`` of the ``step`` RPC) while the steps follow one
-another; a step with regions, or after a gap, is a record of its own, and the run before it
-becomes records first, so the coordinator gets them in order.
+``region`` in it is its wall time alone, in a compact run of them (``PhaseBuffer``: no object
+made a step, and a few bytes a step on the wire, the ``walls`` of the ``step`` RPC).
 
 >>> sent = []
 >>> class Coordinator:
@@ -26,17 +24,15 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 from collections.abc import Callable
 from typing import Any
 
+from coordinator.client.phase_buffer import PhaseBuffer
 from coordinator.client.phase_clock import PhaseClock
-from coordinator.core.phases import walls_records
 
 log = logging.getLogger(__name__)
 REPORT_EVERY_S = 0.1
 """Rank 0 reports its step at most this often outside the steps where a window starts or stops."""
-MAX_PHASES = 10_000  # step records between two reports (a coordinator away)
 
 
 class StepReports:
@@ -47,32 +43,22 @@ class StepReports:
     ) -> None:
         self.coordinator, self.trainer_id = coordinator, trainer_id
         self.clock = PhaseClock(now)
+        self.phases = PhaseBuffer()
         self.unreported: int | None = None  # the last step not yet sent
         self.sent: Any = None  # the last report's ObjectRef
         self._last = 0.0  # (the clock's reading when the last report was sent)
-        self._records: list[list[Any]] = []
-        self._walls = array("d")  # wall times of steps _first, _first + 1, ... (no region)
-        self._first = 0
 
     def step(self, step: int, now: bool) -> None:
         """Step ``step`` has finished: its record, and the report when one is due (``now``: a
         window started or stopped on it)."""
         clock = self.clock
         wall = clock.lap_wall()
-        walls = self._walls
         if wall is not None:
-            if walls and step != self._first + len(walls):
-                self._fold()  # (a step skipped: the run so far becomes records)
-            if not walls:
-                self._first = step
-            if len(walls) < MAX_PHASES:
-                walls.append(wall)
+            self.phases.add_wall(step, wall)
         else:
             record = clock.lap(step)  # (regions in it, or the first step timed)
             if record is not None:
-                self._fold()
-                if len(self._records) < MAX_PHASES:
-                    self._records.append(record)
+                self.phases.add(record)
         if not now and clock.lapped - self._last < REPORT_EVERY_S:
             self.unreported = step
             return
@@ -82,9 +68,7 @@ class StepReports:
         """The report of ``step``, with the records since the last (the records, then the
         compact run), not waited for; never raises."""
         self._last, self.unreported = self.clock.lapped, None
-        records, self._records = self._records or None, []
-        walls = (self._first, self._walls) if self._walls else None
-        self._walls = array("d")
+        records, walls = self.phases.take()
         try:
             self.sent = self.coordinator.step.remote(self.trainer_id, step, False, records, walls)
         except Exception as exc:  # never the training's problem
@@ -94,9 +78,3 @@ class StepReports:
         """The last step not yet sent, if any (the loop's end)."""
         if self.unreported is not None:
             self.send(self.unreported)
-
-    def _fold(self) -> None:
-        if self._walls:
-            room = max(0, MAX_PHASES - len(self._records))
-            self._records += walls_records((self._first, self._walls[:room]))
-            self._walls = array("d")

@@ -14,14 +14,14 @@ plans the capture while it does, so the promised steps are the recorded ones.
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from typing import Any
 
 import ray
 
+from coordinator.client.phase_buffer import PhaseBuffer
+
 _MAX_IN_FLIGHT = 64
-MAX_BUFFERED_PHASES = 10_000  # step records waiting for a report (a coordinator away)
 
 
 class StepClient:
@@ -43,7 +43,7 @@ class StepClient:
         self._in_flight: list[Any] = []
         self._last_sent = 0.0
         self._unreported: int | None = None
-        self._phases: collections.deque[list[Any]] = collections.deque(maxlen=MAX_BUFFERED_PHASES)
+        self.phases = PhaseBuffer()  # the records waiting for a report (a coordinator away)
 
     def start(self, first_step: int) -> dict[str, Any]:
         """Blocking: the coordinator prepares the ranks for ``first_step``."""
@@ -53,7 +53,7 @@ class StepClient:
     def add_phases(self, record: list[Any] | None) -> None:
         """A step's phase record; it rides on the next report sent (never a call of its own)."""
         if record is not None:
-            self._phases.append(record)
+            self.phases.add(record)
 
     def step(self, k: int) -> dict[str, Any] | None:
         """Report that global step ``k`` finished; waits only when ranks must act."""
@@ -125,9 +125,8 @@ class StepClient:
     def _send(self, k: int, waiting: bool) -> Any:
         self._last_sent = time.monotonic()
         self._unreported = None
-        phases = list(self._phases) or None
-        self._phases.clear()
-        return self.coordinator.step.remote(self.trainer_id, k, waiting, phases)
+        records, walls = self.phases.take()
+        return self.coordinator.step.remote(self.trainer_id, k, waiting, records, walls)
 
     def drain(self, block: bool = False) -> None:
         """Absorb replies of unacknowledged reports (raises what ``ray.get`` raises)."""
