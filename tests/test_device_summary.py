@@ -98,6 +98,18 @@ def test_a_kernel_belongs_to_the_step_that_launched_it_even_when_it_runs_in_the_
     assert {k.name: k.self_us for k in s.kernels} == {"late_gemm": 50.0, "gemm": 20.0}
 
 
+def test_a_kernel_queued_past_the_next_step_s_start_still_belongs_to_its_launching_step(tmp_path):
+    """The case that tells attribution by launch from attribution by the kernel's own start: a
+    kernel launched in step 1 that the device starts only after step 2 has begun."""
+    t = Trace()
+    t.step(1, 0, 100)
+    t.step(2, 100, 100)
+    t.launch(90, "queued_gemm", 120, 30)  # launched in step 1; runs 120-150, inside step 2
+    t.launch(150, "gemm", 160, 20)
+    s = summary(tmp_path, t)
+    assert s.step_device == [(1, 30.0, 30.0), (2, 20.0, 20.0)]
+
+
 def test_a_kernel_with_no_launch_or_launched_outside_the_steps_is_counted_apart(tmp_path):
     t = Trace()
     t.launch(-50, "warmup_kernel", -40, 30)  # before the first step

@@ -5,6 +5,9 @@ The product's ``docker/Dockerfile`` is built ``FROM`` a base made here from Debi
 Ray nodes; the demo runs beside the head with its ranks dealt over both nodes, and
 ``ray-profiler status``, ``top`` and ``collect`` run against it in containers. Everything
 started is stopped and removed at the end, failure or not; the images stay, as Docker's cache.
+A cold build (a fresh machine, as in CI: no base, no image cached) takes many minutes, so the
+test has the time for it; and what an earlier run could not remove (a run killed mid-way) is
+removed at the start of the next (``sweep``), where no time limit of that run can cut it.
 
 The engine: used if it answers; started here (and stopped after) when ``dockerd`` is installed
 and this user may start it; otherwise the test skips, saying why (``make test`` installs
@@ -17,6 +20,7 @@ import contextlib
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -28,6 +32,7 @@ from tests.conftest import ROOT
 from tests.docker_base import BaseError, ensure_test_base, image_id
 
 pytestmark = pytest.mark.subprocess
+PROJECT_PREFIX = "rpctest"  # each run's compose project: rpctest<pid>
 
 IMAGE = "ray-profiler-coordinator:test"
 COMPOSE = os.path.join(ROOT, "docker", "compose.yaml")
@@ -91,7 +96,38 @@ def sh(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> str
     return proc.stdout
 
 
+def sweep() -> list[str]:
+    """Remove the containers and volumes of this test's compose projects that an earlier run
+    left behind (a run still going on this machine keeps its own); what was removed."""
+    project = '{{.Label "com.docker.compose.project"}}'
+    gone = []
+    for ls, rm in (
+        (["docker", "ps", "-a", "--format", "{{.ID}} " + project], ["docker", "rm", "-f"]),
+        (
+            ["docker", "volume", "ls", "--format", "{{.Name}} " + project],
+            ["docker", "volume", "rm"],
+        ),
+    ):
+        rows = sh([*ls, "--filter", "label=com.docker.compose.project"], 60).splitlines()
+        stale = [i for i, _, p in (r.partition(" ") for r in rows) if _left_behind(p)]
+        if stale:
+            sh([*rm, *stale], 120)
+            gone += stale
+    return gone
+
+
+def _left_behind(project: str) -> bool:
+    """A project of this test whose run is over (its pid is gone), or of this very run."""
+    found = re.fullmatch(rf"{PROJECT_PREFIX}\D*(\d+)", project)
+    if found is None:
+        return False
+    pid = int(found.group(1))
+    return pid == os.getpid() or not os.path.exists(f"/proc/{pid}")
+
+
+@pytest.mark.timeout(2400)  # (a cold build: the base from Debian's packages, then the image)
 def test_the_image_builds_and_two_nodes_run_the_demo_status_top_and_collect(engine, tmp_path):
+    sweep()
     try:
         base, _ = ensure_test_base()
         _, rebuilt = ensure_test_base()
@@ -108,7 +144,12 @@ def test_the_image_builds_and_two_nodes_run_the_demo_status_top_and_collect(engi
     user = sh(["docker", "image", "inspect", "--format", "{{.Config.User}}", IMAGE], 60)
     assert user.strip() == "ray"
 
-    project = f"rpctest{os.getpid()}"
+    # What a run cut short leaves (a container, a volume of its project) goes at the next start.
+    stale = f"{PROJECT_PREFIX}stale{os.getpid()}"
+    sh(["docker", "volume", "create", "--label", f"{_label(stale)}", f"{stale}_data"], 60)
+    sh(["docker", "create", "--label", _label(stale), "--name", f"{stale}_c", IMAGE, "true"], 60)
+    assert len(sweep()) == 2 and sweep() == []
+    project = f"{PROJECT_PREFIX}{os.getpid()}"
     env = {**os.environ, "IMAGE": IMAGE, "COMPOSE_PROJECT_NAME": project}
     compose = ["docker-compose", "-f", COMPOSE]
     collected = tmp_path / "collected"

@@ -1,7 +1,6 @@
 import gzip
 import json
 import os
-import warnings
 
 import pytest
 import torch
@@ -287,40 +286,6 @@ print(len(st["summaries"]), st["agent"]["kind"], st["last_agent_error"])
     )
     assert out.stdout.split() == ["1", "local_process", "None"], out.stderr[-2000:]
     assert marker.read_text() == "ran\n"
-
-
-@pytest.mark.parametrize(
-    "kw, trace_only",
-    [
-        ({}, True),
-        ({"record_shapes": True, "with_flops": True, "profile_memory": True}, True),
-        ({"with_stack": True}, False),  # torch refuses trace_only with stacks
-        ({"with_stack": True, "export_type": "stacks"}, False),  # verbose, for folded stacks
-    ],
-)
-def test_a_window_skips_torch_s_event_build_unless_it_needs_stacks(tmp_path, kw, trace_only):
-    """Nothing in the rank reads torch's events (the agent reads the trace): torch is told not
-    to build them in stop(), the closing step's largest share after stop and export."""
-    from worker_ext.rank.torch_session import experimental_config, window_profiler
-
-    cfg = cfg_for(tmp_path, **kw)
-    made = experimental_config(cfg)
-    assert (made is not None and made.trace_only) == trace_only
-    window = Window(index=0, warmup_start=0, first=1, last=2)
-    prof = window_profiler(cfg, "cpu", 0, window, 0, lambda p: None)
-    model = TinyMLP()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # torch warns when it drops trace_only: it must not
-        prof.start()
-        for _ in range(3):
-            model.train_step()
-            prof.step()
-        prof.stop()
-    if trace_only:
-        with pytest.raises(RuntimeError, match="trace_only"):
-            prof.events()
-    else:
-        assert len(prof.events()) > 0
 
 
 def test_a_trace_without_torch_s_events_summarises_as_a_default_one(tmp_path):
