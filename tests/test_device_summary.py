@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from worker_ext.agent.device_summary import union_ns
 from worker_ext.agent.trace_reader import read_trace
 from worker_ext.agent.trace_summary import summarise_trace
 
@@ -214,3 +218,28 @@ def test_the_trace_names_its_rank(tmp_path):
     t = Trace()
     t.step(1, 0, 10)
     assert read_trace(t.write(tmp_path / "r.json")).rank == 3
+
+
+def _plain_union(spans: list[tuple[int, int]], lo: int, hi: int) -> int:
+    """The union's length read plainly: every covered nanosecond counted once."""
+    covered: set[int] = set()
+    for s, e in spans:
+        covered.update(range(max(s, lo), min(e, hi)))
+    return len(covered)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 60), st.integers(0, 30)), max_size=12),
+    st.integers(0, 40),
+    st.integers(0, 80),
+)
+def test_one_union_of_spans_serves_the_device_and_the_cpu_collectives(spans, lo, width):
+    """``union_ns`` (the device's kinds and streams; the CPU's wall time in collectives,
+    clipped to the window) against a plain count of covered nanoseconds."""
+    hi = lo + width
+    start = np.array([s for s, _ in spans], dtype=np.int64)
+    end = np.array([s + d for s, d in spans], dtype=np.int64)
+    pairs = list(zip(start.tolist(), end.tolist(), strict=True))
+    assert union_ns(start, end, lo, hi) == _plain_union(pairs, lo, hi)
+    assert union_ns(start, end) == _plain_union(pairs, 0, 10**6)

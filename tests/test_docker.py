@@ -21,6 +21,7 @@ import gzip
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -143,6 +144,8 @@ def test_the_image_builds_and_two_nodes_run_the_demo_status_top_and_collect(engi
     )  # fmt: skip
     user = sh(["docker", "image", "inspect", "--format", "{{.Config.User}}", IMAGE], 60)
     assert user.strip() == "ray"
+    baked = sh(["docker", "image", "inspect", "--format", "{{json .Config.Env}}", IMAGE], 60)
+    assert "RAY_AUTH_MODE=token" in baked and "RAY_AUTH_TOKEN" not in baked, baked
 
     # What a run cut short leaves (a container, a volume of its project) goes at the next start.
     stale = f"{PROJECT_PREFIX}stale{os.getpid()}"
@@ -150,7 +153,8 @@ def test_the_image_builds_and_two_nodes_run_the_demo_status_top_and_collect(engi
     sh(["docker", "create", "--label", _label(stale), "--name", f"{stale}_c", IMAGE, "true"], 60)
     assert len(sweep()) == 2 and sweep() == []
     project = f"{PROJECT_PREFIX}{os.getpid()}"
-    env = {**os.environ, "IMAGE": IMAGE, "COMPOSE_PROJECT_NAME": project}
+    token = secrets.token_hex(32)  # (Ray's token auth is on in the image: each run has its own)
+    env = {**os.environ, "IMAGE": IMAGE, "COMPOSE_PROJECT_NAME": project, "RAY_AUTH_TOKEN": token}
     compose = ["docker-compose", "-f", COMPOSE]
     collected = tmp_path / "collected"
     collected.mkdir()
@@ -172,6 +176,14 @@ def test_the_image_builds_and_two_nodes_run_the_demo_status_top_and_collect(engi
         assert nodes[0] == head_node and nodes[1] not in (head_node, None), (nodes, head_node)
         assert status["nodes"]["by_path"] == {"agent": 2}  # a node agent on each node
         assert len(status["windows"]) == 2
+        # Another token (a container that does not have the cluster's) is refused by the cluster.
+        other = [*compose, "run", "--rm", "-e", f"RAY_AUTH_TOKEN={'0' * 64}", "demo",
+                 "ray-profiler", "status"]  # fmt: skip
+        refused = subprocess.run(other, env=env, cwd=ROOT, capture_output=True, text=True,
+                                 timeout=300)  # fmt: skip
+        said = refused.stdout + refused.stderr
+        assert refused.returncode != 0, said[-3000:]
+        assert "authentication token is missing or incorrect" in said.lower(), said[-3000:]
         top = cli("top", "--k", "5")
         assert "policy ranks [0, 1]" in top and "aten::" in top
         out = cli(

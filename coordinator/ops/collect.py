@@ -73,12 +73,12 @@ def collect_window(
     """
     import ray
 
-    entry, run_name, options = _window_entry(coordinator, window, run, wait_s)
+    entry, run_name, options = window_entry(coordinator, window, run, wait_s)
     if storage_options is not None:
         options = dict(storage_options)
     part = _role_part(entry, role)
     out = CollectResult(run=run_name, window=window, dest=dest, files={}, missing={}, bytes=0)
-    traces = _traces(part, _wanted(part, ranks, window), wait_s, out["missing"])
+    traces = located_traces(part, wanted_ranks(part, ranks, window), wait_s, out["missing"])
     for rank, t in sorted(traces.items()):
         try:
             name, written = _collect_one(ray, t, dest, options)
@@ -90,7 +90,7 @@ def collect_window(
     return out
 
 
-def _traces(
+def located_traces(
     part: dict[str, Any], wanted: set[int], wait_s: float, missing: dict[int, str]
 ) -> dict[int, dict[str, Any]]:
     """Where each wanted rank's trace is; those without one go to ``missing``, with why."""
@@ -103,7 +103,7 @@ def _traces(
     return traces
 
 
-def _wanted(part: dict[str, Any], ranks: list[int] | None, window: int) -> set[int]:
+def wanted_ranks(part: dict[str, Any], ranks: list[int] | None, window: int) -> set[int]:
     """The ranks asked for, each one the window's (else ValueError)."""
     wanted = set(part["ranks"] if ranks is None else ranks)
     if not wanted <= set(part["ranks"]):
@@ -130,7 +130,7 @@ def _role_part(entry: dict[str, Any], role: str | None) -> dict[str, Any]:
     return dict(parts[0])
 
 
-def _window_entry(
+def window_entry(
     coordinator: Any, window: int, run: str | None, wait_s: float
 ) -> tuple[dict[str, Any], str, dict[str, Any]]:
     """The status entry of ``window``, once no rank's trace is pending (or ``wait_s`` ran out);

@@ -20,12 +20,12 @@ from typing import Any, TypedDict
 
 from coordinator.core.timeline import DEFAULT_MAX_EVENTS, step_spread
 from coordinator.ops.collect import (
-    _traces,
-    _wanted,
-    _window_entry,
     collect_window,
+    located_traces,
     node_agent,
     trace_source,
+    wanted_ranks,
+    window_entry,
 )
 from coordinator.protocol.timeline import PieceRank, RankCount, RankLabel, TimelinePiece
 from worker_ext.agent.timeline_file import join_pieces, write_piece
@@ -95,7 +95,7 @@ def merge_window(
         res = merge_window(connect(address="auto"), 3, "window3.json.gz", min_us=5)
         # then open window3.json.gz in Perfetto: one process per rank
     """
-    entry, run_name, options = _window_entry(coordinator, window, run, wait_s)
+    entry, run_name, options = window_entry(coordinator, window, run, wait_s)
     options = dict(storage_options) if storage_options is not None else options
     parts = _parts(entry, roles, ranks, max_ranks)
     if keep is not None:
@@ -174,7 +174,7 @@ def _parts(
         parts = [p for p in parts if p["role"] in roles]
     if ranks is not None:
         for p in parts:
-            _wanted(p, ranks, window)
+            wanted_ranks(p, ranks, window)
     count = sum(len(ranks if ranks is not None else p["ranks"]) for p in parts)
     if most is not None and count > most:
         raise TooManyRanks(
@@ -194,7 +194,7 @@ def _plan(
     missing: dict[str, str] = {}
     for part in parts:
         role, lost = part["role"], dict[int, str]()
-        traces = _traces(part, set(part["ranks"] if ranks is None else ranks), wait_s, lost)
+        traces = located_traces(part, set(part["ranks"] if ranks is None else ranks), wait_s, lost)
         missing.update({_name(RankLabel(rank=r, role=role, node="")): w for r, w in lost.items()})
         for rank, t in sorted(traces.items()):
             src, uploaded = trace_source(t)

@@ -115,23 +115,23 @@ def device_window(
         ids, inverse = np.unique(name, return_inverse=True)
         ns, counts = np.bincount(inverse, weights=dur), np.bincount(inverse)
         rows = {int(i): [int(t), int(c), 0] for i, t, c in zip(ids, ns, counts, strict=True)}
-    compute = _union(start[kinds == COMPUTE], end[kinds == COMPUTE])
-    comm = _union(start[kinds == COMM], end[kinds == COMM])
-    both = _union(
+    compute = union_ns(start[kinds == COMPUTE], end[kinds == COMPUTE])
+    comm = union_ns(start[kinds == COMM], end[kinds == COMM])
+    both = union_ns(
         np.concatenate([start[kinds == COMPUTE], start[kinds == COMM]]),
         np.concatenate([end[kinds == COMPUTE], end[kinds == COMM]]),
     )
     streams = []
     for d, s in sorted({(int(a), int(b)) for a, b in zip(dev, stream, strict=True)}):
         on = (dev == d) & (stream == s)
-        streams.append((d, s, _union(start[on], end[on])))
+        streams.append((d, s, union_ns(start[on], end[on])))
     result = DeviceWindow(
         rows=rows,
         window_ns=int(end.max() - start.min()) if len(start) else 0,
         compute_ns=compute,
         comm_ns=comm,
-        memory_ns=_union(start[kinds == MEMORY], end[kinds == MEMORY]),
-        busy_ns=_union(start, end),
+        memory_ns=union_ns(start[kinds == MEMORY], end[kinds == MEMORY]),
+        busy_ns=union_ns(start, end),
         overlap_ns=compute + comm - both,
         unattributed_ns=unattributed,
         streams=streams,
@@ -207,8 +207,15 @@ def _step_of(at: np.ndarray, steps: list[tuple[int, int, int]]) -> np.ndarray:
     return out
 
 
-def _union(start: np.ndarray, end: np.ndarray) -> int:
-    """The length of the union of the spans ``[start, end)``."""
+def union_ns(
+    start: np.ndarray, end: np.ndarray, lo: int | None = None, hi: int | None = None
+) -> int:
+    """The length of the union of the spans ``[start, end)``, each clipped to ``[lo, hi]``
+    when given (the window's span; a span wholly outside counts nothing)."""
+    if lo is not None or hi is not None:
+        start, end = np.clip(start, lo, hi), np.clip(end, lo, hi)
+        keep = end > start
+        start, end = start[keep], end[keep]
     if not len(start):
         return 0
     order = np.argsort(start, kind="stable")
@@ -227,7 +234,7 @@ def _step_device(
     for s in steps:
         on = step == s
         if on.any():
-            out.append((s, _union(start[on], end[on]), int(end[on].max() - start[on].min())))
+            out.append((s, union_ns(start[on], end[on]), int(end[on].max() - start[on].min())))
     return out
 
 

@@ -30,6 +30,7 @@ from worker_ext.agent.device_summary import (
     Launches,
     device_window,
     launches_of,
+    union_ns,
 )
 from worker_ext.agent.trace_reader import (
     ANNOTATION,
@@ -98,7 +99,8 @@ def summarise(
     """The rank's summary of a read trace, and folded-stack lines (``a;b;c self_us``)."""
     step_spans, w0, w1 = _window_span(d, steps)
     cpu = _nest(d, stacks, (w0, w1))
-    cpu.breakdown[COMM] = _union_ns(cpu.comm_spans, w0, w1)  # wall time in collectives
+    comm = np.array(cpu.comm_spans, dtype=np.int64).reshape(-1, 2)
+    cpu.breakdown[COMM] = union_ns(comm[:, 0], comm[:, 1], w0, w1)  # wall time in collectives
     peak, memory = _memory(d, cpu, device)
     summary = RankSummary(
         rank=rank,
@@ -400,24 +402,6 @@ def _folded(
         else:
             paths[i] = base
     return folded
-
-
-def _union_ns(spans: list[tuple[int, int]], lo: int, hi: int) -> int:
-    """Length of the union of ``spans`` clipped to ``[lo, hi]``."""
-    total, cur_s, cur_e = 0, 0, None
-    for s, e in sorted(spans):
-        s, e = max(s, lo), min(e, hi)
-        if e <= s:
-            continue
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
 
 
 def normalise_name(name: str) -> str:
