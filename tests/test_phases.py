@@ -103,15 +103,23 @@ def test_a_compact_run_of_walls_is_kept_as_a_record_a_step_after_the_records():
     assert [(s["step"], s["wall_ms"]) for s in got] == [(2, 1000.0), (3, 500.0), (4, 250.0)]
 
 
-def test_rank_0_sends_steps_with_no_region_as_walls_and_keeps_their_order():
-    sent, tick = [], 1 / 64  # (clock readings exact in binary)
-    now = iter([8.0, 8.5, *(8.5 + tick * i for i in range(1, 6))])
+def _recording(sent: list) -> type:
+    """A stand-in coordinator handle whose ``step.remote`` notes its arguments in ``sent``."""
 
     class Coordinator:
         class step:  # noqa: N801 (an actor method's handle)
             @staticmethod
             def remote(*args):
                 sent.append(args)
+
+    return Coordinator
+
+
+def test_rank_0_sends_steps_with_no_region_as_walls_and_keeps_their_order():
+    sent, tick = [], 1 / 64  # (clock readings exact in binary)
+    now = iter([8.0, 8.5, *(8.5 + tick * i for i in range(1, 6))])
+
+    Coordinator = _recording(sent)
 
     reports = StepReports(Coordinator, "t", now=lambda: next(now))
     reports.clock.begin_step()
@@ -135,6 +143,22 @@ def test_rank_0_sends_steps_with_no_region_as_walls_and_keeps_their_order():
         (6, [], (6, [tick])),
     ]
     assert reports.unreported is None and not any(waiting for _, _, waiting, _, _ in sent)
+
+
+def test_rank_0_times_a_step_on_the_reading_its_session_took():
+    """``RankSession.step`` reads the clock once a step (for the board's look too) and hands
+    the reading on: the step's wall time is taken from it, and the reporter's own clock is not
+    read again (a step with regions still reads it, for its record)."""
+    sent, readings = [], iter([1.0])
+
+    Coordinator = _recording(sent)
+
+    reports = StepReports(Coordinator, "t", now=lambda: next(readings))
+    reports.clock.begin_step()  # (1.0: the only reading of its own clock)
+    reports.step(0, now=False, reading=1.25)
+    reports.step(1, now=True, reading=1.75)
+    assert [(walls[0], list(walls[1])) for *_, walls in sent] == [(0, [0.25]), (1, [0.5])]
+    assert reports.clock.lapped == 1.75
 
 
 def test_one_buffer_for_both_reporters_keeps_the_newest_steps_in_order():

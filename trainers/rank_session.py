@@ -31,6 +31,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 from coordinator.client.phase_clock import Region
@@ -45,6 +46,7 @@ from worker_ext.rank.board_reader import BoardReader
 log = logging.getLogger(__name__)
 _ATTACHED: dict[int, RankSession] = {}  # pid -> the session attached in this process (one)
 _ATTACHED_LOCK = threading.Lock()
+_clock = time.perf_counter
 
 
 class RankSession:
@@ -245,8 +247,9 @@ class RankSession:
             _backwards(self, step)
             return
         self._last_step = step
+        now = _clock()  # (one reading a step: the board's look and rank 0's step time)
         board = self._board
-        if board is not None and board.due():
+        if board is not None and now >= board.look_at:
             self._look(step + 1)
         if step <= self._quiet_through:  # (the hot path: the plan has nothing before then)
             plan.last_step = step
@@ -255,9 +258,11 @@ class RankSession:
             commands = plan.step(step)
             if commands:
                 self._run(commands, step)  # type: ignore[arg-type]  # (never Ignored: checked)
+                now = _clock()  # (the commands' time is this step's)
             self._quiet_through = plan.quiet_through()
-        if self._reports is not None:
-            self._reports.step(step, bool(commands))
+        reports = self._reports
+        if reports is not None:
+            reports.step(step, bool(commands), now)
 
     def stop(self, end_run: bool = True) -> None:
         """After the loop: close an open window (partial); rank 0 ends the run's steps.

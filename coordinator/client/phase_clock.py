@@ -52,10 +52,10 @@ class PhaseClock:
             return None
         return [step, max(0.0, self.now() - self._began), regions]
 
-    def lap_wall(self) -> float | None:
+    def lap_wall(self, reading: float | None = None) -> float | None:
         """``lap`` for a step with no region in it: its wall time alone (a compact record);
         None, reading no clock, when the step had regions or no step had begun (``lap``
-        then).
+        then). ``reading``: the clock read by the caller at the step's end, else ``now()``.
 
         >>> clock = PhaseClock(now=lambda: 2.0)
         >>> clock.begin_step(); clock.now = lambda: 2.25
@@ -65,7 +65,7 @@ class PhaseClock:
         began = self._began
         if self._regions or began is None:
             return None
-        now = self.lapped = self._began = self.now()
+        now = self.lapped = self._began = self.now() if reading is None else reading
         return now - began if now > began else 0.0
 
     def lap(self, step: int) -> list[Any] | None:

@@ -48,11 +48,12 @@ class StepReports:
         self.sent: Any = None  # the last report's ObjectRef
         self._last = 0.0  # (the clock's reading when the last report was sent)
 
-    def step(self, step: int, now: bool) -> None:
+    def step(self, step: int, now: bool, reading: float | None = None) -> None:
         """Step ``step`` has finished: its record, and the report when one is due (``now``: a
-        window started or stopped on it)."""
+        window started or stopped on it). ``reading``: the clock, when the caller has read it
+        at the step's end (``time.perf_counter``, as the clock's default)."""
         clock = self.clock
-        wall = clock.lap_wall()
+        wall = clock.lap_wall(reading)
         if wall is not None:
             self.phases.add_wall(step, wall)
         else:

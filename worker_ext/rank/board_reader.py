@@ -1,6 +1,7 @@
 """An SPMD rank's reader of its node's plan board (``coordinator.protocol.plan_board``).
 
-Between two steps, at most every ``LOOK_EVERY_S``, ``due()`` says to look; ``look`` costs one
+Between two steps, at most every ``LOOK_EVERY_S``, ``due()`` says to look (a step that has read
+the clock compares its reading with ``look_at``: ``due()`` without a call); ``look`` costs one
 ``os.stat`` while the board has not changed, and otherwise takes the captures this rank has not
 seen into its plan (``coordinator.core.spmd_plan.take_captures``) and writes its acknowledgement
 for the node agent. Runs on the training thread; never raises.
@@ -43,18 +44,18 @@ class BoardReader:
         self.seen: set[int] = set()  # captures taken from the board
         self.not_mine: set[int] = set()  # captures held but recorded by other ranks only
         self._stamp: tuple[int, int, int] | None = None  # the board's mtime, size and inode
-        self._looked = 0.0
+        self.look_at = 0.0  # (``time.perf_counter``) the next look is due from then on
         self._skipping = False  # the open window is one of ``not_mine``
 
     def due(self) -> bool:
         """Whether ``LOOK_EVERY_S`` has passed since the last look."""
-        return time.monotonic() - self._looked >= plan_board.LOOK_EVERY_S
+        return time.perf_counter() >= self.look_at
 
     def look(self, plan: WindowPlan, next_step: int | None) -> Taken | None:
         """Take the board's new captures into ``plan`` (``next_step``: the first step whose
         window the plan has not decided; None before the loop) and acknowledge them; None
         when the board is absent, unchanged or unreadable."""
-        self._looked = time.monotonic()
+        self.look_at = time.perf_counter() + plan_board.LOOK_EVERY_S
         if self.refused is not None:
             return None
         try:
