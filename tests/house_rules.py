@@ -201,6 +201,18 @@ def profiler_users(root: Path) -> list[str]:
     return out
 
 
+def renamers(root: Path) -> list[str]:
+    """Every module that calls ``os.replace`` or ``os.rename``: a file written beside its final
+    name and renamed into place, which ``coordinator.protocol.atomic_file`` alone does."""
+    out = []
+    for name, path in modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and ast.unparse(node) in ("os.replace", "os.rename"):
+                out.append(name)
+                break
+    return out
+
+
 BLOCKING = ("ray.get", "ray.get_actor", "ray.wait", "ray.kill", "time.sleep")
 
 

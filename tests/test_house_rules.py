@@ -14,6 +14,7 @@ from tests.house_rules import (
     long_parts,
     outside_rooms,
     profiler_users,
+    renamers,
 )
 
 ROOT_PATH = Path(ROOT)
@@ -143,6 +144,18 @@ def test_only_the_rank_s_torch_session_drives_torch_profiler():
         "worker_ext.rank.rank_profiler",
         "worker_ext.rank.torch_session",
     ]
+
+
+def test_one_module_renames_a_written_file_into_place():
+    # (issue 46, item 17: seven copies of "temporary file, then os.replace", each with a
+    # predictable temporary name written through a planted link)
+    assert renamers(ROOT_PATH) == ["coordinator.protocol.atomic_file"]
+
+
+def test_the_rename_check_sees_a_new_copy(tmp_path):
+    (tmp_path / "worker_ext").mkdir()
+    (tmp_path / "worker_ext" / "save.py").write_text("import os\nos.rename('a', 'b')\n")
+    assert renamers(tmp_path) == ["worker_ext.save"]
 
 
 def test_the_profiler_check_sees_a_new_user(tmp_path):

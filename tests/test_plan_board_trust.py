@@ -34,7 +34,7 @@ def _plan() -> WindowPlan:
 
 
 def _post(board: plan_board.Board) -> None:
-    plan_board.write_atomic(plan_board.board_path(BID), plan_board.encode_board(board))
+    plan_board.write_private(plan_board.board_path(BID), plan_board.encode_board(board))
 
 
 def test_the_plans_directory_is_made_private_to_its_user(plans):
@@ -74,7 +74,7 @@ def test_a_write_never_follows_a_link_planted_at_its_temporary_name(plans, tmp_p
     for pid in range(os.getpid() - 2, os.getpid() + 3):
         (plans / f".{target.name}.{pid}.tmp").symlink_to(victim)
     target.symlink_to(victim)  # and the board's own name
-    plan_board.write_atomic(target, b"board")
+    plan_board.write_private(target, b"board")
     assert victim.read_bytes() == b"precious"
     assert not target.is_symlink() and target.read_bytes() == b"board"
 

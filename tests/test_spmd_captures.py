@@ -117,7 +117,7 @@ def test_a_capture_of_other_ranks_is_held_for_its_number_and_not_recorded(tmp_pa
     bid = plan_board.board_id("ns", "profiler", "run", "sft")
     cap = plan_board.BoardEntry(0, 3, 4, 5, "capture", [1])  # rank 1's only
     board = plan_board.Board("run", "sft", 7, [cap])
-    plan_board.write_atomic(plan_board.board_path(bid), plan_board.encode_board(board))
+    plan_board.write_private(plan_board.board_path(bid), plan_board.encode_board(board))
     reader = BoardReader(bid, 0, "run", "sft", max_steps=1000)
     taken = reader.look(plan, 1)
     assert taken is not None and taken.held == [0] and reader.not_mine == {0}
@@ -169,9 +169,9 @@ async def test_the_agent_writes_the_board_and_names_each_rank_by_its_answer(tmp_
     writer = BoardWriter("node-1")
     for rank, held, late in ((0, [0], []), (1, [], [0])):
         ack = plan_board.PlanAck(os.getpid(), 3, 1, held, late)
-        plan_board.write_atomic(plan_board.ack_path(bid, rank), plan_board.encode_ack(ack))
+        plan_board.write_private(plan_board.ack_path(bid, rank), plan_board.encode_ack(ack))
     stale = plan_board.PlanAck(gone.pid, 3, 1, [0], [])  # (a dead process's acknowledgement)
-    plan_board.write_atomic(plan_board.ack_path(bid, 2), plan_board.encode_ack(stale))
+    plan_board.write_private(plan_board.ack_path(bid, 2), plan_board.encode_ack(stale))
     ranks = [(0, os.getpid()), (1, os.getpid()), (2, gone.pid), (3, os.getpid())]
     answer = await writer.post(_post(bid, 0, ranks, 0.3))
     assert answer["held"] == [(0, 3)] and answer["late"] == [(1, 3)]

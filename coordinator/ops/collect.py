@@ -14,6 +14,7 @@ import os
 from typing import IO, Any, TypedDict
 
 from coordinator.core.storage import REDACTED, filesystem, is_remote, join, local_path
+from coordinator.protocol.atomic_file import atomic_path
 
 CHUNK_BYTES = 4 << 20
 CHUNK_TIMEOUT_S = 30.0
@@ -249,11 +250,5 @@ def _writer(target: str, options: dict[str, Any]) -> Any:
         return
     target = local_path(target)
     os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-    part = target + ".part"
-    try:
-        with open(part, "wb") as f:
-            yield f
-        os.replace(part, target)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(part)
+    with atomic_path(target) as part, open(part, "wb") as f:
+        yield f

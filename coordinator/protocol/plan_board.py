@@ -28,6 +28,8 @@ from typing import TypeVar
 
 import msgspec
 
+from coordinator.protocol.atomic_file import write_atomic
+
 T = TypeVar("T")
 
 LOOK_EVERY_S = 0.1
@@ -164,18 +166,10 @@ def decode_ack(blob: bytes) -> PlanAck:
     return _decode(blob, PlanAck, "a plan acknowledgement")
 
 
-def write_atomic(path: Path, blob: bytes) -> None:
-    """``blob`` at ``path``, whole or not at all (a reader never sees half a file): written to
-    a temporary file of a random name made exclusively (``O_EXCL``: never through a link), then
-    renamed over ``path`` (a rename replaces a link there, never what it points to)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+def write_private(path: Path, blob: bytes) -> None:
+    """``blob`` at ``path``, whole or not at all and never through a link
+    (``atomic_file.write_atomic``), readable by this user alone."""
+    write_atomic(path, blob, mode=0o600)
 
 
 def read_capped(path: Path) -> bytes:

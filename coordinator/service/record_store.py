@@ -7,10 +7,10 @@ half a file; an object store's put is whole by itself. No Ray: the CLI reads rec
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 from coordinator.core import storage
+from coordinator.protocol.atomic_file import write_atomic
 
 SAVE_PATH_ENV = "RAY_PROFILER_SAVE_PATH"
 """Where a run named alone (``--from RUN``, ``diff RUN:3 ...``) is looked for when no
@@ -45,15 +45,7 @@ class RecordStore:
             fs.pipe_file(path, blob)
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".part-")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(blob)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_atomic(path, blob)
 
     def get(self, rel: str, limit: int) -> bytes | None:
         """``rel``'s bytes, or None when there is no such file; ValueError over ``limit``."""

@@ -24,6 +24,7 @@ from typing import Any
 from coordinator.core.run import Run
 from coordinator.core.stall_watch import StallWatch
 from coordinator.core.storage import is_remote
+from coordinator.protocol.atomic_file import write_atomic
 from coordinator.protocol.stack_replies import StacksReply, StallEntry
 from coordinator.raylink.actor_table import ended_jobs
 from coordinator.service.shell import CoordinatorShell
@@ -193,12 +194,4 @@ def _dump(path: str, entry: StallEntry, reply: StacksReply | None) -> None:
     with contextlib.suppress(OSError, ValueError), open(path) as f:
         old = json.load(f)
     body = {"stall": entry, "stacks": reply if reply is not None else old.get("stacks")}
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(body, f, indent=1, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, json.dumps(body, indent=1, default=str))

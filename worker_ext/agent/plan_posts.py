@@ -19,7 +19,7 @@ from coordinator.protocol.plan_board import (
     decode_ack,
     is_board_id,
     read_capped,
-    write_atomic,
+    write_private,
 )
 from worker_ext.agent.stack_reader import process_exited
 
@@ -44,7 +44,7 @@ class BoardWriter:
         if post["version"] >= self._versions.get(bid, -1):
             self._versions[bid] = post["version"]
             await asyncio.get_running_loop().run_in_executor(
-                None, write_atomic, board_path(bid), post["blob"]
+                None, write_private, board_path(bid), post["blob"]
             )
         answer: PlanAnswer = {
             "node": self.node,

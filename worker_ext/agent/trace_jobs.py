@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.protocol.atomic_file import atomic_path
 from coordinator.protocol.reasons import reason
 from coordinator.protocol.replies import Reason
 from coordinator.protocol.summary_codec import encode_summary
@@ -193,14 +194,8 @@ def _lower_fsspec_io_priority() -> None:
 
 
 def _atomic(final: str, write: Callable[[str], None]) -> None:
-    tmp = final + ".part"
-    try:
+    with atomic_path(final) as tmp:
         write(tmp)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _gzip(src: str, dst: str) -> None:

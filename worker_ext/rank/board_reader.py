@@ -89,7 +89,7 @@ class BoardReader:
                 os.getpid(), at, board.version, taken.held, taken.late, taken.off
             )
             ack_file = plan_board.ack_path(self.board, self.rank)
-            plan_board.write_atomic(ack_file, plan_board.encode_ack(ack))
+            plan_board.write_private(ack_file, plan_board.encode_ack(ack))
         except Exception as exc:  # a bad board or a full disk: the schedule goes on
             log.warning("profiler: rank %s could not take the plan board: %s", self.rank, exc)
             return None

@@ -25,6 +25,7 @@ import sys
 import threading
 from typing import IO, Any
 
+from coordinator.protocol.atomic_file import write_atomic
 from coordinator.protocol.stack_replies import StackDump
 from worker_ext.agent.stack_reader import stacks_dir
 
@@ -146,10 +147,7 @@ def write_flight_recorder(path: str) -> None:
         from torch._C import _distributed_c10d
 
         data = _distributed_c10d._dump_fr_trace()  # type: ignore[attr-defined]
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        write_atomic(path, data)
     except Exception as exc:
         with contextlib.suppress(OSError), open(f"{path}.error", "w") as f:
             f.write(f"{type(exc).__name__}: {exc}")

@@ -5,7 +5,6 @@ guard of their own beyond the process-wide claim.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -23,6 +22,7 @@ from coordinator.core.config import ProfilerConfig
 from coordinator.core.schedule import Window
 from coordinator.core.storage import join
 from coordinator.core.trace_layout import contained, trace_path, window_dir
+from coordinator.protocol.atomic_file import atomic_path
 from worker_ext.agent.trace_jobs import TraceJob
 
 STAGING_ENV = "RAY_PROFILER_STAGING"
@@ -144,14 +144,8 @@ def export_trace(
         if target.remote_run_dir is not None:
             where = (os.path.basename(wdir), target.role, os.path.basename(final))
             upload = join(target.remote_run_dir, *where)
-    tmp = raw + ".tmp"
-    try:
+    with atomic_path(raw) as tmp:
         prof.export_chrome_trace(tmp)
-        os.replace(tmp, raw)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
     return TraceJob(
         rank=rank,
         window=index,
