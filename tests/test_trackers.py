@@ -306,7 +306,7 @@ def test_the_trainer_s_own_mlflow_and_wandb_runs_get_the_figures_and_stay_open(
                 time.sleep(0.1)
                 wandb.log({"loss": float(k)}, step=k)
                 hooks.step(k)
-            assert hooks._feed.logged_windows == [0, 1]  # (before the end of the session)
+            assert list(hooks._feed.logged_windows) == [0, 1]  # (before the end of the session)
         ray.kill(hooks.coordinator)
         # the trainer's runs are still the active ones: the hooks neither ended nor replaced them
         assert mlflow.active_run().info.run_id == mine.info.run_id and wandb.run is run
@@ -317,3 +317,45 @@ def test_the_trainer_s_own_mlflow_and_wandb_runs_get_the_figures_and_stay_open(
     assert set(mlflow_metric(tmp_path / "mlruns", "profiler/step_ms_median")) == {4, 9}
     assert set(wandb_history(tmp_path, "profiler/step_ms_median")) == {4, 9}
     assert wandb_history(tmp_path, "loss", step_key=None) == {k: float(k) for k in range(STEPS_OWN)}
+
+
+# --------------------------------------------------------------------- bounds (issue 46 item 12)
+
+
+def test_the_trainer_s_own_run_holds_at_most_max_waiting_rows_and_says_so_once(caplog):
+    from trainers import trackers
+
+    class NeverCommits:  # (a W&B run whose trainer has stopped committing)
+        step, logged = 7, []
+
+        def define_metric(self, *args, **kwargs):
+            return None
+
+        def log(self, row, commit=True):
+            self.logged.append(row)
+
+    run = NeverCommits()
+    own = trackers._OwnRun(run)
+    with caplog.at_level("WARNING", logger="trainers.trackers"):
+        for k in range(trackers.MAX_WAITING + 500):
+            own({"profiler/step_ms_median": float(k)}, k)
+    assert len(run.logged) == 1  # (one row rode on the trainer's one commit)
+    assert len(own.waiting) == trackers.MAX_WAITING and own.dropped == 499
+    assert sum("oldest are dropped" in r.message for r in caplog.records) == 1
+    own.close()  # the newest rows are the ones kept
+    assert run.logged[-1][trackers.STEP_METRIC] == trackers.MAX_WAITING + 499
+
+
+def test_the_feed_keeps_only_the_latest_windows_it_logged(ray_session):
+    import ray
+
+    from coordinator.client.tracker_feed import LOGGED_KEPT
+
+    logged = []
+    feed = TrackerFeed(None, lambda m, k: logged.append(k))
+    n = LOGGED_KEPT * 4
+    feed._ref = ray.put({"run": "r", "windows": [
+        {"window": i, "metrics": {"x": 1.0}, "step": i} for i in range(n)]})  # fmt: skip
+    feed._take(block_s=30)
+    assert logged == list(range(n)) and feed.after == n - 1  # every window logged
+    assert list(feed.logged_windows) == list(range(n - LOGGED_KEPT, n))  # the latest kept

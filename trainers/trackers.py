@@ -18,6 +18,8 @@ from coordinator.core.trackers_config import Trackers
 log = logging.getLogger(__name__)
 Log = Callable[[dict[str, float], int], None]
 STEP_METRIC = "profiler/global_step"
+MAX_WAITING = 1000
+"""Rows the trainer's own W&B run holds for its next commits (``_OwnRun``)."""
 """W&B: the profiler's figures are plotted against this, not W&B's own step (a window's
 figures arrive a few steps after its last step, which W&B's step has passed)."""
 
@@ -146,14 +148,26 @@ def _step_metric(run: Any) -> None:
 class _OwnRun:
     """The figures in the trainer's own W&B run: each row rides on the trainer's next commit
     (``commit=False``), one row per commit (two would merge into one), so the run's step moves
-    only with the trainer's. Rows still waiting at ``close`` are committed as rows of their
-    own: each of those advances the W&B run's step by one."""
+    only with the trainer's. At most ``MAX_WAITING`` rows wait (a trainer that commits less
+    often than rows come): past it the oldest goes, counted in ``dropped`` and said once. Rows
+    still waiting at ``close`` are committed as rows of their own: each of those advances the
+    W&B run's step by one."""
 
     def __init__(self, run: Any) -> None:
-        self.run, self.waiting, self.at = run, collections.deque[dict[str, float]](), None
+        self.run, self.at, self.dropped = run, None, 0
+        self.waiting = collections.deque[dict[str, float]](maxlen=MAX_WAITING)
         _step_metric(run)
 
     def __call__(self, metrics: dict[str, float], step: int) -> None:
+        if len(self.waiting) == MAX_WAITING:
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning(
+                    "profiler: %d tracker rows wait for the trainer's next W&B commit; the "
+                    "oldest are dropped from now on (the trainer commits less often than the "
+                    "profiler's rows come)",
+                    MAX_WAITING,
+                )
         self.waiting.append({**metrics, STEP_METRIC: step})
         self.tick()
 

@@ -15,6 +15,7 @@ It runs on the training thread, at the end of ``hooks.step``, and never waits th
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 Log = Callable[[dict[str, float], int], None]
 PHASE_PREFIX = "profiler/phase/"
+LOGGED_KEPT = 256
+"""The latest windows logged that ``logged_windows`` keeps (what a test or a notebook reads)."""
 
 
 class TrackerFeed:
@@ -42,7 +45,7 @@ class TrackerFeed:
         self.after: int = -1  # the last window logged, of ``run``
         self.run: str | None = None
         self._last_step = 0
-        self.logged_windows: list[int] = []
+        self.logged_windows = collections.deque[int](maxlen=LOGGED_KEPT)  # the latest
         self._ref: Any = None
         self._asked = -float("inf")
         self._phase_since = now()
@@ -141,7 +144,7 @@ class TrackerFeed:
         if answer["run"] != self.run:  # a new run: its windows from the first
             self.run, self.after = answer["run"], -1
             if self.logged_windows:
-                self.logged_windows = []
+                self.logged_windows.clear()
                 self._ask()
                 return
         for w in answer["windows"]:

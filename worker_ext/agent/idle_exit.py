@@ -31,7 +31,7 @@ class IdleExit:
     ) -> None:
         self.idle_exit_s = idle_exit_s
         self.owners_live = owners_live
-        self.leave = leave or _exit_actor
+        self.leave = leave or exit_actor
         self.last = time.monotonic()
         self._busy = 0
         self._task: asyncio.Task[None] | None = None
@@ -72,7 +72,8 @@ class IdleExit:
             return
 
 
-def _exit_actor() -> None:
+def exit_actor() -> None:
+    """This actor leaves for good (never restarted)."""
     try:
         import ray
 

@@ -43,7 +43,7 @@ from coordinator.protocol.stack_replies import ProcessStack, StackRequest
 from coordinator.protocol.summary_codec import RankSummary, decode_summary
 from coordinator.protocol.timeline import PieceRank, TimelinePiece
 from coordinator.raylink.handle_stubs import install_handle_stubs
-from worker_ext.agent.idle_exit import IDLE_EXIT_S, IdleExit
+from worker_ext.agent.idle_exit import IDLE_EXIT_S, IdleExit, exit_actor
 from worker_ext.agent.partials import (
     LINGER_S,
     Gather,
@@ -53,10 +53,10 @@ from worker_ext.agent.partials import (
     group_key,
     node_blob,
 )
-from worker_ext.agent.plan_posts import BoardWriter
+from worker_ext.agent.plan_posts import BoardWriter, sweep_boards
 from worker_ext.agent.rank_fanout import RankFanOut, command_problem
 from worker_ext.agent.stack_reader import check_request, read_stacks, sweep_dumps
-from worker_ext.agent.timeline_pieces import PieceStore
+from worker_ext.agent.timeline_pieces import PieceStore, sweep_left
 from worker_ext.agent.trace_jobs import (
     JobResult,
     TraceJob,
@@ -95,13 +95,18 @@ class NodeAgent(AgentRPC):
         self._partials: Gather[RankSummary] = Gather(
             node_blob(self._node), self._routes.to_relay(self._node), LINGER_S
         )
-        self._idle = IdleExit(idle_exit_s, self._owners_live)
-        self._files.submit(sweep_dumps)  # what processes gone since the last agent left
+        self._idle = IdleExit(idle_exit_s, self._owners_live, self._leave)
+        self._files.submit(_sweep_node)  # what processes gone since the last agent left
         self._traces = TraceReports(self._send_traces)
         self._in_flight = 0  # trace jobs being processed
         self._owners: set[tuple[str, str]] = set()
         self._pieces = PieceStore()  # merged window traces of this node's ranks
         self._boards = BoardWriter(self._node)  # plan boards of this node's SPMD ranks
+
+    def _leave(self) -> None:
+        """Idle with no live run: the merged pieces go with the agent (``IdleExit``)."""
+        self._pieces.drop_all()
+        exit_actor()
 
     @control_lane
     async def ping(self) -> int:
@@ -233,7 +238,8 @@ class NodeAgent(AgentRPC):
         elif job.report_to:
             await self._notify(job, res.errors[-1])
         await loop.run_in_executor(self._files, finish_trace, job, folded, res)
-        self._files.submit(sweep_dumps)  # the node's dead processes' stack dumps, now and then
+        self._files.submit(_sweep_node)  # the node's dead processes' files, now and then
+        self._pieces.sweep()  # (merged pieces whose caller timed out)
         if job.upload_to is not None:
             await loop.run_in_executor(self._files, upload_trace, job, res)
         if job.report_to and job.final_path is not None:
@@ -351,3 +357,11 @@ def stop_node_agents() -> list[str]:
                 ray.kill(ray.get_actor(name, namespace=AGENT_NAMESPACE))
                 killed.append(name)
     return killed
+
+
+def _sweep_node() -> None:
+    """What the node's gone processes and an earlier agent left: stack dumps, plan boards,
+    merged pieces (each sweep never raises)."""
+    sweep_dumps()
+    sweep_boards()
+    sweep_left()

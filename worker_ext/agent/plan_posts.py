@@ -4,12 +4,19 @@ the coordinator sent for this node's SPMD ranks, then wait for their acknowledge
 The wait looks at the ranks' acknowledgement files every ``POLL_S`` and at whether their
 processes still live, so a dead rank is named at once and a live one within ``timeout_s``. Only
 files under ``plans_dir()`` named by a board id are ever written or read.
+
+``sweep_boards`` removes what runs that are over left there: a board untouched for
+``STALE_S`` whose ranks' processes are all gone, with its acknowledgements; an acknowledgement
+of a gone process with no board; a temporary file of a write cut off.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
+from pathlib import Path
 
 from coordinator.protocol.agent_rpc import PlanAnswer, PlanPost
 from coordinator.protocol.plan_board import (
@@ -18,12 +25,16 @@ from coordinator.protocol.plan_board import (
     board_path,
     decode_ack,
     is_board_id,
+    plans_dir,
+    private_dir,
     read_capped,
     write_private,
 )
 from worker_ext.agent.stack_reader import process_exited
 
 POLL_S = 0.02
+STALE_S = 3600.0
+"""A board or temporary file not written for this long, whose ranks are gone, is swept."""
 MAX_WAIT_S = 3600.0
 MAX_RANKS = 1 << 16
 
@@ -122,3 +133,51 @@ def post_problem(post: object) -> str | None:
         for p in ranks  # type: ignore[union-attr]
     )
     return None if ok else "a plan post's ranks must be a list of [rank, pid or None]"
+
+
+def sweep_boards(folder: Path | None = None, now: float | None = None) -> list[str]:
+    """Remove the plans directory's files of runs that are over (see the module docstring);
+    the names removed. Never raises; a directory that is not private is left alone."""
+    now = time.time() if now is None else now
+    try:
+        where = folder or private_dir(plans_dir())
+        files = {p.name: p for p in where.iterdir()}
+    except OSError:
+        return []
+    acks: dict[str, list[Path]] = {}
+    for name, path in files.items():
+        bid, _, rest = name.partition(".")
+        if is_board_id(bid) and rest.endswith(".ack"):
+            acks.setdefault(bid, []).append(path)
+    gone = []
+    for name, path in files.items():
+        bid, _, rest = name.partition(".")
+        if rest == "plan" and is_board_id(bid):
+            ranks = acks.pop(bid, [])
+            if _age(path, now) > STALE_S and all(_ack_gone(a, now) for a in ranks):
+                gone += [path, *ranks]
+        elif name.startswith(".") and name.endswith(".tmp") and _age(path, now) > STALE_S:
+            gone.append(path)
+    gone += [a for ranks in acks.values() for a in ranks if _ack_gone(a, now)]  # (no board)
+    removed: list[str] = []
+    for path in gone:
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path.name)
+    return removed
+
+
+def _age(path: Path, now: float) -> float:
+    try:
+        return now - os.lstat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _ack_gone(path: Path, now: float) -> bool:
+    """Whether the process that wrote this acknowledgement is gone (an unreadable one: when
+    it is ``STALE_S`` old)."""
+    try:
+        return process_exited(decode_ack(read_capped(path)).pid)
+    except (OSError, ValueError):
+        return _age(path, now) > STALE_S

@@ -1,6 +1,9 @@
 """A node agent's pieces of merged window traces: its node's ranks merged into one file
 (``timeline_file.write_piece``), kept until the caller has read it (``read``) and let it go
-(``drop``), or ``KEEP_S`` has passed."""
+(``drop``), or ``KEEP_S`` has passed (a caller that timed out: ``sweep``, which the agent runs
+now and then, not only when it merges again). An agent that leaves drops its pieces
+(``drop_all``); one killed outright leaves directories that the next agent of the node removes
+once they are ``KEEP_S`` old (``sweep_left``)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from worker_ext.agent.timeline_file import write_piece
 
 KEEP_S = 600.0
 """A piece nobody dropped is removed this long after it was made."""
+PREFIX = "ray-profiler-timeline-"
 MAX_CHUNK = 8 << 20
 
 
@@ -34,7 +38,7 @@ class PieceStore:
             raise ValueError(f"not trace files of a profiling window on this node: {bad[:3]}")
         self.sweep()
         name = uuid.uuid4().hex
-        where = tempfile.mkdtemp(prefix="ray-profiler-timeline-")
+        where = tempfile.mkdtemp(prefix=PREFIX)
         self._pieces[name] = (where, time.monotonic())
         try:
             piece = write_piece(
@@ -71,3 +75,31 @@ class PieceStore:
         now = time.monotonic()
         for name in [n for n, (_, made) in self._pieces.items() if now - made > KEEP_S]:
             self.drop(name)
+
+    def drop_all(self) -> None:
+        for name in list(self._pieces):
+            self.drop(name)
+
+
+def sweep_left(folder: str | None = None, now: float | None = None) -> list[str]:
+    """Remove this user's piece directories in ``folder`` (the temp directory) last changed
+    over ``KEEP_S`` ago: left by an agent killed outright (a live agent has swept its own by
+    then); the names removed. Never raises, never follows a link."""
+    folder = folder or tempfile.gettempdir()
+    now = time.time() if now is None else now
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not (entry.name.startswith(PREFIX) and entry.is_dir(follow_symlinks=False)):
+                continue
+            if st.st_uid == os.getuid() and now - st.st_mtime > KEEP_S:
+                shutil.rmtree(entry.path)
+                removed.append(entry.name)
+        except OSError:
+            continue
+    return removed
