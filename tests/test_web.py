@@ -402,6 +402,8 @@ def test_the_pages_in_a_real_browser(served, tmp_path):
         page.click("#by-op")
         page.wait_for_function("location.hash.endsWith('/policy/op')")
         page.wait_for_selector("text=aten::addmm", timeout=30_000)
+        # (the old page's text can still be there while the new one mounts its charts)
+        page.locator("canvas").nth(4).wait_for(state="attached", timeout=30_000)
         assert page.locator("canvas").count() == 5
         # captures: refused without the token, accepted with it, then cancelled
         page.goto(served.url + "/#/captures")
