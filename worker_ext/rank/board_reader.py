@@ -1,7 +1,7 @@
 """An SPMD rank's reader of its node's plan board (``coordinator.protocol.plan_board``).
 
-Between two steps, at most every ``LOOK_EVERY_S``, ``due()`` says to look (a step that has read
-the clock compares its reading with ``look_at``: ``due()`` without a call); ``look`` costs one
+Between two steps, once the step's clock reading (``time.perf_counter``) reaches ``look_at``
+(at most every ``LOOK_EVERY_S``), the rank looks; ``look`` costs one
 ``os.stat`` while the board has not changed, and otherwise takes the captures this rank has not
 seen into its plan (``coordinator.core.spmd_plan.take_captures``) and writes its acknowledgement
 for the node agent. Runs on the training thread; never raises.
@@ -46,10 +46,6 @@ class BoardReader:
         self._stamp: tuple[int, int, int] | None = None  # the board's mtime, size and inode
         self.look_at = 0.0  # (``time.perf_counter``) the next look is due from then on
         self._skipping = False  # the open window is one of ``not_mine``
-
-    def due(self) -> bool:
-        """Whether ``LOOK_EVERY_S`` has passed since the last look."""
-        return time.perf_counter() >= self.look_at
 
     def look(self, plan: WindowPlan, next_step: int | None) -> Taken | None:
         """Take the board's new captures into ``plan`` (``next_step``: the first step whose
