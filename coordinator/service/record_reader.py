@@ -6,8 +6,11 @@ kept, rebuilt: its windows with their aggregates, its phase log, its stalls. No 
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import os
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,9 +71,18 @@ def _one_name(spec: str) -> str | None:
     return spec if plain and not os.path.exists(spec) else None
 
 
+MAX_PROBLEMS = 20
+"""Problems listed one by one; the rest are counted in one line."""
+
+
 def open_record(url: str, storage_options: dict[str, Any] | None = None) -> Recorded:
     """Read the record at ``url`` (see ``locate``); ValueError for one that cannot be read.
-    A window or chunk file that cannot be read is left out and named in ``problems``."""
+    A window or chunk file that cannot be read is left out and named in ``problems``.
+
+    The run's file is not trusted for how many files to look for: each directory is listed
+    once, only the files it names that are there are read, and those it names that are not
+    are said in one problem per directory (a run file claiming a million windows costs one
+    listing, not a million look-ups)."""
     store = RecordStore(url, storage_options)
     head = _read(store, "run.msgpack")
     if head is None:
@@ -78,18 +90,18 @@ def open_record(url: str, storage_options: dict[str, Any] | None = None) -> Reco
     if not isinstance(head, codec.RunFile):
         raise ValueError(f"{url}/run.msgpack: a {type(head).__name__}, not the run's file")
     problems: list[str] = []
-    run = _run(head)
-    for index in head.windows:
+    run = _run(head, problems)
+    for index in _present(store, "windows", head.windows, problems):
         w = _part(store, f"windows/{index:06d}.msgpack", codec.WindowFile, problems)
         if w is not None:
             run.state.windows[index] = codec.window_record(w)
-    for name in store.names("marks"):
+    for name in store.names("marks")[: len(run.state.windows)]:  # (marks of windows read)
         m = _part(store, f"marks/{name}", codec.MarksFile, problems)
         rec = run.state.windows.get(m.window) if m is not None else None
         if m is not None and rec is not None:
             rec.marks, rec.counted_slower = m.marks, m.counted_slower
     phases, last_chunk = PhaseLog(), []
-    for n in range(head.phase_chunks):
+    for n in _present(store, "phases", range(head.phase_chunks), problems):
         chunk = _part(store, f"phases/{n:06d}.msgpack", codec.PhaseChunk, problems)
         if chunk is not None:
             phases.add(chunk.records)
@@ -97,11 +109,42 @@ def open_record(url: str, storage_options: dict[str, Any] | None = None) -> Reco
             if chunk.lost:
                 problems.append(f"phases/{n:06d}: {chunk.lost} steps were never recorded")
     stalls = []
-    for index in head.stalls:
+    for index in _present(store, "stalls", head.stalls, problems):
         s = _part(store, f"stalls/{index:06d}.msgpack", codec.StallFile, problems)
         if s is not None:
             stalls.append(s.stall)
-    return Recorded(url, head, run, phases, stalls, problems, last_chunk)
+    return Recorded(url, head, run, phases, stalls, _bounded(problems), last_chunk)
+
+
+def _present(store: RecordStore, sub: str, named: Iterable[int], problems: list[str]) -> list[int]:
+    """The numbers of ``named`` whose file ``sub/NNNNNN.msgpack`` is there (one listing);
+    those that are not, said in one problem."""
+    there = set()
+    for name in store.names(sub):
+        stem, dot, ext = name.partition(".")
+        if dot and ext == "msgpack" and stem.isdigit():
+            there.add(int(stem))
+    found: list[int] = []
+    gone: list[int] = []
+    count = 0
+    for n in named:  # (a range, or the run file's list: at most one pass, nothing kept of it
+        if n in there:  # but the files that are there and the first few that are not)
+            found.append(n)
+        else:
+            count += 1
+            if len(gone) < 5:
+                gone.append(n)
+    if count:
+        more = f" and {count - len(gone)} more" if count > len(gone) else ""
+        listed = ", ".join(f"{n:06d}" for n in gone)
+        problems.append(f"{store.url}/{sub}: run.msgpack names {listed}{more}, not there")
+    return found
+
+
+def _bounded(problems: list[str]) -> list[str]:
+    if len(problems) <= MAX_PROBLEMS:
+        return problems
+    return [*problems[:MAX_PROBLEMS], f"... and {len(problems) - MAX_PROBLEMS} more problems"]
 
 
 def _read(store: RecordStore, rel: str) -> codec.RecordFile | None:
@@ -124,12 +167,57 @@ def _part(store: RecordStore, rel: str, kind: type[Any], problems: list[str]) ->
     return got
 
 
-def _run(head: codec.RunFile) -> Run:
+def recorded_config(config: dict[str, Any], problems: list[str]) -> ProfilerConfig:
+    """The config a record holds. Each field this version refuses (unknown, or of a value it
+    no longer takes) is left out and named in ``problems``, the rest read as recorded; never
+    the defaults in silence (a recorded straggler threshold of 3.0 must not become the default
+    1.25 unnoticed)."""
+    left_out: list[str] = []
+    mapping: Any = copy.deepcopy(config)
+    for _ in range(MAX_PROBLEMS):
+        try:
+            cfg = ProfilerConfig.from_dict(mapping, check_paths=False)
+        except (ValueError, TypeError) as exc:
+            field_ = _field_named(str(exc))
+            if field_ is None or not _drop(mapping, field_):
+                left_out.append(f"all of it ({str(exc)[:200]}): the defaults stand in")
+                cfg = ProfilerConfig()
+                break
+            left_out.append(f"{field_} ({str(exc)[:120]})")
+            continue
+        break
+    else:
+        left_out.append("all of it (too many fields refused): the defaults stand in")
+        cfg = ProfilerConfig()
+    if left_out:
+        problems.append(
+            "run.msgpack: this version reads its config without "
+            + "; ".join(left_out)[:600]
+            + " (each window keeps its own straggler threshold)"
+        )
+    return cfg
+
+
+def _field_named(message: str) -> str | None:
+    """The field a config error names (``'wait' must be``, ``unknown key 'a.b'``)."""
+    found = re.search(r"'([A-Za-z_][\w.]*)'", message)
+    return found.group(1) if found else None
+
+
+def _drop(mapping: Any, dotted: str) -> bool:
+    """Remove ``a.b`` from nested dicts; whether it was there."""
+    *parents, last = dotted.split(".")
+    for name in parents:
+        mapping = mapping.get(name) if isinstance(mapping, dict) else None
+    if not isinstance(mapping, dict) or last not in mapping:
+        return False
+    del mapping[last]
+    return True
+
+
+def _run(head: codec.RunFile, problems: list[str]) -> Run:
     """The run a record's run file describes, without its windows yet."""
-    try:
-        config = ProfilerConfig.from_dict(head.config, check_paths=False)
-    except (ValueError, TypeError):  # (a config this version would refuse: the defaults)
-        config = ProfilerConfig()
+    config = recorded_config(head.config, problems)
     st = CoordinatorState(2**31, 2**31, config.straggler_threshold)
     st.global_step, st.stepping_trainer = head.global_step, head.stepping_trainer
     st.counters = collections.Counter(head.counters)

@@ -9,10 +9,13 @@ looks at each run it keeps that has a ``run_dir`` and ``record: true``, and queu
 - the marks of a recorded window again when a later window changed them;
 - the steps' phase times since the last look, into the growing chunk (``CHUNK_STEPS`` a chunk);
 - each stall of the current run, again while its stacks change;
-- the run's file, when anything in it changed.
+- the run's file, when anything in it changed: it names only the windows already written.
 
-A run is finished with when it ended, every window kept is recorded and nothing of it is
-queued. Writes never block the event loop and a failed one is retried (``record_writes``).
+A file the writer has no room for is queued again at a later look, never taken as written.
+What is kept per run is bounded: the marks and stalls of the windows and stalls the
+coordinator still keeps (only those can change). A run is finished with when it ended, every
+window kept is recorded and nothing of it is queued. Writes never block the event loop and a
+failed one is retried (``record_writes``).
 """
 
 from __future__ import annotations
@@ -50,12 +53,14 @@ class _RunRecord:
     """What one run's record holds so far."""
 
     store: RecordStore
-    windows: set[int] = field(default_factory=set)
-    marks: dict[int, bytes] = field(default_factory=dict)  # as recorded, encoded
-    stalls: dict[int, bytes] = field(default_factory=dict)
+    windows: set[int] = field(default_factory=set)  # queued (or written)
+    written: set[int] = field(default_factory=set)  # written: the run's file names these
+    marks: dict[int, bytes] = field(default_factory=dict)  # as queued, encoded (kept windows)
+    stalls: dict[int, bytes] = field(default_factory=dict)  # likewise (stalls kept)
     steps_seen: int = 0  # the phase log's steps looked at
     chunk: list[codec.PhaseRecord] = field(default_factory=list)  # the growing chunk's
     chunk_lost: int = 0
+    chunk_queued: bool = True  # the growing chunk as it is now is queued
     chunks: int = 0  # chunk files, the growing one included
     steps: int = 0  # steps in the chunk files
     run_file: bytes = b""
@@ -71,11 +76,25 @@ class RunRecorder:
         self._runs: dict[str, _RunRecord] = {}
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._loop_of: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
         """Start looking (once; from the event loop)."""
+        self._loop_of = asyncio.get_running_loop()
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._loop())
+
+    def _written(self, rr: _RunRecord, index: int) -> Callable[[], None]:
+        """What the writer's thread calls once window ``index``'s file is written: the run's
+        file may name it now (at a look woken for it)."""
+
+        def done() -> None:
+            rr.written.add(index)
+            if self._loop_of is not None:
+                with contextlib.suppress(RuntimeError):  # (the loop has closed)
+                    self._loop_of.call_soon_threadsafe(self.soon)
+
+        return done
 
     def soon(self) -> None:
         """Look now, not at the next interval (a window settled, the run stopped)."""
@@ -134,14 +153,18 @@ class RunRecorder:
             if self._due(rr, rec):
                 snap = _snapshot(rec)
                 name = f"windows/{index:06d}.msgpack"
-                self.writes.queue(rr.store, name, functools.partial(_window_blob, run.name, snap))
-                rr.windows.add(index)
-                rr.marks[index] = _marks_blob(run.name, rec)
+                blob = functools.partial(_window_blob, run.name, snap)
+                if self.writes.queue(rr.store, name, blob, self._written(rr, index)):
+                    rr.windows.add(index)
+                    rr.marks[index] = _marks_blob(run.name, rec)
             elif index in rr.windows:
                 now = _marks_blob(run.name, rec)
-                if now != rr.marks.get(index):
+                if now != rr.marks.get(index) and self.writes.queue(
+                    rr.store, f"marks/{index:06d}.msgpack", _const(now)
+                ):
                     rr.marks[index] = now
-                    self.writes.queue(rr.store, f"marks/{index:06d}.msgpack", _const(now))
+        # (a window the coordinator no longer keeps can no longer change its marks)
+        rr.marks = {i: b for i, b in rr.marks.items() if i in run.state.windows}
 
     def _phases(self, run: Run, rr: _RunRecord) -> None:
         log_ = self.shell.phases.log(run.name)
@@ -154,36 +177,53 @@ class RunRecorder:
         records = [(s, w, dict(r)) for s, w, r in kept]
         while records:
             if rr.chunks == 0 or len(rr.chunk) == CHUNK_STEPS:
+                if not rr.chunk_queued:  # (a full chunk is queued before the next begins)
+                    self._queue_chunk(run, rr)
+                    if not rr.chunk_queued:
+                        rr.steps_seen -= len(records)  # (looked at again at the next look)
+                        return
                 rr.chunk, rr.chunk_lost, rr.chunks = [], 0, rr.chunks + 1
             taken = records[: CHUNK_STEPS - len(rr.chunk)]
             records = records[len(taken) :]
             rr.chunk += taken
             rr.steps += len(taken)
             rr.chunk_lost, lost = rr.chunk_lost + lost, 0
-            n = rr.chunks - 1
-            chunk = codec.PhaseChunk(codec.VERSION, run.name, n, list(rr.chunk), rr.chunk_lost)
-            encoded = functools.partial(codec.encode, chunk)  # (on the writer's thread)
-            self.writes.queue(rr.store, f"phases/{n:06d}.msgpack", encoded)
+            rr.chunk_queued = False
+        self._queue_chunk(run, rr)
+
+    def _queue_chunk(self, run: Run, rr: _RunRecord) -> None:
+        """The growing chunk as it is now, unless it is queued already (or there is none)."""
+        if rr.chunk_queued or not rr.chunks:
+            return
+        n = rr.chunks - 1
+        chunk = codec.PhaseChunk(codec.VERSION, run.name, n, list(rr.chunk), rr.chunk_lost)
+        encoded = functools.partial(codec.encode, chunk)  # (on the writer's thread)
+        rr.chunk_queued = self.writes.queue(rr.store, f"phases/{n:06d}.msgpack", encoded)
 
     def _stalls(self, run: Run, rr: _RunRecord) -> None:
+        live = set()
         for entry in self.shell.stalls:
             if entry["detected_at"] < run.created_at:  # (an earlier run's)
                 continue
-            blob = codec.encode(codec.StallFile(codec.VERSION, run.name, copy.deepcopy(entry)))
             index = entry["index"]
-            if rr.stalls.get(index) != blob:
+            live.add(index)
+            blob = codec.encode(codec.StallFile(codec.VERSION, run.name, copy.deepcopy(entry)))
+            if rr.stalls.get(index) != blob and self.writes.queue(
+                rr.store, f"stalls/{index:06d}.msgpack", _const(blob)
+            ):
                 rr.stalls[index] = blob
-                self.writes.queue(rr.store, f"stalls/{index:06d}.msgpack", _const(blob))
+        for index, blob in rr.stalls.items():
+            if blob and index not in live:  # (no longer kept, so it cannot change: its file
+                rr.stalls[index] = b""  # stays named, its bytes are not kept here)
 
     def _run_file(self, run: Run, rr: _RunRecord) -> None:
-        f = codec.run_file(run, sorted(rr.windows), rr.chunks, rr.steps, sorted(rr.stalls), 0.0)
+        f = codec.run_file(run, sorted(rr.written), rr.chunks, rr.steps, sorted(rr.stalls), 0.0)
         same = codec.encode(f)
         if same == rr.run_file:
             return
-        rr.run_file = same
         f.written_at = time.time()
-        blob = codec.encode(f)
-        self.writes.queue(rr.store, "run.msgpack", _const(blob))
+        if self.writes.queue(rr.store, "run.msgpack", _const(codec.encode(f))):
+            rr.run_file = same
 
     def entry(self) -> RecordEntry:
         """``status()["record"]``: where the current run's record is and how its writes go."""
@@ -191,7 +231,7 @@ class RunRecorder:
         stats = self.writes.stats()
         return {
             "dir": rr.store.url if rr is not None else None,
-            "windows": len(rr.windows) if rr is not None else 0,
+            "windows": len(rr.written) if rr is not None else 0,
             "steps": rr.steps if rr is not None else 0,
             "files": stats["files"],
             "bytes": stats["bytes"],
@@ -204,10 +244,19 @@ class RunRecorder:
         }
 
     async def flush(self, timeout_s: float) -> bool:
-        """Look now and wait until everything queued is written (a run's stop, tests)."""
-        await self.look()
+        """Look now and wait until everything queued is written, then look again (the run's
+        file names a window once its file is written) until a look queues nothing: whether
+        that came within ``timeout_s`` (a run's stop, tests)."""
+        deadline = time.monotonic() + timeout_s
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.writes.flush, timeout_s)
+        while True:
+            before = self.writes.accepted
+            await self.look()
+            if self.writes.accepted == before and not self.writes.stats()["pending"]:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0 or not await loop.run_in_executor(None, self.writes.flush, left):
+                return False
 
 
 def _existing(store: RecordStore) -> Recorded | None:
@@ -225,6 +274,7 @@ def _go_on(rr: _RunRecord, rec: Recorded, phases: PhaseStore, run: str) -> None:
     phase chunk goes on filling, and a phase log the coordinator lost comes back from it."""
     head = rec.file
     rr.windows = set(rec.run.state.windows)
+    rr.written = set(rec.run.state.windows)
     rr.marks = {i: _marks_blob(head.name, w) for i, w in rec.run.state.windows.items()}
     rr.stalls = {
         s["index"]: codec.encode(codec.StallFile(codec.VERSION, head.name, s)) for s in rec.stalls
