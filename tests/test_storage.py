@@ -259,6 +259,22 @@ def test_collect_downloads_a_window_already_in_the_bucket_and_the_cli_shows_no_s
     assert to_bucket["missing"] == {} and sorted(s3.fs().ls("traces/collected/w0")) == [
         f"traces/collected/w0/rank{r}.pt.trace.json.gz" for r in (0, 1)
     ]
+    # The run's record in the bucket serves the same traces and timeline, with no coordinator
+    # (issue 47): the traces read from the bucket, the credentials from the environment.
+    from coordinator.ops.recorded import RecordedCoordinator, open_record
+    from coordinator.ops.timeline import merge_window
+
+    record = ray.get(coord.flush_record.remote(30.0))["dir"]
+    h = RecordedCoordinator(open_record(record, s3.storage_options()))
+    again = collect_window(h, 0, str(tmp_path / "from-record"))
+    assert again["missing"] == {} and again["bytes"] == res["bytes"]
+    for r in (0, 1):
+        name = f"rank{r}.pt.trace.json.gz"
+        assert (tmp_path / "from-record" / name).read_bytes() == (
+            tmp_path / "w0" / name
+        ).read_bytes()
+    merge_window(h, 0, str(tmp_path / "w0-record.json.gz"))
+    assert json.loads(gzip.decompress((tmp_path / "w0-record.json.gz").read_bytes())) == merged
     for text in outputs:
         assert FAKE_SECRET not in text
     # ...nor in any log this Ray session wrote (driver, coordinator, ranks, node agent).
@@ -289,7 +305,7 @@ def test_collecting_a_large_trace_streams_it_in_chunks(ray_session, tmp_path):
     trace = {"path": str(src), "local_path": str(src), "node": node, "error": None}
     tracemalloc.start()
     try:
-        target, written = _collect_one(ray, trace, str(tmp_path / "out"), {})
+        target, written = _collect_one(trace, str(tmp_path / "out"), {})
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -550,6 +550,108 @@ def two_role_window_marked_on_rollout() -> dict:
     }
 
 
+def tar_files(blob: bytes) -> dict[str, bytes]:
+    """A ``.tar.gz``'s files by name (gzipped traces decompressed: their headers hold times)."""
+    out = {}
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
+        for m in tar.getmembers():
+            if m.isfile():
+                data = tar.extractfile(m).read()
+                out[m.name] = gzip.decompress(data) if m.name.endswith(".gz") else data
+    return out
+
+
+def _serve_record(record: str) -> tuple[subprocess.Popen, str]:
+    """``ray-profiler serve --from RECORD`` in a process of its own whose Ray address leads
+    nowhere (the cluster is gone), and its URL once it answers."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_ADDRESS": "127.0.0.1:1"}
+    cmd = [sys.executable, "-m", "coordinator", "serve", "--from", record, "--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/api/viewer", timeout=30):
+                return proc, url
+        except (urllib.error.URLError, ConnectionError):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise AssertionError("ray-profiler serve --from did not start") from None
+            time.sleep(0.3)
+
+
+@pytest.mark.subprocess
+def test_a_finished_run_s_window_opens_in_perfetto_with_no_cluster(served, tmp_path):
+    import ray
+
+    entry = ray.get(served.coord.flush_record.remote(30.0))
+    proc, url = _serve_record(entry["dir"])
+    try:
+        status, _, viewer, _ = _open(url + "/api/viewer")
+        assert status == 200 and json.loads(viewer)["perfetto"] == "/perfetto/"
+        with chromium_browser() as browser:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(url + "/")
+            page.wait_for_selector("a[href='#/window/1']", timeout=30_000)
+            row = page.locator("tr", has=page.locator("a[href='#/window/1']"))
+            href = row.locator("a.perfetto").get_attribute("href")
+            assert _decoded_target(href) == url + "/api/windows/1/timeline.json.gz"
+            page.goto(url + href)  # merged by the server from the files in save_path
+            for r in (0, 1):
+                page.get_by_text(f"rank {r} · policy").first.wait_for(timeout=120_000)
+            page.wait_for_timeout(1_000)
+            screenshot(page, tmp_path, "perfetto-record.png")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_a_trace_missing_from_save_path_is_named_and_the_others_served(served, tmp_path):
+    import ray
+
+    from coordinator.ops.collect import collect_window
+    from coordinator.ops.recorded import RecordedCoordinator, open_record
+    from coordinator.ops.web.record_link import RecordLink
+    from coordinator.ops.web.server import MISSING_HEADER
+    from tests.test_run_record import cli_no_cluster
+
+    entry = ray.get(served.coord.flush_record.remote(30.0))
+    h = RecordedCoordinator(open_record(entry["dir"]))
+    trace = h.rec.run.state.windows[1].traces[("t", 1)]
+    gone = [p for p in {trace["path"], trace["local_path"]} if p and os.path.exists(p)]
+    assert gone, trace
+    for p in gone:  # (put back below: the other tests read them)
+        os.rename(p, p + ".away")
+    web = ServerThread(RecordLink(h))
+    try:
+        res = collect_window(h, 1, str(tmp_path / "w1"))
+        assert sorted(res["files"]) == [0] and list(res["missing"]) == [1]
+        assert "not in save_path" in res["missing"][1] and gone[0] in res["missing"][1]
+        req = urllib.request.Request(web.url + "/api/windows/1/traces.tar.gz")
+        with urllib.request.urlopen(req, timeout=120) as r:
+            files, said = tar_files(r.read()), json.loads(r.headers[MISSING_HEADER])
+        assert list(said) == ["window 1 rank 1"] and "not in save_path" in said["window 1 rank 1"]
+        assert len(files) == 2 and b"window 1 rank 1: its trace is not in" in next(
+            v for k, v in files.items() if k.endswith("MISSING.txt")
+        )
+        req = urllib.request.Request(web.url + "/api/windows/1/timeline.json.gz")
+        with urllib.request.urlopen(req, timeout=120) as r:
+            merged, said = (
+                json.loads(gzip.decompress(r.read())),
+                json.loads(r.headers[MISSING_HEADER]),
+            )
+        assert [x["rank"] for x in merged["rayProfiler"]["ranks"]] == [0]
+        assert list(said) == ["window 1 policy 1"]
+        got = cli_no_cluster("summarise", entry["dir"], "--window", "1")
+        assert got.returncode == 1 and "1 trace(s): rank 0" in got.stdout, got.stderr
+        assert "window 1 rank 1: its trace is not in save_path" in got.stderr
+    finally:
+        web.close()
+        for p in gone:
+            os.rename(p + ".away", p)
+
+
 def _open(url: str, headers: dict | None = None):
     """(status, headers, body) of a GET, without following a redirect's answer's errors."""
     req = urllib.request.Request(url, headers=headers or {})
@@ -761,6 +863,7 @@ def test_a_run_s_record_is_served_read_only_with_the_live_answers(served, tmp_pa
 
     from coordinator.ops.recorded import RecordedCoordinator, open_record
     from coordinator.ops.web.record_link import RecordLink
+    from tests.test_run_record import cli_no_cluster
 
     entry = ray.get(served.coord.flush_record.remote(30.0))
     assert entry["error"] is None and entry["pending"] == 0 and entry["windows"] == 2, entry
@@ -784,8 +887,21 @@ def test_a_run_s_record_is_served_read_only_with_the_live_answers(served, tmp_pa
         for method, path, body in changes:
             status, said = web.http(method, path, body, token=TOKEN)
             assert status == 409 and said["error"].startswith("read-only: the record of run")
-        status, said = web.http("GET", "/api/windows/0/timeline.json.gz")
-        assert status == 409 and "collect the traces from save_path" in said["error"]
+        # Traces and timelines come from save_path, as the live server's (issue 47).
+        for path in ("/api/windows/1/timeline.json.gz", "/api/windows/0/timeline.json.gz?ranks=1"):
+            (status, got), (_, live) = web.http("GET", path), served.http("GET", path)
+            assert status == 200 and gzip.decompress(got) == gzip.decompress(live), path
+        (status, got), (_, live) = (
+            x.http("GET", "/api/windows/1/traces.tar.gz") for x in (web, served)
+        )
+        assert status == 200 and tar_files(got) == tar_files(live) and len(tar_files(got)) == 2
+        out, kept = tmp_path / "w1.json.gz", tmp_path / "w1"
+        done = cli_no_cluster("collect", "--from", entry["dir"], "--window", "1", "--merge",
+                              str(out), "--to", str(kept))  # fmt: skip
+        assert done.returncode == 0 and "2 ranks" in done.stdout, done.stderr
+        live_merged = served.http("GET", "/api/windows/1/timeline.json.gz")[1]
+        assert gzip.decompress(out.read_bytes()) == gzip.decompress(live_merged)
+        assert len(os.listdir(kept)) == 2
         with chromium_browser() as browser:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             errors: list[str] = []

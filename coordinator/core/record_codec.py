@@ -223,6 +223,10 @@ class RunFile(msgspec.Struct, tag="run", tag_field="kind"):
     steps_recorded: int
     stalls: list[int]
     written_at: float
+    nodes: dict[str, str] = {}
+    """The name of each node its windows' traces were written on, by Ray node id (a merged
+    timeline made from the record names its ranks' nodes as the live one does; a file written
+    before it: none)."""
 
 
 RecordFile = RunFile | WindowFile | MarksFile | PhaseChunk | StallFile
@@ -385,6 +389,7 @@ def run_file(
     steps_recorded: int,
     stalls: list[int],
     now: float,
+    nodes: dict[str, str] | None = None,
 ) -> RunFile:
     """The run's file (its config with secrets redacted, as ``status()`` shows it)."""
     st = run.state
@@ -414,4 +419,5 @@ def run_file(
         steps_recorded=steps_recorded,
         stalls=sorted(stalls),
         written_at=now,
+        nodes=dict(nodes or {}),
     )

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -65,7 +66,8 @@ _EXAMPLES = {
     "stragglers": "ray-profiler stragglers --window 3",
     "summarise": (
         "ray-profiler summarise ./window_0003_steps_100-102/policy   # every rank's trace\n"
-        "  ray-profiler summarise rank0.json.gz rank1.json.gz --steps 551-552 --by op --json"
+        "  ray-profiler summarise rank0.json.gz rank1.json.gz --steps 551-552 --by op --json\n"
+        "  ray-profiler summarise s3://bucket/profiles/job-0412 --window 3   # a finished run's"
     ),
     "diff": (
         "ray-profiler diff 0 7            # window 7 against window 0 of the run\n"
@@ -97,7 +99,8 @@ _EXAMPLES = {
     "collect": (
         "ray-profiler collect --window 3 --to ./window3   # then: tensorboard, Perfetto, HTA\n"
         "  ray-profiler collect --window 3 --merge w3.json.gz --min-us 5   # every rank, one file\n"
-        "  ray-profiler collect --window 3 --run job --to s3://bucket/collected/w3"
+        "  ray-profiler collect --window 3 --run job --to s3://bucket/collected/w3\n"
+        "  ray-profiler collect --from s3://bucket/profiles/job-0412 --window 3 --merge w3.json.gz"
     ),
 }
 
@@ -202,7 +205,19 @@ def _add_by(parser: argparse.ArgumentParser) -> None:
 def _offline_commands(command: Command) -> None:
     """The commands that read traces from disk, with no cluster."""
     summ = command("summarise", "the cross-rank tables of traces on disk (no Ray needed)")
-    summ.add_argument("paths", nargs="+", metavar="PATH", help="trace files or directories")
+    summ.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="trace files or directories; with --window, one run (its name, directory or URL)",
+    )
+    summ.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="a window of the run PATH names: its traces, read from save_path",
+    )
+    summ.add_argument("--role", default=None, help="with --window: whose traces (default policy)")
     summ.add_argument("--steps", default=None, help="the window's steps, A-B (default: markers)")
     summ.add_argument("--k", type=int, default=20, help="rows to list (default 20)")
     _add_by(summ)
@@ -590,27 +605,52 @@ def wait_for_window(h: Any, run: str, window: int, timeout: float) -> dict[str, 
 
 
 def summarise_command(args: argparse.Namespace) -> int:
-    """``ray-profiler summarise``: no cluster; a file that is not a trace is exit status 2."""
+    """``ray-profiler summarise``: no cluster; a file that is not a trace is exit status 2.
+    With ``--window``, a finished run's window, its traces read from ``save_path``: exit 1
+    naming each rank whose trace is not there, after the table of the others."""
     from coordinator.ops.offline import TraceInputError, parse_steps, summarise_traces
 
-    try:
-        steps = parse_steps(args.steps) if args.steps is not None else None
-        if not 0 <= args.k <= 100_000:
-            raise ValueError(f"--k must be in 0..100000, got {args.k}")
-        done = summarise_traces(args.paths, steps, args.k, args.by)
-    except (TraceInputError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    with tempfile.TemporaryDirectory(prefix="ray-profiler-summarise-") as work:
+        try:
+            steps = parse_steps(args.steps) if args.steps is not None else None
+            if not 0 <= args.k <= 100_000:
+                raise ValueError(f"--k must be in 0..100000, got {args.k}")
+            paths, missing = _window_traces(args, work) if args.window is not None else (
+                args.paths, {}
+            )  # fmt: skip
+            done = summarise_traces(paths, steps, args.k, args.by)
+        except (TraceInputError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     if args.json:
         print(json.dumps(done.table))
-        return EXIT_OK
-    for note in done.notes:
-        print(f"note: {note}")
-    print(
-        f"{len(done.files)} trace(s): " + ", ".join(f"rank {r} {p}" for r, p in done.files.items())
-    )
-    print(render_top(done.table))
+    else:
+        for note in done.notes:
+            print(f"note: {note}")
+        files = ", ".join(f"rank {r} {p}" for r, p in done.files.items())
+        print(f"{len(done.files)} trace(s): {files}")
+        print(render_top(done.table))
+    if missing:
+        said = "; ".join(f"window {args.window} rank {r}: {why}" for r, why in missing.items())
+        print(f"error: missing: {said}", file=sys.stderr)
+        return EXIT_ERROR
     return EXIT_OK
+
+
+def _window_traces(args: argparse.Namespace, work: str) -> tuple[list[str], dict[int, str]]:
+    """``summarise RUN --window N``: the window's traces copied from ``save_path`` into
+    ``work``, and rank -> why for those that are not there; ValueError for an unknown run or
+    window, or a window none of whose traces is there."""
+    from coordinator.ops.collect import collect_window
+    from coordinator.ops.recorded import RecordedCoordinator, locate, open_record
+
+    if len(args.paths) != 1:
+        raise ValueError(f"--window takes one run (its name, directory or URL), got {args.paths}")
+    h = RecordedCoordinator(open_record(locate(args.paths[0])))
+    res = collect_window(h, args.window, work, role=args.role)
+    if not res["files"]:
+        raise ValueError(f"window {args.window}: no trace is in save_path: {res['missing']}")
+    return list(res["files"].values()), dict(res["missing"])
 
 
 def main(argv: list[str] | None = None) -> int:

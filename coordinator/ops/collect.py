@@ -5,12 +5,17 @@ that wrote it. ``collect_window`` asks the coordinator where each one is, then p
 that node's agent through Ray in chunks (bounded memory: one chunk at a time, whatever the
 file's size), or downloads it when it was uploaded to a URL ``save_path``. The destination gets
 one file per rank (each trace names its rank), and may itself be an fsspec URL.
+
+A run's record (``RecordedCoordinator``, ``--from``) serves a finished run the same way, with no
+cluster: its traces are read where the record says they are in ``save_path`` (a directory or
+a bucket), and one that is not there is named with its window and rank.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass, field
 from typing import IO, Any, TypedDict
 
 from coordinator.core.storage import REDACTED, filesystem, is_remote, join, local_path
@@ -72,18 +77,18 @@ def collect_window(
         res = collect_window(connect(address="auto"), 3, "./window3")
         # then: TraceAnalysis(trace_dir="./window3")
     """
-    import ray
-
-    entry, run_name, options = window_entry(coordinator, window, run, wait_s)
-    if storage_options is not None:
-        options = dict(storage_options)
-    part = _role_part(entry, role)
-    out = CollectResult(run=run_name, window=window, dest=dest, files={}, missing={}, bytes=0)
+    src = window_entry(coordinator, window, run, wait_s)
+    options = dict(storage_options) if storage_options is not None else src.options
+    part = _role_part(src.entry, role)
+    out = CollectResult(run=src.run, window=window, dest=dest, files={}, missing={}, bytes=0)
     traces = located_traces(part, wanted_ranks(part, ranks, window), wait_s, out["missing"])
     for rank, t in sorted(traces.items()):
         try:
-            name, written = _collect_one(ray, t, dest, options)
-        except _Missing as exc:
+            if src.recorded:
+                name, written = _copy_file(stored_trace(t, options), dest, options)
+            else:
+                name, written = _collect_one(t, dest, options)
+        except TraceMissing as exc:
             out["missing"][rank] = str(exc)
             continue
         out["files"][rank] = name
@@ -115,8 +120,8 @@ def wanted_ranks(part: dict[str, Any], ranks: list[int] | None, window: int) -> 
     return wanted
 
 
-class _Missing(Exception):
-    pass
+class TraceMissing(Exception):
+    """A rank's trace that cannot be had; the message says why."""
 
 
 def _role_part(entry: dict[str, Any], role: str | None) -> dict[str, Any]:
@@ -131,11 +136,24 @@ def _role_part(entry: dict[str, Any], role: str | None) -> dict[str, Any]:
     return dict(parts[0])
 
 
-def window_entry(
-    coordinator: Any, window: int, run: str | None, wait_s: float
-) -> tuple[dict[str, Any], str, dict[str, Any]]:
+@dataclass
+class WindowSource:
+    """A window's status entry, and where its traces are read from."""
+
+    entry: dict[str, Any]
+    run: str
+    options: dict[str, Any]  # the run's storage options, without its credentials
+    recorded: bool = False  # a run's record: every trace read here from save_path
+    nodes: dict[str, str] = field(default_factory=dict)  # (a record's) node id -> its name
+
+
+def window_entry(coordinator: Any, window: int, run: str | None, wait_s: float) -> WindowSource:
     """The status entry of ``window``, once no rank's trace is pending (or ``wait_s`` ran out);
-    the coordinator wakes the wait when the window changes."""
+    the coordinator wakes the wait when the window changes. From a record: as recorded."""
+    from coordinator.ops.recorded import RecordedCoordinator
+
+    if isinstance(coordinator, RecordedCoordinator):
+        return _recorded_entry(coordinator, window, run)
     import ray
 
     st = ray.get(coordinator.status.remote())
@@ -154,34 +172,77 @@ def window_entry(
     if got["window"] is None:
         kept = [w["index"] for w in mine["windows"]]
         raise ValueError(f"no closed window {window} in run {name}: {kept}")
-    options = {k: v for k, v in mine["config"].get("storage_options", {}).items() if v != REDACTED}
-    return dict(got["window"]), name, options
+    return WindowSource(dict(got["window"]), name, _options(mine["config"]))
 
 
-def _collect_one(
-    ray: Any, t: dict[str, Any], dest: str, options: dict[str, Any]
-) -> tuple[str, int]:
-    """Copy one rank's trace to ``dest``; the destination path and the bytes written."""
-    src, uploaded = trace_source(t)
-    if not src:
-        raise _Missing(f"no trace: {(t['error'] or {}).get('message', 'nothing was written')}")
-    name = src.rstrip("/").rsplit("/", 1)[-1]
-    target = join(dest, name)
-    if uploaded:
+def _options(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config.get("storage_options", {}).items() if v != REDACTED}
+
+
+def _recorded_entry(h: Any, window: int, run: str | None) -> WindowSource:
+    """A window of a run's record (``RecordedCoordinator``), every rank listed."""
+    rec = h.rec
+    name = rec.run.name
+    if run is not None and run != name:
+        raise ValueError(f"no run {run!r}: the record at {rec.url} is run {name}'s")
+    config = dict(rec.file.config)
+    if config.get("export_type") == "none":
+        raise ValueError(f"run {name} keeps no traces (export_type: none)")
+    w = rec.run.state.windows.get(window)
+    if w is None or not w.closed:
+        kept = [i for i, r in rec.run.state.windows.items() if r.closed]
+        raise ValueError(f"no closed window {window} in run {name}: {kept}")
+    entry = dict(w.to_dict(complete=True))
+    return WindowSource(entry, name, _options(config), recorded=True, nodes=dict(rec.file.nodes))
+
+
+def stored_trace(t: dict[str, Any], options: dict[str, Any]) -> str:
+    """Where a recorded rank's trace is now: its upload, else the file it was written as, the
+    first that is there; ``TraceMissing`` naming both when neither is (never uploaded,
+    deleted)."""
+    tried: list[str] = [str(p) for p in (t["path"], t["local_path"]) if p]
+    if not tried:
+        raise TraceMissing(f"no trace: {(t['error'] or {}).get('message', 'nothing was written')}")
+    why = "not there"
+    for src in dict.fromkeys(tried):
         try:
             fs, path = filesystem(src, options)
-            with fs.open(path, "rb") as fin, _writer(target, options) as fout:
-                return target, _copy(lambda n: fin.read(n), fout)
-        except _Missing:
-            raise
-        except Exception as exc:
-            raise _Missing(f"cannot download {src}: {type(exc).__name__}: {exc}") from None
+            if fs.exists(path):
+                return src
+        except Exception as exc:  # (a bucket that cannot be reached: said, the rest go on)
+            why = f"cannot be looked at: {type(exc).__name__}: {exc}"[:300]
+    where = " nor ".join(dict.fromkeys(tried))
+    raise TraceMissing(f"its trace is not in save_path ({why}): {where}")
+
+
+def _copy_file(src: str, dest: str, options: dict[str, Any]) -> tuple[str, int]:
+    """Copy the trace at ``src`` (a path or a URL) into ``dest``; its path and bytes there."""
+    target = join(dest, src.rstrip("/").rsplit("/", 1)[-1])
+    try:
+        fs, path = filesystem(src, options)
+        with fs.open(path, "rb") as fin, _writer(target, options) as fout:
+            return target, _copy(lambda n: fin.read(n), fout)
+    except Exception as exc:
+        raise TraceMissing(f"cannot copy {src}: {type(exc).__name__}: {exc}") from None
+
+
+def _collect_one(t: dict[str, Any], dest: str, options: dict[str, Any]) -> tuple[str, int]:
+    """Copy one rank's trace to ``dest`` (its upload, else through its node's agent); the
+    destination path and the bytes written."""
+    import ray
+
+    src, uploaded = trace_source(t)
+    if not src:
+        raise TraceMissing(f"no trace: {(t['error'] or {}).get('message', 'nothing was written')}")
+    if uploaded:
+        return _copy_file(src, dest, options)
+    target = join(dest, src.rstrip("/").rsplit("/", 1)[-1])
     node = t["node"]
     if not node:
-        raise _Missing(f"the node that wrote {src} is unknown")
+        raise TraceMissing(f"the node that wrote {src} is unknown")
     agent, gone = node_agent(ray, node)
     if agent is None:
-        raise _Missing(f"{gone}; its trace {src} went with it")
+        raise TraceMissing(f"{gone}; its trace {src} went with it")
     try:
         with _writer(target, options) as fout:
             offset = 0
@@ -196,11 +257,11 @@ def _collect_one(
 
             return target, _copy(read, fout)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        raise _Missing(
+        raise TraceMissing(
             f"node {node[:12]} is gone or does not answer (its trace {src} was not copied)"
         ) from None
     except Exception as exc:
-        raise _Missing(
+        raise TraceMissing(
             f"cannot read {src} on node {node[:12]}: {type(exc).__name__}: {exc}"
         ) from None
 

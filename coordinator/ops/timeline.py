@@ -6,7 +6,9 @@ clock (``coordinator/core/timeline.py`` says how, and what is left out).
 the traces already uploaded to ``save_path``'s bucket itself, then pulls the pieces a chunk at a
 time and joins them where it was asked (the CLI, the web view's server). Every merge reads one
 rank's trace at a time, so memory is one trace (or one piece), whatever the window's size. The
-coordinator never reads a trace.
+coordinator never reads a trace. A run's record (``RecordedCoordinator``) is merged here from
+the files in ``save_path``, with no cluster, into the same file the live merge makes (its ranks
+named by the nodes the record kept).
 """
 
 from __future__ import annotations
@@ -14,20 +16,23 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections import Counter
 from collections.abc import Iterable
 from typing import Any, TypedDict
 
 from coordinator.core.timeline import DEFAULT_MAX_EVENTS, step_spread
 from coordinator.ops.collect import (
+    TraceMissing,
+    WindowSource,
     collect_window,
     located_traces,
     node_agent,
+    stored_trace,
     trace_source,
     wanted_ranks,
     window_entry,
 )
 from coordinator.protocol.timeline import PieceRank, RankCount, RankLabel, TimelinePiece
+from coordinator.raylink.node_names import node_names
 from worker_ext.agent.timeline_file import join_pieces, write_piece
 
 TOTAL_EVENTS = 6_400_000
@@ -95,12 +100,12 @@ def merge_window(
         res = merge_window(connect(address="auto"), 3, "window3.json.gz", min_us=5)
         # then open window3.json.gz in Perfetto: one process per rank
     """
-    entry, run_name, options = window_entry(coordinator, window, run, wait_s)
-    options = dict(storage_options) if storage_options is not None else options
-    parts = _parts(entry, roles, ranks, max_ranks)
+    src = window_entry(coordinator, window, run, wait_s)
+    run_name, parts = src.run, _parts(src.entry, roles, ranks, max_ranks)
+    options = dict(storage_options) if storage_options is not None else src.options
     if keep is not None:
         _keep(coordinator, window, run_name, parts, keep, ranks, wait_s, storage_options)
-    plan, missing = _plan(parts, ranks, wait_s)
+    plan, missing = _plan(parts, ranks, wait_s, src, options)
     _some(plan, window, run_name, missing)
     per_rank = _per_rank(max_events, len(plan))
     who = {r["pid"]: r["label"] for _, r in plan}
@@ -185,11 +190,16 @@ def _parts(
 
 
 def _plan(
-    parts: list[dict[str, Any]], ranks: list[int] | None, wait_s: float
+    parts: list[dict[str, Any]],
+    ranks: list[int] | None,
+    wait_s: float,
+    src: WindowSource,
+    options: dict[str, Any],
 ) -> tuple[list[tuple[str, PieceRank]], dict[str, str]]:
-    """Where each rank's trace is: ("" for a URL, else the node that holds it, PieceRank),
-    processes numbered in role then rank order; and "role rank" -> why for those without one."""
-    nodes = _node_names()
+    """Where each rank's trace is: ("" to read it here: an upload, or a record's file, else
+    the node that holds it, PieceRank), processes numbered in role then rank order; and
+    "role rank" -> why for those without one."""
+    nodes = src.nodes if src.recorded else node_names()
     plan: list[tuple[str, PieceRank]] = []
     missing: dict[str, str] = {}
     for part in parts:
@@ -197,13 +207,19 @@ def _plan(
         traces = located_traces(part, set(part["ranks"] if ranks is None else ranks), wait_s, lost)
         missing.update({_name(RankLabel(rank=r, role=role, node="")): w for r, w in lost.items()})
         for rank, t in sorted(traces.items()):
-            src, uploaded = trace_source(t)
             node = t["node"] or ""
             label = RankLabel(rank=rank, role=role, node=nodes.get(node, node[:8] or "?"))
-            if not src:
+            path, uploaded = trace_source(t)
+            if src.recorded:
+                try:
+                    path, uploaded = stored_trace(t, options), True
+                except TraceMissing as exc:
+                    missing[_name(label)] = str(exc)
+                    continue
+            if not path:
                 missing[_name(label)] = "no trace: " + str((t["error"] or {}).get("message", ""))
                 continue
-            plan.append(("" if uploaded else node, PieceRank(label=label, pid=0, path=src)))
+            plan.append(("" if uploaded else node, PieceRank(label=label, pid=0, path=path)))
     for pid, (_, r) in enumerate(plan, start=1):
         r["pid"] = pid
     return plan, missing
@@ -299,19 +315,3 @@ def _per_rank(max_events: int | None, ranks: int) -> int:
     if max_events is not None:
         return max_events
     return min(DEFAULT_MAX_EVENTS, max(MIN_PER_RANK, TOTAL_EVENTS // max(ranks, 1)))
-
-
-def _node_names() -> dict[str, str]:
-    """Ray node id -> its address, for the process names; with the node id's start where two
-    nodes share an address (several raylets on one host)."""
-    try:
-        import ray
-
-        nodes = {n["NodeID"]: n.get("NodeManagerAddress") or "" for n in ray.nodes()}
-    except Exception:
-        return {}
-    shared = Counter(nodes.values())
-    return {
-        node: f"{addr}/{node[:6]}" if not addr or shared[addr] > 1 else addr
-        for node, addr in nodes.items()
-    }

@@ -34,6 +34,7 @@ from coordinator.core import record_codec as codec
 from coordinator.core.records import WindowRecord
 from coordinator.core.run import Run
 from coordinator.protocol.replies import RecordEntry
+from coordinator.raylink.node_names import node_names
 from coordinator.service import window_pieces
 from coordinator.service.checkpoint import settled
 from coordinator.service.phase_store import PhaseStore
@@ -65,6 +66,8 @@ class _RunRecord:
     steps: int = 0  # steps in the chunk files
     run_file: bytes = b""
     finished: bool = False
+    nodes: dict[str, str] = field(default_factory=dict)  # node id -> its name (timelines)
+    unnamed: set[str] = field(default_factory=set)  # nodes of queued windows, not yet named
 
 
 class RunRecorder:
@@ -120,6 +123,7 @@ class RunRecorder:
             if any(self._due(rr, rec) for rec in run.state.windows.values()):
                 await self._mark(run)  # (marks first: a window is written once)
             self._windows(run, rr)
+            await self._name_nodes(rr)
             self._phases(run, rr)
             if run is self.shell.run:
                 self._stalls(run, rr)
@@ -157,6 +161,7 @@ class RunRecorder:
                 if self.writes.queue(rr.store, name, blob, self._written(rr, index)):
                     rr.windows.add(index)
                     rr.marks[index] = _marks_blob(run.name, rec)
+                    rr.unnamed |= {t["node"] for t in snap.traces.values() if t["node"]}
             elif index in rr.windows:
                 now = _marks_blob(run.name, rec)
                 if now != rr.marks.get(index) and self.writes.queue(
@@ -165,6 +170,15 @@ class RunRecorder:
                     rr.marks[index] = now
         # (a window the coordinator no longer keeps can no longer change its marks)
         rr.marks = {i: b for i, b in rr.marks.items() if i in run.state.windows}
+
+    @staticmethod
+    async def _name_nodes(rr: _RunRecord) -> None:
+        """The names of the nodes new windows' traces were written on (one look-up in Ray's
+        node table, off the event loop, when a window brings a node not named yet)."""
+        unnamed, rr.unnamed = rr.unnamed - set(rr.nodes), set()
+        if unnamed:
+            names = await asyncio.get_running_loop().run_in_executor(None, node_names)
+            rr.nodes.update({n: names.get(n, n[:8]) for n in unnamed})
 
     def _phases(self, run: Run, rr: _RunRecord) -> None:
         log_ = self.shell.phases.log(run.name)
@@ -217,7 +231,9 @@ class RunRecorder:
                 rr.stalls[index] = b""  # stays named, its bytes are not kept here)
 
     def _run_file(self, run: Run, rr: _RunRecord) -> None:
-        f = codec.run_file(run, sorted(rr.written), rr.chunks, rr.steps, sorted(rr.stalls), 0.0)
+        f = codec.run_file(
+            run, sorted(rr.written), rr.chunks, rr.steps, sorted(rr.stalls), 0.0, rr.nodes
+        )
         same = codec.encode(f)
         if same == rr.run_file:
             return
@@ -280,6 +296,7 @@ def _go_on(rr: _RunRecord, rec: Recorded, phases: PhaseStore, run: str) -> None:
         s["index"]: codec.encode(codec.StallFile(codec.VERSION, head.name, s)) for s in rec.stalls
     }
     rr.chunks, rr.chunk, rr.steps = head.phase_chunks, list(rec.last_chunk), head.steps_recorded
+    rr.nodes = dict(head.nodes)
     log_ = phases.log(run)
     if log_ is not rec.phases:  # (a restarted coordinator: reports may have come before this)
         last = rec.phases.exact[-1][0] if rec.phases.exact else -1

@@ -19,8 +19,9 @@ class RecordLink:
         )
 
     def handle(self) -> Any:
-        """Traces are collected by a live coordinator: refused here (409)."""
-        raise Conflict(f"{self.read_only}; collect the traces from save_path instead")
+        """What ``collect_window`` and ``merge_window`` take: the record, whose traces they
+        read from ``save_path`` here."""
+        return self.recorded
 
     async def call(self, method: str, *args: Any, timeout: float = 0.0, **kw: Any) -> Any:
         try:

@@ -445,30 +445,37 @@ class WebServer:
         fn = functools.partial(_archive, self.link, window, role, run)
         return await self._built(request, fn)
 
-    async def _built(
-        self, request: web.Request, build: Callable[..., tuple[str, str]]
-    ) -> web.StreamResponse:
+    async def _built(self, request: web.Request, build: Callable[..., Built]) -> web.StreamResponse:
         """The file ``build(work_dir)`` makes, off the event loop, sent and then removed; at
         most ``EXPENSIVE_AT_ONCE`` at once (429 beyond)."""
         async with self.expensive.one():
             work = tempfile.mkdtemp(prefix="ray-profiler-web-")
             try:
                 loop = asyncio.get_running_loop()
-                path, name = await loop.run_in_executor(None, functools.partial(build, work=work))
-                return await _send_file(request, path, name)
+                built = await loop.run_in_executor(None, functools.partial(build, work=work))
+                return await _send_file(request, *built)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
 
 
-async def _send_file(request: web.Request, path: str, name: str) -> web.StreamResponse:
+Built = tuple[str, str, dict[str, str]]
+"""A download made: its path, its name, and "rank" -> why for each trace left out of it."""
+MISSING_HEADER = "X-Ray-Profiler-Missing"
+"""The header that says, in JSON, which ranks' traces a download left out, and why."""
+
+
+async def _send_file(
+    request: web.Request, path: str, name: str, missing: dict[str, str]
+) -> web.StreamResponse:
     """Stream a gzipped file as a download, a megabyte at a time."""
     loop = asyncio.get_running_loop()
-    response = web.StreamResponse(
-        headers={
-            "Content-Type": "application/gzip",
-            "Content-Disposition": f'attachment; filename="{name}"',
-        }
-    )
+    headers = {
+        "Content-Type": "application/gzip",
+        "Content-Disposition": f'attachment; filename="{name}"',
+    }
+    if missing:  # (header values are one line of ASCII: json.dumps escapes the rest)
+        headers[MISSING_HEADER] = json.dumps(dict(list(missing.items())[:64]))[:4000]
+    response = web.StreamResponse(headers=headers)
     await response.prepare(request)
     with open(path, "rb") as f:
         while chunk := await loop.run_in_executor(None, f.read, 1 << 20):
@@ -477,25 +484,27 @@ async def _send_file(request: web.Request, path: str, name: str) -> web.StreamRe
     return response
 
 
-def _merged(link: CoordinatorLink, window: int, *, work: str, **kw: Any) -> tuple[str, str]:
-    """Merge the window's ranks into one trace in ``work``; its path and name."""
+def _merged(link: CoordinatorLink, window: int, *, work: str, **kw: Any) -> Built:
+    """Merge the window's ranks into one trace in ``work`` (a record's: from ``save_path``,
+    here); its path, name, and the ranks left out."""
     from coordinator.ops.timeline import TooManyRanks, merge_window
 
     name, handle = f"window_{window:04d}.timeline.json.gz", link.handle()
     path = os.path.join(work, name)
     try:
-        merge_window(handle, window, path, wait_s=30, max_ranks=TIMELINE_RANKS, **kw)
+        res = merge_window(handle, window, path, wait_s=30, max_ranks=TIMELINE_RANKS, **kw)
     except TooManyRanks as exc:
         raise TooLarge(str(exc)) from None
     except ValueError as exc:
         raise NotFound(str(exc).strip().splitlines()[-1]) from None
-    return path, name
+    return path, name, {f"window {window} {who}": why for who, why in res["missing"].items()}
 
 
 def _archive(
     link: CoordinatorLink, window: int, role: str | None, run: str | None, *, work: str
-) -> tuple[str, str]:
-    """Collect the window's traces into ``work`` and pack them; the archive's path and name."""
+) -> Built:
+    """Collect the window's traces into ``work`` and pack them (with ``MISSING.txt`` naming
+    each rank whose trace could not be had); the archive's path, name, and those ranks."""
     from coordinator.ops.collect import collect_window
 
     dest, handle = os.path.join(work, f"window_{window:04d}_{role or 'policy'}"), link.handle()
@@ -503,12 +512,16 @@ def _archive(
         res = collect_window(handle, window, dest, run=run, role=role, wait_s=30)
     except ValueError as exc:
         raise NotFound(str(exc).strip().splitlines()[-1]) from None
+    missing = {f"window {window} rank {r}": why for r, why in sorted(res["missing"].items())}
     if not res["files"]:
-        raise NotFound(f"no trace of window {window} could be collected: {res['missing']}")
+        raise NotFound(f"no trace of window {window} could be collected: {missing}")
+    if missing:
+        with open(os.path.join(dest, "MISSING.txt"), "w") as f:
+            f.writelines(f"{who}: {why}\n" for who, why in missing.items())
     path = os.path.join(work, os.path.basename(dest) + ".tar.gz")
     with tarfile.open(path, "w:gz") as tar:
         tar.add(dest, arcname=os.path.basename(dest))
-    return path, os.path.basename(path)
+    return path, os.path.basename(path), missing
 
 
 def serve(
