@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from coordinator.protocol import plan_board
 from worker_ext.agent import node_agent
 from worker_ext.agent.plan_posts import STALE_S, sweep_boards
@@ -39,6 +41,7 @@ def _board(bid: str, age_s: float) -> None:
     _age(path, age_s)
 
 
+@pytest.mark.subprocess  # (a real process that has ended)
 def test_a_board_of_a_run_that_is_over_goes_with_its_acknowledgements(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_PROFILER_PLANS_DIR", str(tmp_path / "plans"))
     gone = _gone_pid()

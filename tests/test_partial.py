@@ -329,7 +329,10 @@ def kernel_totals(agg: WindowAggregate) -> dict[str, float]:
 
 
 def test_a_rank_being_folded_is_refused_and_a_torn_fold_is_never_counted_twice():
-    import pickle
+    import msgspec
+
+    from coordinator.core.aggregate import restored_aggregate, saved_aggregate
+    from coordinator.core.saved import AggregateFile
 
     p = big_partial(1200)
     agg = WindowAggregate(0)
@@ -339,7 +342,8 @@ def test_a_rank_being_folded_is_refused_and_a_torn_fold_is_never_counted_twice()
     assert agg.add(late) is False  # rank 5 is being folded: its summary is a repeat
     # A checkpoint taken now, restored after a restart: the ranks not yet in are marked bad
     # and refused, so a summary sent again cannot count their rows a second time.
-    restored = pickle.loads(pickle.dumps(agg))
+    blob = msgspec.msgpack.encode(saved_aggregate(agg))
+    restored = restored_aggregate(msgspec.msgpack.decode(blob, type=AggregateFile))
     assert 5 in restored.bad_ranks and "restarted while folding" in restored.bad_ranks[5]
     assert restored.add(late) is False
     assert restored.add_partial(fold_summaries("n", [late])) is None

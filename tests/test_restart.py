@@ -150,7 +150,7 @@ def test_the_hooks_reconnect_by_themselves_after_a_restart(
 def test_steps_outside_windows_save_only_the_step_counters(
     ray_session, ray_actors, toy_workers, tmp_path
 ):
-    from coordinator.service import checkpoint
+    from coordinator.service import state_store
 
     ray = ray_session
     hooks = attach(ray_actors, toy_workers(2), tmp_path, wait=1000, warmup=1, active=1, repeat=0)
@@ -163,13 +163,8 @@ def test_steps_outside_windows_save_only_the_step_counters(
     time.sleep(1.5)
     st = ray.get(coord.status.remote())
     assert st["checkpoint"] == saved  # the whole run was not written again for idle steps
-    progress = checkpoint.load(st["namespace"], st["name"], checkpoint.PROGRESS)
-    assert progress == {
-        "version": checkpoint.VERSION,
-        "run": st["run"]["name"],
-        "last_step": 29,
-        "global_step": 29,
-    }
+    progress = state_store.load_progress(st["namespace"], st["name"])
+    assert (progress.run, progress.last_step, progress.global_step) == (st["run"]["name"], 29, 29)
     kill_hard(ray, coord)
     st = ray.get(coord.status.remote())
     assert st["restarts"] == 1 and st["global_step"] == 29

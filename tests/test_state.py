@@ -159,17 +159,40 @@ def test_kernel_summary_of_a_window_no_longer_kept_lists_what_is_kept():
     assert kernel_summary(st, None, 10, None)["window"] == 0
 
 
-def test_a_pending_summary_ends_by_a_later_reply_after_a_checkpoint_restore():
-    import pickle
+def through_the_store(st):
+    """``st`` as a restarted coordinator reads it back: its windows and ranks through the
+    store's codec (``record_codec``, ``state_codec``)."""
+    import collections
 
+    import msgspec
+
+    from coordinator.core import record_codec as codec
+    from coordinator.core import state_codec as sc
+    from coordinator.core.state import CoordinatorState
+
+    back = CoordinatorState(st.max_windows, st.detail_windows, st.straggler_threshold)
+    back.windows = collections.OrderedDict(
+        (i, codec.window_record(codec.decode(codec.encode(codec.window_file("r", w)))))
+        for i, w in st.windows.items()
+    )
+    back.ranks = {
+        k: sc.rank_record(msgspec.msgpack.decode(msgspec.msgpack.encode(sc.rank_file(r)),
+                                                 type=sc.RankFile))
+        for k, r in st.ranks.items()
+    }  # fmt: skip
+    back.trainers, back.stepping_trainer = dict(st.trainers), st.stepping_trainer
+    back.counters, back.global_step = collections.Counter(st.counters), st.global_step
+    return back
+
+
+def test_a_pending_summary_ends_by_a_later_reply_after_a_checkpoint_restore():
     st, keys = state()
     rec = st.open_window(W0, keys)
     st.apply_reply(("t", 0), closed_reply(pending=[0]))
     st.apply_reply(("t", 1), closed_reply())
     st.close_window(rec)
     assert rec.summaries_pending == {("t", 0)}
-    restored = pickle.loads(pickle.dumps(st))
-    restored.__dict__.pop("_awaiting", None)  # as a checkpoint written before it existed
+    restored = through_the_store(st)
     restored.apply_reply(("t", 0), {"state": "ok", "summaries_pending": []})  # lost, not pending
     assert restored.windows[0].summaries_pending == set()
     st.apply_reply(("t", 0), {"state": "ok", "summaries_pending": [0]})  # still being built
@@ -183,8 +206,9 @@ def _fresh(rec, complete):
 
 
 def test_a_window_s_entry_is_built_once_and_rebuilt_whenever_anything_in_it_changes():
-    import pickle
     import random
+
+    from coordinator.core import record_codec as codec
 
     rng = random.Random(7)
     st, keys = state(world=12, selected=tuple(range(12)))
@@ -204,7 +228,7 @@ def test_a_window_s_entry_is_built_once_and_rebuilt_whenever_anything_in_it_chan
             assert rec.to_dict(complete) == cached == _fresh(rec, complete)
     rec.to_dict(True)
     assert "_parts_cache" in rec.__dict__
-    loaded = pickle.loads(pickle.dumps(rec))  # the checkpoint holds no cache
+    loaded = codec.window_record(codec.decode(codec.encode(codec.window_file("r", rec))))
     assert "_parts_cache" not in loaded.__dict__ and loaded.to_dict() == rec.to_dict()
 
 
@@ -239,10 +263,10 @@ def test_a_window_s_entry_follows_summaries_pushed_early_and_stragglers_found_la
 
 
 def test_rank_counts_are_kept_until_a_rank_changes_and_never_checkpointed():
+    from coordinator.core import state_codec as sc
     from coordinator.core.config import ProfilerConfig
     from coordinator.core.run import new_run
     from coordinator.core.state import rank_counts
-    from coordinator.service.checkpoint import without_windows
 
     st, keys = state(world=4, selected=(0, 1, 2))
     assert rank_counts(st) == {"ok": 3, "not_selected": 1}
@@ -255,15 +279,16 @@ def test_rank_counts_are_kept_until_a_rank_changes_and_never_checkpointed():
     assert rank_counts(st)["ok"] == 1
     run = new_run(ProfilerConfig.from_dict({"enable": True, "save_path": "/r"}, False), set())
     run.state = st
-    light = without_windows(run)
-    assert "_rank_counts" not in light.state.__dict__ and "_rank_counts" in st.__dict__
+    assert "_rank_counts" in st.__dict__
+    assert "rank_counts" not in sc.RunState.__struct_fields__  # (made again from the ranks)
+    back = new_run(run.config, set())
+    sc.apply_state(back, sc.run_state(run, 0))
+    assert "_rank_counts" not in back.state.__dict__
 
 
 def test_a_window_s_parts_made_from_a_snapshot_are_kept_only_while_nothing_changed():
     """``status()`` makes a large window's parts from a snapshot off the event loop: the same
     parts as on the loop, kept for later calls unless the window changed meanwhile."""
-    from coordinator.service import window_pieces
-
     st, keys = state(world=12, selected=tuple(range(12)))
     rec = st.open_window(W0, keys)
     for k in keys[:6]:
@@ -271,13 +296,13 @@ def test_a_window_s_parts_made_from_a_snapshot_are_kept_only_while_nothing_chang
     st.close_window(rec)
     for complete in (True, False):
         rec.__dict__.pop("_parts_cache", None)
-        snap = window_pieces.snapshot(rec)
+        snap = rec.snapshot()
         made = snap._role_parts(complete)
         assert not rec.parts_kept(complete)
         rec.keep_parts_of(snap)
         assert rec.parts_kept(complete) and rec.to_dict(complete, made) == _fresh(rec, complete)
     rec.__dict__.pop("_parts_cache", None)
-    snap = window_pieces.snapshot(rec)
+    snap = rec.snapshot()
     stale = snap._role_parts(True)
     st.ingest_summary(keys[7], blob(7, us=3.0))  # the window changes meanwhile
     rec.keep_parts_of(snap)

@@ -21,6 +21,7 @@ import msgspec
 from coordinator.core.device_views import DeviceFigures
 from coordinator.core.partial import rank_part
 from coordinator.core.row_table import RowTable
+from coordinator.core.saved import AggregateFile
 from coordinator.core.steps import Steps, run_steps
 from coordinator.protocol.partial_codec import NS, NodePartial, RankPart
 from coordinator.protocol.summary_codec import (
@@ -117,7 +118,7 @@ class WindowAggregate:
         # Per-rank values for the rank x kernel views, in blocks of ranks (see ``_Block``).
         self._detail: list[_Block] | None = []
         self._folding: set[int] = set()  # ranks of the partial being folded
-        self._torn: set[int] = set()  # see ``__setstate__``
+        self._torn: set[int] = set()  # see ``saved``
 
     @property
     def ranks(self) -> list[int]:
@@ -197,25 +198,6 @@ class WindowAggregate:
         """Forget per-rank values (the running statistics stay)."""
         self._detail = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled (the coordinator's checkpoint) without the per-rank values: they are the
-        bulk of a window at scale, and only the rank x kernel views need them."""
-        state = dict(self.__dict__)
-        state["_detail"] = state["_stragglers"] = None
-        state["_folding"] = set(state.get("_folding", ()))
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """A checkpoint taken while a partial was being folded holds its rows and only some
-        of its ranks: the others are marked bad and refused from then on (their rows are in
-        the table; a summary sent again would count them twice)."""
-        self.__dict__.update(state, _folding=set())
-        self.__dict__.setdefault("gpu", DeviceFigures())  # (a checkpoint from before)
-        self.__dict__.setdefault("rank_steps", {})  # (one from before they were kept)
-        self.__dict__.setdefault("_torn", set()).update(state.get("_folding", ()))
-        for rank in state.get("_folding", ()):
-            self.bad_ranks[rank] = TORN
-
     def per_rank(self, names: list[str]) -> dict[str, dict[int, float]] | None:
         """Self time of each named kernel on each reporting rank, or None once dropped.
 
@@ -265,7 +247,7 @@ class WindowAggregate:
         stragglers found so far (a tuple keyed by the rank count, replaced when found again)."""
         self.step_sums()  # (a checkpoint from before has none)
         snap = WindowAggregate.__new__(WindowAggregate)  # (copy.copy would go through
-        snap.__dict__.update(self.__dict__)  # __setstate__: a restore)
+        snap.__dict__.update(self.__dict__)  # a restore)
         for name in _SNAPSHOT_COPIES:
             setattr(snap, name, copy.copy(getattr(self, name)))
         snap._kernels, snap._memory = self._kernels.copy(), self._memory.copy()
@@ -519,3 +501,42 @@ def _breakdown_row(b: Breakdown) -> dict[str, float]:
     row["overlap_us"] = b.overlap_us
     row["comm_overlap"] = b.overlap_us / b.comm_us if b.comm_us > 0 else 0.0
     return row
+
+
+def saved_aggregate(agg: WindowAggregate, detail: bool = True) -> AggregateFile:
+    """``agg``'s figures as saved (``detail``: the per-rank values too, while kept; they are
+    the bulk of a window at scale, and only the rank x kernel views need them). A partial
+    being folded is saved as far as it got: its rows are in, so its ranks are saved as torn
+    (bad, and refused from then on: a summary of theirs sent again would count twice)."""
+    step_ms_sum, step_ranks = agg.step_sums()
+    folding = set(agg._folding)
+    return AggregateFile(
+        window=agg.window, steps=agg.steps, partial=agg.partial, devices=set(agg.devices),
+        rank_totals=dict(agg.rank_totals), rank_step_ms=dict(agg.rank_step_ms),
+        rank_steps=dict(agg.rank_steps), step_ms_sum=dict(step_ms_sum),
+        step_ranks=dict(step_ranks), rank_dropped=dict(agg.rank_dropped),
+        bad_ranks={**agg.bad_ranks, **dict.fromkeys(folding, TORN)}, duplicates=agg.duplicates,
+        breakdowns=dict(agg.breakdowns), streams=dict(agg.streams),
+        peak_bytes=dict(agg.peak_bytes), kernels=agg._kernels.saved(),
+        memory=agg._memory.saved(), gpu=agg.gpu.saved(),
+        detail=list(agg._detail) if detail and agg._detail is not None else None,
+        torn=agg._torn | folding,
+    )  # fmt: skip
+
+
+def restored_aggregate(f: AggregateFile) -> WindowAggregate:
+    """The aggregate ``saved_aggregate`` made (``SavedError`` for a table that does not add
+    up)."""
+    agg = WindowAggregate(f.window)
+    agg.steps, agg.partial, agg.devices = f.steps, f.partial, set(f.devices)
+    agg.rank_totals, agg.rank_step_ms = dict(f.rank_totals), dict(f.rank_step_ms)
+    agg.rank_steps, agg.rank_dropped = dict(f.rank_steps), dict(f.rank_dropped)
+    agg.step_ms_sum, agg.step_ranks = dict(f.step_ms_sum), dict(f.step_ranks)
+    agg.bad_ranks, agg.duplicates = dict(f.bad_ranks), f.duplicates
+    agg.breakdowns, agg.streams = dict(f.breakdowns), dict(f.streams)
+    agg.peak_bytes = dict(f.peak_bytes)
+    agg._kernels, agg._memory = RowTable.from_saved(f.kernels), RowTable.from_saved(f.memory)
+    agg.gpu = DeviceFigures.from_saved(f.gpu)
+    agg._detail = list(f.detail) if f.detail is not None else None
+    agg._torn = set(f.torn)
+    return agg

@@ -11,6 +11,7 @@ import copy
 from typing import TYPE_CHECKING, Any
 
 from coordinator.core.row_table import RowTable
+from coordinator.core.saved import DeviceFile
 from coordinator.protocol.partial_codec import NS, NodePartial, RankPart
 from coordinator.protocol.summary_codec import LaunchRow, OpRow
 
@@ -32,6 +33,25 @@ class DeviceFigures:
         self.ops = RowTable(NS)  # device time by op (count: calls)
         self.op_cpu = RowTable(NS)  # the same ops' self CPU time
         self.op_kernels: dict[str, dict[str, int]] = {}  # op -> kernel -> device ns
+
+    def saved(self) -> DeviceFile:
+        """The figures as saved."""
+        return DeviceFile(
+            unattributed=dict(self.unattributed), step_device=dict(self.step_device),
+            launch=dict(self.launch), launch_bound=dict(self.launch_bound),
+            ops=self.ops.saved(), op_cpu=self.op_cpu.saved(),
+            op_kernels={op: dict(k) for op, k in self.op_kernels.items()},
+        )  # fmt: skip
+
+    @classmethod
+    def from_saved(cls, f: DeviceFile) -> DeviceFigures:
+        """The figures ``saved`` made."""
+        out = cls()
+        out.unattributed, out.step_device = dict(f.unattributed), dict(f.step_device)
+        out.launch, out.launch_bound = dict(f.launch), dict(f.launch_bound)
+        out.ops, out.op_cpu = RowTable.from_saved(f.ops), RowTable.from_saved(f.op_cpu)
+        out.op_kernels = {op: dict(k) for op, k in f.op_kernels.items()}
+        return out
 
     def copy(self) -> DeviceFigures:
         out = DeviceFigures()

@@ -14,6 +14,12 @@ type, and refuses a file over ``MAX_FILE_BYTES``. Pure: no Ray, no torch, no I/O
   was written (a later window confirmed one);
 - ``phases/NNNNNN.msgpack`` (``PhaseChunk``): per-step phase times, appended in chunks;
 - ``stalls/NNNNNN.msgpack`` (``StallFile``): a stall and its grouped stacks.
+
+The same codec is the coordinator's only persistence, with two back ends: ``save_path``
+(fsspec) for a run that outlives its cluster, and Ray's key-value store for a coordinator Ray
+restarts, which also keeps a run's live parts (``state_codec``: the plan, the ranks, the
+trainers, the window still open). One reader (``service.record_reader.open_record``) restores
+both.
 """
 
 from __future__ import annotations
@@ -22,22 +28,34 @@ from typing import Any, Literal
 
 import msgspec
 
-from coordinator.core.aggregate import WindowAggregate
-from coordinator.core.device_views import DeviceFigures
+from coordinator.core.aggregate import restored_aggregate, saved_aggregate
 from coordinator.core.marks import WindowProfile
 from coordinator.core.records import WindowRecord
-from coordinator.core.row_table import RowTable
 from coordinator.core.run import Run
+from coordinator.core.saved import (
+    AggregateFile,
+    SavedError,
+    WindowSpan,
+)
 from coordinator.core.schedule import Window
 from coordinator.core.state import rank_counts
+from coordinator.core.state_codec import (
+    CoordinatorFile,
+    ProgressFile,
+    RanksChunk,
+    RunState,
+    TrainersFile,
+)
 from coordinator.protocol.replies import AutoTrigger, RegressionEntry, WindowTrace
 from coordinator.protocol.stack_replies import StallEntry
-from coordinator.protocol.summary_codec import LaunchRow, StreamRow
 
 VERSION = 1
 MAX_FILE_BYTES = 512 * 1024 * 1024
 """The largest record file read (a window of 10,000 ranks is a few MB)."""
-Kind = Literal["run", "window", "marks", "phases", "stall"]
+Kind = Literal[
+    "run", "window", "marks", "phases", "stall", "state", "ranks", "trainers", "coordinator",
+    "progress",
+]  # fmt: skip
 
 
 class RecordError(ValueError):
@@ -49,75 +67,6 @@ class _Tag(msgspec.Struct):
 
     kind: str
     version: int
-
-
-BigInt = int | str
-"""An int, or its decimal digits beyond msgpack's 64 bits (a sum of squares of nanoseconds
-over a thousand ranks passes 2**64)."""
-
-
-class RowTableFile(msgspec.Struct):
-    """A ``RowTable``'s running sums (its ``ids`` are its names' positions)."""
-
-    scale: int
-    names: list[str]
-    total: list[BigInt]
-    sumsq: list[BigInt]
-    max: list[float]
-    max_rank: list[int]
-    min_present: list[float]
-    present: list[int]
-    count: list[int]
-
-
-class DeviceFile(msgspec.Struct):
-    """A ``DeviceFigures``: what CUDA ranks add."""
-
-    unattributed: dict[int, float]
-    step_device: dict[int, tuple[tuple[int, float, float], ...]]
-    launch: dict[int, LaunchRow]
-    launch_bound: dict[int, tuple[int, ...]]
-    ops: RowTableFile
-    op_cpu: RowTableFile
-    op_kernels: dict[str, dict[str, int]]
-
-
-Block = tuple[tuple[int, ...], tuple[int, ...] | None, bytes]
-
-
-class AggregateFile(msgspec.Struct):
-    """A ``WindowAggregate``: one trainer's cross-rank figures of a window."""
-
-    window: int
-    steps: tuple[int, int] | None
-    partial: bool
-    devices: set[str]
-    rank_totals: dict[int, float]
-    rank_step_ms: dict[int, float]
-    rank_steps: dict[int, tuple[tuple[int, float], ...]]
-    step_ms_sum: dict[int, float]
-    step_ranks: dict[int, int]
-    rank_dropped: dict[int, tuple[int, float]]
-    bad_ranks: dict[int, str]
-    duplicates: int
-    breakdowns: dict[int, tuple[float, ...]]
-    streams: dict[int, tuple[StreamRow, ...]]
-    peak_bytes: dict[int, int]
-    _kernels: RowTableFile
-    _memory: RowTableFile
-    gpu: DeviceFile
-    _detail: list[Block] | None
-    _torn: set[int]
-
-
-class WindowSpan(msgspec.Struct):
-    """A ``Window``: its index, warm-up and recorded steps, kind."""
-
-    index: int
-    warmup_start: int
-    first: int
-    last: int
-    kind: str
 
 
 Key = tuple[str, int]
@@ -229,7 +178,10 @@ class RunFile(msgspec.Struct, tag="run", tag_field="kind"):
     before it: none)."""
 
 
-RecordFile = RunFile | WindowFile | MarksFile | PhaseChunk | StallFile
+RecordFile = (
+    RunFile | WindowFile | MarksFile | PhaseChunk | StallFile
+    | RunState | RanksChunk | TrainersFile | CoordinatorFile | ProgressFile
+)  # fmt: skip
 _DECODER = msgspec.msgpack.Decoder(RecordFile)
 _TAG = msgspec.msgpack.Decoder(_Tag)
 _ENCODER = msgspec.msgpack.Encoder()
@@ -263,14 +215,9 @@ def decode(blob: bytes, where: str = "a record file") -> RecordFile:
 # ------------------------------------------------------------------ windows
 
 
-_RECORD_CACHES = ("_parts_cache",)
-_AGGREGATE_LEFT_OUT = ("_stragglers", "_folding")
-"""An aggregate's fields not recorded: a cache (made again when asked), and the ranks of a
-partial being folded (none once the window settled)."""
-
-
-def window_file(run: str, rec: WindowRecord) -> WindowFile:
-    """A settled window's file (``rec`` a snapshot: nothing changes it meanwhile)."""
+def window_file(run: str, rec: WindowRecord, detail: bool = True) -> WindowFile:
+    """A window's file (``rec`` a snapshot: nothing changes it meanwhile), every field named;
+    ``detail``: with its per-rank kernel values (a restart's copy in Ray's KV goes without)."""
     traces = [(tid, rank, t) for (tid, rank), t in sorted(rec.traces.items())]
     return WindowFile(
         version=VERSION,
@@ -283,7 +230,7 @@ def window_file(run: str, rec: WindowRecord) -> WindowFile:
         partial=rec.partial,
         closed=rec.closed,
         trace_dirs=dict(rec.trace_dirs),
-        aggregates={t: aggregate_file(a) for t, a in rec.aggregates.items()},
+        aggregates={t: saved_aggregate(a, detail) for t, a in rec.aggregates.items()},
         summaries_pending=set(rec.summaries_pending),
         traces=traces,
         traces_pending=set(rec.traces_pending),
@@ -292,83 +239,49 @@ def window_file(run: str, rec: WindowRecord) -> WindowFile:
         stopped_at=rec.stopped_at,
         cut=rec.cut,
         trigger=rec.trigger,
-        marks=dict(getattr(rec, "marks", {})),
-        profiles=dict(getattr(rec, "profiles", {})),
-        counted_slower=getattr(rec, "counted_slower", False),
-        roles=dict(getattr(rec, "roles", {})),
-        primary=getattr(rec, "primary", None),
-        changes=getattr(rec, "changes", 0),
-        optimizer_steps=dict(getattr(rec, "optimizer_steps", {})),
+        marks=dict(rec.marks),
+        profiles=dict(rec.profiles),
+        counted_slower=rec.counted_slower,
+        roles=dict(rec.roles),
+        primary=rec.primary,
+        changes=rec.changes,
+        optimizer_steps=dict(rec.optimizer_steps),
     )
 
 
 def window_record(f: WindowFile) -> WindowRecord:
-    """The ``WindowRecord`` a window's file holds."""
-    rec = WindowRecord(window=_window(f.window))
-    fields = {name: getattr(f, name) for name in f.__struct_fields__}
-    for name in ("version", "run"):
-        del fields[name]
-    fields.update(
+    """The ``WindowRecord`` a window's file holds; RecordError for figures that do not add
+    up."""
+    try:
+        aggregates = {t: restored_aggregate(a) for t, a in f.aggregates.items()}
+    except SavedError as exc:
+        raise RecordError(str(exc)) from None
+    return WindowRecord(
         window=_window(f.window),
         planned=_window(f.planned) if f.planned is not None else None,
-        aggregates={t: window_aggregate(a) for t, a in f.aggregates.items()},
+        participants=set(f.participants),
+        acked=set(f.acked),
+        steps=f.steps,
+        partial=f.partial,
+        closed=f.closed,
+        trace_dirs=dict(f.trace_dirs),
+        aggregates=aggregates,
+        summaries_pending=set(f.summaries_pending),
         traces={(tid, rank): t for tid, rank, t in f.traces},
+        traces_pending=set(f.traces_pending),
+        threshold=f.threshold,
+        unopened=f.unopened,
+        stopped_at=f.stopped_at,
+        cut=f.cut,
+        trigger=f.trigger,
+        marks=dict(f.marks),
+        profiles=dict(f.profiles),
+        counted_slower=f.counted_slower,
+        roles=dict(f.roles),
+        primary=f.primary,
+        changes=f.changes,
+        optimizer_steps=dict(f.optimizer_steps),
     )
-    rec.__dict__.update(fields)
-    return rec
-
-
-def aggregate_file(agg: WindowAggregate) -> AggregateFile:
-    """An aggregate's figures as recorded (its per-rank values too, while it keeps them)."""
-    agg.step_sums()  # (an aggregate from an older checkpoint has none)
-    f = msgspec.convert(agg, AggregateFile, from_attributes=True)
-    for table in (f._kernels, f._memory, f.gpu.ops, f.gpu.op_cpu):
-        table.total, table.sumsq = _digits(table.total), _digits(table.sumsq)
-    return f
-
-
-_INT64 = 2**63
-
-
-def _digits(xs: list[BigInt]) -> list[BigInt]:
-    """``xs`` with each int msgpack cannot hold as its decimal digits."""
-    return [str(x) if isinstance(x, int) and not -_INT64 <= x < _INT64 else x for x in xs]
-
-
-def _ints(xs: list[BigInt]) -> list[int]:
-    """``_digits`` undone; RecordError for digits that are not an int's."""
-    try:
-        return [x if isinstance(x, int) else int(x, 10) for x in xs]
-    except ValueError:
-        raise RecordError("a table's sum is neither an int nor an int's digits") from None
-
-
-def window_aggregate(f: AggregateFile) -> WindowAggregate:
-    """The ``WindowAggregate`` an aggregate's file holds."""
-    agg = WindowAggregate.__new__(WindowAggregate)
-    state = {name: getattr(f, name) for name in f.__struct_fields__}
-    gpu = DeviceFigures()
-    for name in f.gpu.__struct_fields__:
-        setattr(gpu, name, getattr(f.gpu, name))
-    gpu.ops, gpu.op_cpu = _table(f.gpu.ops), _table(f.gpu.op_cpu)
-    state.update(
-        _kernels=_table(f._kernels),
-        _memory=_table(f._memory),
-        gpu=gpu,
-        _stragglers=None,
-        _folding=set(),
-    )
-    agg.__dict__.update(state)
-    return agg
-
-
-def _table(f: RowTableFile) -> RowTable:
-    table = RowTable(f.scale)
-    for name in f.__struct_fields__:
-        setattr(table, name, list(getattr(f, name)) if name != "scale" else f.scale)
-    table.total, table.sumsq = _ints(f.total), _ints(f.sumsq)
-    table.ids = {name: i for i, name in enumerate(f.names)}
-    return table
 
 
 def _span(w: Window) -> WindowSpan:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,10 +137,26 @@ class WindowRecord:
     optimizer_steps: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled (the checkpoint) and copied without the cache of role parts."""
+        """Copied without the cache of role parts."""
         state = dict(self.__dict__)
         state.pop("_parts_cache", None)
         return state
+
+    @property
+    def settled(self) -> bool:
+        """Closed, with no summary or trace still to come: it can no longer change."""
+        return self.closed and not self.summaries_pending and not self.traces_pending
+
+    def snapshot(self) -> WindowRecord:
+        """A copy that later changes to this window do not reach, to save or read off the event
+        loop: its sets and dicts copied (C-speed), its aggregates snapshot (the values they hold
+        are replaced, never changed in place)."""
+        snap = copy.copy(self)
+        for name, value in vars(snap).items():
+            if isinstance(value, (set, dict)):
+                setattr(snap, name, value.copy())
+        snap.aggregates = {tid: agg.snapshot() for tid, agg in self.aggregates.items()}
+        return snap
 
     def aggregate(self, trainer_id: str) -> WindowAggregate:
         agg = self.aggregates.get(trainer_id)

@@ -8,6 +8,7 @@ from array import array
 from typing import Any
 
 from coordinator.core.partial import Rows, unique_rows
+from coordinator.core.saved import RowTableFile, digits, ints
 from coordinator.protocol.partial_codec import TableRow
 
 
@@ -29,6 +30,26 @@ class RowTable:
         self.min_present: list[float] = []
         self.present: list[int] = []
         self.count: list[int] = []
+
+    def saved(self) -> RowTableFile:
+        """The table as saved (its sums past 64 bits as digits)."""
+        return RowTableFile(
+            scale=self.scale, names=list(self.names), total=digits(self.total),
+            sumsq=digits(self.sumsq), max=list(self.max), max_rank=list(self.max_rank),
+            min_present=list(self.min_present), present=list(self.present),
+            count=list(self.count),
+        )  # fmt: skip
+
+    @classmethod
+    def from_saved(cls, f: RowTableFile) -> RowTable:
+        """The table ``saved`` made (``SavedError`` for a sum that is not an int's digits)."""
+        table = cls(f.scale)
+        table.names, table.total, table.sumsq = list(f.names), ints(f.total), ints(f.sumsq)
+        table.max, table.max_rank = list(f.max), list(f.max_rank)
+        table.min_present, table.present = list(f.min_present), list(f.present)
+        table.count = list(f.count)
+        table.ids = {name: i for i, name in enumerate(f.names)}
+        return table
 
     def copy(self) -> RowTable:
         out = RowTable(self.scale)

@@ -85,6 +85,15 @@ class WindowPlan:
     def started(self) -> bool:
         return self._started
 
+    @property
+    def cursor(self) -> Window | None:
+        """The next scheduled window not yet opened or skipped (saved with the plan)."""
+        return self._cursor
+
+    def restore_cursor(self, cursor: Window | None, started: bool) -> None:
+        """A saved plan's cursor and start put back (a restarted coordinator)."""
+        self._cursor, self._started = cursor, started
+
     def next_window(self) -> Window | None:
         """The next window to open: a capture, or the scheduled one numbered as it would be."""
         sched = self._cursor.renumbered(self.free_index()) if self._cursor else None

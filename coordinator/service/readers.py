@@ -34,7 +34,6 @@ from coordinator.protocol.replies import (
     WaitWindowReply,
     WindowEntry,
 )
-from coordinator.service import window_pieces
 from coordinator.service.node_fanout import NodeFanOut
 from coordinator.service.shell import CoordinatorShell
 
@@ -99,7 +98,7 @@ class Readers:
             },
             "restarts": sh.restarts,
             "last_restart": sh.last_restart_at,
-            "checkpoint": dict(sh.checkpoint.stats),  # type: ignore[typeddict-item]
+            "checkpoint": sh.checkpoint.entry(),  # type: ignore[typeddict-item]
             "record": sh.record_entry(),
             "previous_runs": [_previous(r) for r in sh.previous],
             "auto_capture": sh.auto_capture_entry(),
@@ -137,7 +136,7 @@ class Readers:
         for rec in self.shell.run.state.closed_windows():
             if len(rec.participants) <= CHEAP_RANKS or rec.parts_kept(complete):
                 continue
-            snap = window_pieces.snapshot(rec)
+            snap = rec.snapshot()
             made = await loop.run_in_executor(self.shell.status_parts, snap._role_parts, complete)
             rec.keep_parts_of(snap)
             out[id(rec)] = made

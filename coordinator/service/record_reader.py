@@ -1,6 +1,9 @@
 """A run's record read back (``coordinator.core.record_codec``): the run the coordinator
-kept, rebuilt: its windows with their aggregates, its phase log, its stalls. No Ray: the CLI's
-``--from`` reads records with it, and a new coordinator restores a run from it.
+kept, rebuilt: its windows with their aggregates, its phase log, its stalls. The one reader of
+the coordinator's one store, whatever its back end: the CLI's ``--from`` and a new cluster
+going on with a lost one's run read ``save_path`` with it (no Ray), and a coordinator Ray
+restarted reads its state in Ray's key-value store with it, where a run's live parts
+(``state_codec``: plan, ranks, trainers) make the run whole again.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from coordinator.core import record_codec as codec
+from coordinator.core import state_codec as sc
 from coordinator.core import storage
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.phases import PhaseLog
@@ -75,23 +79,44 @@ MAX_PROBLEMS = 20
 """Problems listed one by one; the rest are counted in one line."""
 
 
-def open_record(url: str, storage_options: dict[str, Any] | None = None) -> Recorded:
-    """Read the record at ``url`` (see ``locate``); ValueError for one that cannot be read.
-    A window or chunk file that cannot be read is left out and named in ``problems``.
+class Source(Protocol):
+    """What the reader reads: a ``RecordStore`` (local or fsspec) or a ``KVStore``."""
+
+    url: str
+    options: dict[str, Any]
+
+    def get(self, rel: str, limit: int) -> bytes | None: ...
+    def exists(self, rel: str) -> bool: ...
+    def names(self, sub: str) -> list[str]: ...
+
+
+def open_record(url: str | Source, storage_options: dict[str, Any] | None = None) -> Recorded:
+    """Read the record at ``url`` (see ``locate``; or a store); ValueError for one that cannot
+    be read. A window or chunk file that cannot be read is left out and named in ``problems``.
+    Where the run's live parts are (``state.msgpack``: Ray's key-value store), the run is
+    rebuilt from them whole: its plan, counters, every window it kept, ranks and trainers.
 
     The run's file is not trusted for how many files to look for: each directory is listed
     once, only the files it names that are there are read, and those it names that are not
     are said in one problem per directory (a run file claiming a million windows costs one
     listing, not a million look-ups)."""
-    store = RecordStore(url, storage_options)
+    store = RecordStore(url, storage_options) if isinstance(url, str) else url
     head = _read(store, "run.msgpack")
     if head is None:
-        raise ValueError(f"no run record at {url} (no run.msgpack)")
+        raise ValueError(f"no run record at {store.url} (no run.msgpack)")
     if not isinstance(head, codec.RunFile):
-        raise ValueError(f"{url}/run.msgpack: a {type(head).__name__}, not the run's file")
+        raise ValueError(f"{store.url}/run.msgpack: a {type(head).__name__}, not the run's file")
     problems: list[str] = []
-    run = _run(head, problems)
-    for index in _present(store, "windows", head.windows, problems):
+    live = (
+        _part(store, "state.msgpack", sc.RunState, problems)
+        if store.exists("state.msgpack")
+        else None
+    )
+    run = _run(head, problems if live is None else [])
+    if live is not None:  # (Ray's key-value store: the run made whole again)
+        sc.apply_state(run, live)
+        _live_parts(store, run, live.rank_chunks, problems)
+    for index in _present(store, "windows", live.windows if live else head.windows, problems):
         w = _part(store, f"windows/{index:06d}.msgpack", codec.WindowFile, problems)
         if w is not None:
             run.state.windows[index] = codec.window_record(w)
@@ -113,10 +138,10 @@ def open_record(url: str, storage_options: dict[str, Any] | None = None) -> Reco
         s = _part(store, f"stalls/{index:06d}.msgpack", codec.StallFile, problems)
         if s is not None:
             stalls.append(s.stall)
-    return Recorded(url, head, run, phases, stalls, _bounded(problems), last_chunk)
+    return Recorded(store.url, head, run, phases, stalls, _bounded(problems), last_chunk)
 
 
-def _present(store: RecordStore, sub: str, named: Iterable[int], problems: list[str]) -> list[int]:
+def _present(store: Source, sub: str, named: Iterable[int], problems: list[str]) -> list[int]:
     """The numbers of ``named`` whose file ``sub/NNNNNN.msgpack`` is there (one listing);
     those that are not, said in one problem."""
     there = set()
@@ -147,12 +172,36 @@ def _bounded(problems: list[str]) -> list[str]:
     return [*problems[:MAX_PROBLEMS], f"... and {len(problems) - MAX_PROBLEMS} more problems"]
 
 
-def _read(store: RecordStore, rel: str) -> codec.RecordFile | None:
+def _live_parts(store: Source, run: Run, chunks: int, problems: list[str]) -> None:
+    """A run's rank records and trainers (with their actor handles) from Ray's key-value
+    store; both or neither (they must match)."""
+    ranks = {}
+    for n in range(chunks):
+        chunk = _part(store, f"ranks/{n:06d}.msgpack", sc.RanksChunk, problems)
+        if chunk is None:
+            return
+        ranks.update({(f.trainer_id, f.rank): sc.rank_record(f) for f in chunk.ranks})
+    trainers = {}
+    if store.exists("trainers.msgpack"):
+        got = _part(store, "trainers.msgpack", sc.TrainersFile, problems)
+        if got is None:
+            return
+        from coordinator.raylink.handles import load_handle
+
+        try:
+            trainers = {t.trainer_id: sc.trainer_record(t, load_handle) for t in got.trainers}
+        except Exception as exc:  # (a handle Ray cannot read back)
+            problems.append(f"{store.url}/trainers.msgpack: {type(exc).__name__}: {exc}")
+            return
+    run.state.ranks, run.state.trainers = ranks, trainers
+
+
+def _read(store: Source, rel: str) -> codec.RecordFile | None:
     blob = store.get(rel, codec.MAX_FILE_BYTES)
     return None if blob is None else codec.decode(blob, f"{store.url}/{rel}")
 
 
-def _part(store: RecordStore, rel: str, kind: type[Any], problems: list[str]) -> Any:
+def _part(store: Source, rel: str, kind: type[Any], problems: list[str]) -> Any:
     """File ``rel`` of type ``kind``, or None with why in ``problems``."""
     try:
         got = _read(store, rel)

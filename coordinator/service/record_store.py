@@ -61,6 +61,17 @@ class RecordStore:
                 return f.read()
         return bytes(fs.cat_file(path))
 
+    def delete(self, rel: str) -> None:
+        """Remove ``rel``; nothing when it is not there."""
+        fs, path = self._where(rel)
+        try:
+            if fs is None:
+                os.unlink(path)
+            else:
+                fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+
     def exists(self, rel: str) -> bool:
         fs, path = self._where(rel)
         return os.path.exists(path) if fs is None else bool(fs.exists(path))

@@ -19,9 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-from coordinator.service.record_store import RecordStore
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 MAX_PENDING_FILES = 4096
@@ -29,8 +27,21 @@ MAX_PENDING_FILES = 4096
 long time must not take the coordinator's memory with it."""
 RETRY_MAX_S = 60.0
 
-Blob = Callable[[], bytes]
-"""A file's bytes, made on the writer's thread (encoding a large window takes milliseconds)."""
+Blob = Callable[[], bytes | None]
+"""A file's bytes, made on the writer's thread (encoding a large window takes milliseconds);
+None removes the file."""
+
+
+class Store(Protocol):
+    """A back end of the store: a record directory (``RecordStore``: local or fsspec) or
+    Ray's key-value store (``KVStore``)."""
+
+    url: str
+
+    def put(self, rel: str, blob: bytes) -> None: ...
+    def delete(self, rel: str) -> None: ...
+
+
 Key = tuple[str, str]  # (the store's url, the file's name in it)
 
 
@@ -38,7 +49,7 @@ Key = tuple[str, str]  # (the store's url, the file's name in it)
 class _Pending:
     """One file waiting to be written, and how its tries have gone."""
 
-    store: RecordStore
+    store: Store
     blob: Blob
     on_written: Callable[[], None] | None
     failures: int = 0  # in a row
@@ -61,7 +72,7 @@ class RecordWrites:
 
     def queue(
         self,
-        store: RecordStore,
+        store: Store,
         rel: str,
         blob: Blob,
         on_written: Callable[[], None] | None = None,
@@ -107,7 +118,10 @@ class RecordWrites:
             key, entry = due
             try:
                 data = entry.blob()
-                entry.store.put(key[1], data)
+                if data is None:
+                    entry.store.delete(key[1])
+                else:
+                    entry.store.put(key[1], data)
             except Exception as exc:
                 self._failed(key, entry, exc)
                 continue
@@ -119,7 +133,7 @@ class RecordWrites:
                     if newer is not None:
                         newer.failures, newer.retry_at, newer.error = 0, 0.0, None
                 self._stats["files"] += 1
-                self._stats["bytes"] += len(data)
+                self._stats["bytes"] += len(data or b"")
                 self._stats["at"] = time.time()
             if entry.on_written is not None:
                 try:

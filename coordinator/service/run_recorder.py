@@ -35,8 +35,6 @@ from coordinator.core.records import WindowRecord
 from coordinator.core.run import Run
 from coordinator.protocol.replies import RecordEntry
 from coordinator.raylink.node_names import node_names
-from coordinator.service import window_pieces
-from coordinator.service.checkpoint import settled
 from coordinator.service.phase_store import PhaseStore
 from coordinator.service.record_reader import Recorded, open_record
 from coordinator.service.record_store import RecordStore, record_url
@@ -129,7 +127,7 @@ class RunRecorder:
                 self._stalls(run, rr)
             self._run_file(run, rr)
             ended = run.lifecycle in ("stopped", "abandoned")
-            rr.finished = ended and all(settled(r) for r in run.state.windows.values())
+            rr.finished = ended and all(r.settled for r in run.state.windows.values())
         self.writes.kick()  # (a retry that is due)
 
     async def _record_of(self, run: Run) -> _RunRecord | None:
@@ -150,7 +148,7 @@ class RunRecorder:
 
     @staticmethod
     def _due(rr: _RunRecord, rec: WindowRecord) -> bool:
-        return rec.window.index not in rr.windows and settled(rec)
+        return rec.window.index not in rr.windows and rec.settled
 
     def _windows(self, run: Run, rr: _RunRecord) -> None:
         for index, rec in run.state.windows.items():
@@ -310,7 +308,7 @@ def _go_on(rr: _RunRecord, rec: Recorded, phases: PhaseStore, run: str) -> None:
 
 def _snapshot(rec: WindowRecord) -> WindowRecord:
     """A copy of a settled window the writer's thread can encode while the loop goes on."""
-    snap = window_pieces.snapshot(rec)
+    snap = rec.snapshot()
     for name, empty in (("marks", {}), ("profiles", {}), ("trigger", None)):
         setattr(snap, name, copy.deepcopy(getattr(rec, name, empty)))
     return snap

@@ -24,6 +24,7 @@ import ray
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.run import Run, new_run
 from coordinator.core.stall_watch import StallWatch
+from coordinator.core.state_codec import ProgressFile
 from coordinator.protocol.replies import (
     AttachProblemEntry,
     AutoCaptureEntry,
@@ -35,7 +36,7 @@ from coordinator.protocol.replies import (
     StepReply,
 )
 from coordinator.raylink.handle_stubs import install_handle_stubs
-from coordinator.service import checkpoint
+from coordinator.service import state_store
 from coordinator.service.loop_watch import LoopWatch
 from coordinator.service.metrics import CoordinatorMetrics
 from coordinator.service.node_fanout import NodeFanOut
@@ -96,7 +97,7 @@ class CoordinatorShell:
         self.restarts = 0
         self.last_restart_at: float | None = None
         self.recovering = False  # restored with a window open: stop it on the ranks first
-        self.checkpoint = checkpoint.Checkpointer(namespace, name)
+        self.checkpoint = state_store.StateSaver(namespace, name)
         self._dirty = False
         self._progress_dirty = False  # only the step counters moved since the last save
         self._flusher: asyncio.Task[None] | None = None
@@ -157,29 +158,32 @@ class CoordinatorShell:
     # ------------------------------------------------------------ surviving a restart
 
     def _restore(self) -> None:
-        """After Ray restarts this actor, pick the state up from the last checkpoint; a
-        coordinator created anew (not restarted) forgets any older one of its name."""
+        """After Ray restarts this actor, pick the state up from where it was saved (Ray's
+        key-value store, read by the record's one reader); a coordinator created anew (not
+        restarted) forgets any older one of its name."""
         try:
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         except Exception:
             restarted = False
         if not restarted:
-            checkpoint.delete(self.namespace, self.name)
+            state_store.delete(self.namespace, self.name)
             return
-        loaded = checkpoint.load_runs(self.namespace, self.name)
+        loaded = state_store.load_runs(self.namespace, self.name)
         self.restarts = (loaded[1] if loaded else {}).get("restarts", 0) + 1
         self.last_restart_at = time.time()
-        if loaded is None:
+        if not loaded or not loaded[0]:
             log.warning("coordinator %s restarted without a checkpoint", self.name)
             return
-        runs, saved = loaded
+        recs, saved = loaded
+        for rec in recs:
+            if rec.problems:
+                log.warning("run %s restored without: %s", rec.run.name, "; ".join(rec.problems))
+        runs = [rec.run for rec in recs]
         self.run = runs[0]
         self.previous = collections.deque(runs[1:], maxlen=PREVIOUS_RUNS)
         self.checkpoint.loaded(runs)
-        self._restore_progress(checkpoint.load(self.namespace, self.name, checkpoint.PROGRESS))
+        self._restore_progress(state_store.load_progress(self.namespace, self.name))
         self.throttled = saved["throttled"]
-        if self.run.detector is not None:
-            self.run.detector.forget_clock()  # its times came from the old process's clock
         self.recovering = self.run.plan.current is not None
         log.warning(
             "coordinator %s restarted (restart %d): run %s at global step %s restored",
@@ -189,14 +193,14 @@ class CoordinatorShell:
             self.run.state.global_step,
         )
 
-    def _restore_progress(self, progress: dict[str, Any] | None) -> None:
-        """Steps outside windows saved after the last full checkpoint of the same run."""
+    def _restore_progress(self, progress: ProgressFile | None) -> None:
+        """Steps outside windows saved after the last full save of the same run."""
         plan, st = self.run.plan, self.run.state
-        if not progress or progress.get("run") != self.run.name:
+        if progress is None or progress.run != self.run.name:
             return
-        last, step = progress.get("last_step"), progress.get("global_step")
-        if isinstance(last, int) and (plan.last_step is None or last > plan.last_step):
-            plan.last_step, st.global_step = last, step if isinstance(step, int) else last
+        last, step = progress.last_step, progress.global_step
+        if last is not None and (plan.last_step is None or last > plan.last_step):
+            plan.last_step, st.global_step = last, step if step is not None else last
 
     async def recover(self) -> None:
         """A window was open when the coordinator died: stop it as partial on every rank that
@@ -249,13 +253,8 @@ class CoordinatorShell:
                 self.save(force=True)
             elif self._progress_dirty:
                 self._progress_dirty = False
-                self.checkpoint.save_progress(
-                    {
-                        "run": self.run.name,
-                        "last_step": self.run.plan.last_step,
-                        "global_step": self.run.state.global_step,
-                    }
-                )
+                run = self.run
+                self.checkpoint.save_progress(run.name, run.plan.last_step, run.state.global_step)
 
     # ------------------------------------------------------------ helpers
 

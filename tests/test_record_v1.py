@@ -1,0 +1,59 @@
+"""A run's record written by the code of 2026-12-06, before the one store (version 1,
+``tests/data/record-v1``, made from the two real GPU ranks), read by today's reader: the same
+tables, window entries, stalls and phase times the old reader gave
+(``tests/data/record-v1-expected.json``), and the same bytes' meaning when written again."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import msgspec
+
+from coordinator.core import record_codec as codec
+from coordinator.core.saved import AggregateFile, DeviceFile, RowTableFile
+from coordinator.ops.recorded import RecordedCoordinator, call, open_record
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+RECORD = os.path.join(DATA, "record-v1")
+
+
+def plain(obj):
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+def test_a_version_1_record_reads_with_the_old_reader_s_answers():
+    with open(os.path.join(DATA, "record-v1-expected.json")) as f:
+        want = json.load(f)
+    h = RecordedCoordinator(open_record(RECORD))
+    assert h.rec.problems == want["problems"] == []
+    st = call(h, "status")
+    got = {
+        "kernel_summary": call(h, "kernel_summary", 4, 100000, None, True),
+        "by_op": call(h, "kernel_summary", 4, 50, None, False, None, None, "op"),
+        "windows": st["windows"],
+        "stalls": st["stalls"],
+        "run": st["run"],
+        "counters": st["counters"],
+        "phases": call(h, "phase_times", last=50),
+    }
+    for key, value in got.items():
+        assert plain(value) == want[key], key
+    assert got["kernel_summary"]["device"] == "cuda" and len(got["windows"]) == 1
+
+
+def test_its_window_written_again_is_the_same_file_under_the_declared_names():
+    """The names on disk are the structs' declared ones (``_kernels`` for
+    ``AggregateFile.kernels``): a window read back and written again is the file it was."""
+    with open(os.path.join(RECORD, "windows", "000004.msgpack"), "rb") as f:
+        blob = f.read()
+    old = codec.decode(blob)
+    again = codec.window_file(old.run, codec.window_record(old))
+    assert codec.decode(codec.encode(again)) == old
+    raw = msgspec.msgpack.decode(blob)
+    agg = raw["aggregates"]["policy"]
+    assert set(agg) == set(AggregateFile.__struct_encode_fields__)
+    assert {"_kernels", "_memory", "_detail", "_torn"} <= set(agg)
+    assert set(agg["gpu"]) == set(DeviceFile.__struct_encode_fields__)
+    assert set(agg["_kernels"]) == set(RowTableFile.__struct_encode_fields__)
+    assert set(raw) == set(codec.WindowFile.__struct_encode_fields__) | {"kind"}
