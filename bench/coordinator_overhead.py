@@ -15,7 +15,6 @@ Run: .venv/bin/python bench/coordinator_overhead.py [--ranks 2 4 8] [--steps 200
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import random
 import statistics
@@ -30,11 +29,9 @@ from coordinator import ProfilerConfig, get_or_create_coordinator
 from coordinator.client.phase_clock import PhaseClock, Region
 from coordinator.client.step_client import StepClient
 from coordinator.core.records import RankRecord
-from coordinator.core.run import new_run
 from coordinator.core.schedule import Window
 from coordinator.core.state import CoordinatorState, kernel_summary
 from coordinator.protocol.summary_codec import KernelRow, RankSummary, encode_summary
-from coordinator.service import checkpoint
 from worker_ext import ProfilerWorkerMixin
 
 
@@ -225,37 +222,6 @@ def bench_aggregation(ranks: int, kernels: int, top: int) -> dict[str, float]:
         t0 = time.perf_counter()
         table = kernel_summary(st, None, top, None)
         queries.append(time.perf_counter() - t0)
-    # What a checkpoint of this window costs (the coordinator pickles its runs into Ray's KV).
-    import ray.cloudpickle as cloudpickle
-
-    t0 = time.perf_counter()
-    blob = cloudpickle.dumps(st)
-    pickle_s = time.perf_counter() - t0
-    # A full history (max_windows of them, settled): the whole run pickled at once, as the
-    # checkpoint did before it was incremental, against what an incremental write pickles on
-    # the event loop once those windows are stored (the runs' record), in the same process.
-    history = ProfilerConfig().max_windows
-    for i in range(1, history):
-        st.windows[i] = copy.deepcopy(rec)
-        st.windows[i].window = Window(i, 9, 10, 12)
-    run = new_run(ProfilerConfig(), set())
-    run.state = st
-    t0 = time.perf_counter()
-    full = cloudpickle.dumps(run)
-    full_s = time.perf_counter() - t0
-    ckpt = checkpoint.Checkpointer("bench", "bench")
-    ckpt.saved_windows = {(run.name, i) for i in st.windows}  # already written once each
-    ckpt.saved_ranks = {run.name: (st.ranks_version, st.counters["registrations"])}  # and these
-    incremental = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        writes, snapshot, windows = ckpt._snapshot([run])
-        record = checkpoint._dumps({"version": checkpoint.VERSION, "runs": snapshot})
-        incremental.append(time.perf_counter() - t0)
-    assert writes == [] and windows == []
-    progress = cloudpickle.dumps(
-        {"version": 1, "run": "run", "last_step": 10**6, "global_step": 10**6}
-    )
     assert len(table["ranks"]) == ranks and len(table["kernels"]) == top
     return {
         "ingest_ms_per_rank": ingest * 1e3,
@@ -263,14 +229,6 @@ def bench_aggregation(ranks: int, kernels: int, top: int) -> dict[str, float]:
         "retained_mb": retained / 2**20,
         "peak_mb": (peak - before) / 2**20,
         "payload_kb_per_rank": statistics.mean(len(b) for b in blobs) / 1024,
-        "checkpoint_mb": len(blob) / 2**20,
-        "checkpoint_ms": pickle_s * 1e3,
-        "history_windows": history,
-        "history_mb": len(full) / 2**20,
-        "history_ms": full_s * 1e3,
-        "incremental_kb": len(record) / 1024,
-        "incremental_ms": statistics.median(incremental) * 1e3,
-        "progress_bytes": len(progress),
     }
 
 
@@ -314,17 +272,8 @@ def main() -> None:
         f"ingest {agg['ingest_ms_per_rank']:.2f} ms/rank "
         f"({agg['payload_kb_per_rank']:.0f} KB msgpack each), "
         f"top-20 query {agg['query_ms']:.2f} ms, retained {agg['retained_mb']:.2f} MB "
-        f"(peak {agg['peak_mb']:.1f} MB while ingesting); its checkpoint "
-        f"{agg['checkpoint_mb']:.2f} MB, pickled in {agg['checkpoint_ms']:.0f} ms"
-    )
-    print(
-        f"checkpoint with a full history of {agg['history_windows']} such windows, on the "
-        f"event loop: the whole run {agg['history_mb']:.1f} MB / {agg['history_ms']:.0f} ms "
-        f"(before); incremental {agg['incremental_kb']:.1f} KB / "
-        f"{agg['incremental_ms']:.1f} ms per write "
-        f"({agg['incremental_ms'] / agg['history_ms']:.3f}x); a window is pickled once, when "
-        f"it settles ({agg['checkpoint_mb']:.2f} MB / {agg['checkpoint_ms']:.0f} ms); a step "
-        f"outside windows writes {agg['progress_bytes']} bytes"
+        f"(peak {agg['peak_mb']:.1f} MB while ingesting); its store's cost: "
+        f"bench/state_store_cost.py"
     )
 
 

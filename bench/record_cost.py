@@ -8,7 +8,8 @@ ranks), with each rank's trace recorded. Reported, against baselines measured in
 - the window's record file: bytes, and bytes per rank, against the bytes of the node partials
   the coordinator received for it (what the window cost the network already);
 - encoding it (the record writer's thread) and reading it back into the window (``--from``),
-  against pickling the same window for the checkpoint (``window_pieces``, in one go);
+  against pickling the same window (what the coordinator's checkpoint did before the one
+  store; ``bench/state_store_cost.py`` measures the store's own files);
 - a phase chunk of 1,000 steps with 4 regions.
 
 Run: .venv/bin/python bench/record_cost.py [--ranks 1024]
@@ -39,7 +40,6 @@ from coordinator.protocol.summary_codec import (  # noqa: E402
     decode_summary,
     encode_summary,
 )
-from coordinator.service import window_pieces  # noqa: E402
 from worker_ext.agent.trace_reader import read_trace  # noqa: E402
 from worker_ext.agent.trace_summary import summarise  # noqa: E402
 
@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=1024)
     args = ap.parse_args()
     rec, received = window(args.ranks)
-    snap = window_pieces.snapshot(rec)
+    snap = rec.snapshot()
     enc_ms, blob = timed(lambda: codec.encode(codec.window_file("job", snap)))
     assert isinstance(blob, bytes)
     dec_ms, _ = timed(lambda: codec.window_record(codec.decode(blob)))  # type: ignore[arg-type]
@@ -120,7 +120,7 @@ def main() -> None:
     print(f"  record file        {len(blob) / 1e6:8.2f} MB  ({len(blob) / args.ranks:,.0f} B/rank)")
     print(f"  received partials  {received / 1e6:8.2f} MB  -> record/received = "
           f"{len(blob) / received:.2f}x")  # fmt: skip
-    print(f"  checkpoint pickle  {len(pickled) / 1e6:8.2f} MB  -> record/pickle = "
+    print(f"  pickled            {len(pickled) / 1e6:8.2f} MB  -> record/pickle = "
           f"{len(blob) / len(pickled):.2f}x")  # fmt: skip
     print(f"  encode {enc_ms:.1f} ms, read back {dec_ms:.1f} ms; pickle {pk_ms:.1f} ms -> "
           f"encode/pickle = {enc_ms / pk_ms:.2f}x")  # fmt: skip
