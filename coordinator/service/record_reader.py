@@ -120,8 +120,9 @@ def open_record(url: str | Source, storage_options: dict[str, Any] | None = None
         w = _part(store, f"windows/{index:06d}.msgpack", codec.WindowFile, problems)
         if w is not None:
             run.state.windows[index] = codec.window_record(w)
-    for name in store.names("marks")[: len(run.state.windows)]:  # (marks of windows read)
-        m = _part(store, f"marks/{name}", codec.MarksFile, problems)
+    marked = _present(store, "marks", list(run.state.windows), [])  # (of the windows read)
+    for index in marked:
+        m = _part(store, f"marks/{index:06d}.msgpack", codec.MarksFile, problems)
         rec = run.state.windows.get(m.window) if m is not None else None
         if m is not None and rec is not None:
             rec.marks, rec.counted_slower = m.marks, m.counted_slower
