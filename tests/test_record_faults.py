@@ -238,3 +238,21 @@ def test_a_listing_s_odd_names_are_passed_over(tmp_path, name):
     problems: list[str] = []
     found = record_reader._present(store, "windows", [1], problems)
     assert found == ([1] if name in ("000001.msgpack", "1.msgpack") else [])
+
+
+def test_marks_are_read_for_the_windows_read_and_no_others(tmp_path, monkeypatch):
+    url = write_record(tmp_path)
+    store = RecordStore(url)
+    for index in (0, 7):  # (window 7 was never recorded)
+        marks = codec.MarksFile(codec.VERSION, "r", index, {}, counted_slower=True)
+        store.put(f"marks/{index:06d}.msgpack", codec.encode(marks))
+    reads, real = [], RecordStore.get
+
+    def get(self, rel, limit):
+        reads.append(rel)
+        return real(self, rel, limit)
+
+    monkeypatch.setattr(RecordStore, "get", get)
+    got = record_reader.open_record(url)
+    assert got.run.state.windows[0].counted_slower is True and got.problems == []
+    assert "marks/000000.msgpack" in reads and "marks/000007.msgpack" not in reads
