@@ -57,3 +57,35 @@ def test_its_window_written_again_is_the_same_file_under_the_declared_names():
     assert set(agg["gpu"]) == set(DeviceFile.__struct_encode_fields__)
     assert set(agg["_kernels"]) == set(RowTableFile.__struct_encode_fields__)
     assert set(raw) == set(codec.WindowFile.__struct_encode_fields__) | {"kind"}
+
+
+def test_renaming_a_private_field_changes_no_byte_on_disk():
+    """``aggregate.py`` loaded with three private attributes renamed (as a refactor would)
+    saves the same bytes for the same summaries: the format is the declared structs', never
+    an attribute's name."""
+    import pathlib
+    import re
+    import sys
+    import types
+
+    from coordinator.core import aggregate
+    from tests.test_run_record import gpu_window
+
+    src = pathlib.Path(aggregate.__file__).read_text()
+    renamed = src
+    for old, new in (("_torn", "_ranks_torn"), ("_memory", "_alloc_table"), ("_detail", "_cells")):
+        renamed = re.sub(rf"\b{old}\b", new, renamed)
+    assert renamed.count("_ranks_torn") >= 4 and "_torn" not in renamed.replace("_ranks_torn", "")
+    mod = types.ModuleType("renamed_aggregate")
+    sys.modules[mod.__name__] = mod
+    try:
+        exec(compile(renamed, "renamed_aggregate.py", "exec"), mod.__dict__)
+        window = gpu_window()
+        original = window.aggregates["policy"]
+        copy = mod.restored_aggregate(aggregate.saved_aggregate(original))  # (same figures)
+        assert "_ranks_torn" in vars(copy) and "_torn" not in vars(copy)
+        assert msgspec.msgpack.encode(mod.saved_aggregate(copy)) == msgspec.msgpack.encode(
+            aggregate.saved_aggregate(original)
+        )
+    finally:
+        del sys.modules[mod.__name__]
