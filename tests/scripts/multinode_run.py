@@ -19,7 +19,8 @@ from ray.cluster_utils import Cluster
 
 from coordinator import get_or_create_coordinator
 from coordinator.ops.collect import collect_window
-from coordinator.ops.timeline import _node_names, merge_window
+from coordinator.ops.timeline import merge_window
+from coordinator.raylink.node_names import node_names
 from tests.configs import join_cluster, profiler_config
 from tests.fault_cases import wait_for_windows
 from tests.ray_workers import ToyWorker
@@ -167,7 +168,7 @@ def main(endpoint: str) -> None:
         out = {
             "distinct_nodes": len(set(nodes)),
             "nodes": nodes,
-            "node_addresses": _node_names(),
+            "node_addresses": node_names(),
             "uploaded": uploaded,
             "s3_trace_errors": [w["trace_errors"] for w in s3_st["windows"]],
             "s3_record": s3_record,
