@@ -176,8 +176,7 @@ def through_the_store(st):
         for i, w in st.windows.items()
     )
     back.ranks = {
-        k: sc.rank_record(msgspec.msgpack.decode(msgspec.msgpack.encode(sc.rank_file(r)),
-                                                 type=sc.RankFile))
+        k: sc.rank_record(msgspec.msgpack.decode(msgspec.msgpack.encode(r), type=sc.RankFile))
         for k, r in st.ranks.items()
     }  # fmt: skip
     back.trainers, back.stepping_trainer = dict(st.trainers), st.stepping_trainer

@@ -43,6 +43,7 @@ from coordinator.core.state_codec import (
     CoordinatorFile,
     ProgressFile,
     RanksChunk,
+    RanksChunkOut,
     RunState,
     TrainersFile,
 )
@@ -187,7 +188,7 @@ _TAG = msgspec.msgpack.Decoder(_Tag)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-def encode(item: RecordFile) -> bytes:
+def encode(item: RecordFile | RanksChunkOut) -> bytes:
     """One record file's bytes."""
     return _ENCODER.encode(item)
 
@@ -303,8 +304,10 @@ def run_file(
     stalls: list[int],
     now: float,
     nodes: dict[str, str] | None = None,
+    config: dict[str, Any] | None = None,
 ) -> RunFile:
-    """The run's file (its config with secrets redacted, as ``status()`` shows it)."""
+    """The run's file (its config with secrets redacted, as ``status()`` shows it; ``config``:
+    that ``public_dict()`` when the caller has it)."""
     st = run.state
     trainers = [
         TrainerFile(t.trainer_id, t.role, list(t.ranks), t.run_dir) for t in st.trainers.values()
@@ -312,7 +315,7 @@ def run_file(
     return RunFile(
         version=VERSION,
         name=run.name,
-        config=run.config.public_dict(),
+        config=config if config is not None else run.config.public_dict(),
         run_dir=run.run_dir,
         lifecycle=run.lifecycle,
         created_at=run.created_at,

@@ -117,12 +117,23 @@ class RankFile(msgspec.Struct):
 
 
 class RanksChunk(msgspec.Struct, tag="ranks", tag_field="kind"):
-    """Rank records ``n * RANK_CHUNK`` onwards."""
+    """Rank records ``n * RANK_CHUNK`` onwards, as read (``RankFile``: its dicts as they are)."""
 
     version: int
     run: str
     n: int
     ranks: list[RankFile]
+
+
+class RanksChunkOut(msgspec.Struct, tag="ranks", tag_field="kind"):
+    """``RanksChunk`` as written: ``RankRecord`` is a dataclass of declared public fields, the
+    same names as ``RankFile``'s, which msgspec encodes in C (a Python call per record cost
+    1.3 ms per 1,024 of the event loop's time)."""
+
+    version: int
+    run: str
+    n: int
+    ranks: list[RankRecord]
 
 
 class LiveTrainer(msgspec.Struct):
@@ -218,12 +229,13 @@ def restore_detector(d: SlowdownDetector, f: DetectorFile) -> None:
     d.captures, d.last_trigger, d.backoff_until = f.captures, f.last_trigger, f.backoff_until
 
 
-def run_state(run: Run, rank_chunks: int) -> RunState:
-    """``run``'s live parts (its config whole: for Ray's key-value store only)."""
+def run_state(run: Run, rank_chunks: int, config: dict[str, Any] | None = None) -> RunState:
+    """``run``'s live parts (its config whole: for Ray's key-value store only; ``config``: its
+    ``to_dict()`` when the caller has it)."""
     return RunState(
         version=STATE_VERSION,
         name=run.name,
-        config=run.config.to_dict(),
+        config=config if config is not None else run.config.to_dict(),
         plan=plan_file(run.plan),
         detector=detector_file(run.detector) if run.detector is not None else None,
         capture_ranks={i: list(keys) for i, keys in run.capture_ranks.items()},
@@ -265,16 +277,6 @@ def apply_state(run: Run, f: RunState) -> None:
 
 
 # ------------------------------------------------------------------ ranks and trainers
-
-
-def rank_file(r: RankRecord) -> RankFile:
-    return RankFile(
-        trainer_id=r.trainer_id, rank=r.rank, selected=r.selected, state=r.state,
-        reason=r.reason, device=r.device, note=r.note, windows_captured=r.windows_captured,
-        last_trace_path=r.last_trace_path, agent=_plain(r.agent),
-        last_agent_error=_plain(r.last_agent_error), node_id=r.node_id, pid=r.pid,
-        stack_dump=_plain(r.stack_dump), attached=_plain(r.attached),
-    )  # fmt: skip
 
 
 def _plain(d: Any) -> dict[str, Any] | None:

@@ -93,6 +93,10 @@ class StateSaver:
         default_factory=lambda: {"bytes": 0, "seconds": 0.0, "at": None, "error": None}
     )
     _error: str | None = None
+    _looked: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    _configs: dict[str, tuple[Any, dict[str, Any], dict[str, Any]]] = field(default_factory=dict)
+    """run -> (its config, whole, redacted): converted once."""
+    """run -> what ``_looks`` saw of it at the last save."""
 
     def save_runs(self, current: Run, previous: list[Run], extra: dict[str, Any]) -> None:
         """Queue the writes of the runs as they are now: their windows that can still change
@@ -107,7 +111,7 @@ class StateSaver:
                             f"windows/{key[1]:06d}.msgpack", _gone)  # fmt: skip
             self.window_parts, self.saved_windows = keep, self.saved_windows & keep
             for run in runs:
-                self._save_run(run)
+                self._save_run(run, run is current)
             for dropped in [r for r in self.saved_ranks if r not in {x.name for x in runs}]:
                 self._drop_run(dropped)
             head = sc.CoordinatorFile(sc.STATE_VERSION, [r.name for r in runs],
@@ -119,8 +123,13 @@ class StateSaver:
         self.stats.update(seconds=time.perf_counter() - t0, at=time.time())
         self._write_ranks_soon()
 
-    def _save_run(self, run: Run) -> None:
+    def _save_run(self, run: Run, current: bool) -> None:
+        """Queue what changed of ``run``. A run that ended changes little: its state is written
+        again only when a window of it is, or what ``_looks`` reads of it changed."""
         store, st = run_store(self.namespace, self.name, run.name), run.state
+        looks = _looks(run)
+        changed = current or self._looked.get(run.name) != looks
+        self._looked[run.name] = looks
         for i, rec in st.windows.items():
             key = (run.name, i)
             if key in self.saved_windows:
@@ -129,6 +138,7 @@ class StateSaver:
                 self.saved_windows.add(key)
             name = f"windows/{i:06d}.msgpack"
             self._queue(store, name, functools.partial(_window_blob, run.name, rec.snapshot()))
+            changed = True
         was = self.saved_ranks.get(run.name, (-1, -1))
         # (an SPMD rank joining its trainer changes the trainer's part as a registration does)
         now = (st.ranks_version, st.counters["registrations"] + st.counters["rank_attaches"])
@@ -141,13 +151,19 @@ class StateSaver:
             self._queue(store, "trainers.msgpack", _encoded(f))
         elif was[0] != now[0]:  # (in later turns)
             self._ranks_due[run.name] = run
-        self._queue_state(run)
+        if changed or was != now:
+            self._queue_state(run)
 
     def _queue_state(self, run: Run) -> None:
         """``run``'s state and run file, after whatever is queued for it already."""
         store, st = run_store(self.namespace, self.name, run.name), run.state
-        state = sc.run_state(run, self.rank_chunks.get(run.name, 0))
-        head = codec.run_file(run, list(st.windows), 0, 0, [], time.time())
+        kept = self._configs.get(run.name)
+        if kept is None or kept[0] is not run.config:  # (a run's config is converted once)
+            kept = self._configs[run.name] = (
+                run.config, run.config.to_dict(), run.config.public_dict()
+            )  # fmt: skip
+        state = sc.run_state(run, self.rank_chunks.get(run.name, 0), kept[1])
+        head = codec.run_file(run, list(st.windows), 0, 0, [], time.time(), config=kept[2])
         self._queue(store, "state.msgpack", _encoded(state))
         self._queue(store, "run.msgpack", _encoded(head))
 
@@ -159,6 +175,8 @@ class StateSaver:
         for n in range(self.rank_chunks.pop(run, 0)):
             self._queue(store, f"ranks/{n:06d}.msgpack", _gone)
         del self.saved_ranks[run]
+        self._looked.pop(run, None)
+        self._configs.pop(run, None)
         self._ranks_due.pop(run, None)
 
     def _queue(
@@ -210,12 +228,13 @@ class StateSaver:
         st, store = run.state, run_store(self.namespace, self.name, run.name)
         keys, chunks = list(st.ranks), []
         for n, i in enumerate(range(0, len(keys), sc.RANK_CHUNK)):
-            rows = [sc.rank_file(st.ranks[k]) for k in keys[i : i + sc.RANK_CHUNK] if k in st.ranks]
-            chunks.append(sc.RanksChunk(sc.STATE_VERSION, run.name, n, rows))
+            rows = [st.ranks[k] for k in keys[i : i + sc.RANK_CHUNK] if k in st.ranks]
+            # (encoded in this turn, in C: the records change in place later)
+            chunks.append(codec.encode(sc.RanksChunkOut(sc.STATE_VERSION, run.name, n, rows)))
             yield
         before = self.rank_chunks.get(run.name, 0)
-        for chunk in chunks:
-            self._queue(store, f"ranks/{chunk.n:06d}.msgpack", _encoded(chunk))
+        for n, blob in enumerate(chunks):
+            self._queue(store, f"ranks/{n:06d}.msgpack", functools.partial(bytes, blob))
         for n in range(len(chunks), before):
             self._queue(store, f"ranks/{n:06d}.msgpack", _gone)
         self.rank_chunks[run.name] = len(chunks)
@@ -276,6 +295,13 @@ def _read_root(namespace: str, name: str, rel: str) -> codec.RecordFile | None:
     except Exception:
         log.exception("the coordinator's %s cannot be read; going on without it", rel)
         return None
+
+
+def _looks(run: Run) -> tuple[Any, ...]:
+    """What can still change in a run that ended (cheap to read at every save)."""
+    st = run.state
+    return (run.lifecycle, run.ended_at, run.baseline, run.auto_override, st.global_step,
+            sum(st.counters.values()), len(st.counters), tuple(st.windows))  # fmt: skip
 
 
 def load_runs(namespace: str, name: str) -> tuple[list[Recorded], dict[str, Any]] | None:
