@@ -205,11 +205,8 @@ def test_a_recorded_config_this_version_refuses_is_said_and_the_rest_kept(tmp_pa
     assert "a_field_from_later" in problem and "wait" in problem
 
 
-def test_a_run_file_s_counts_are_checked_against_the_files_not_trusted(tmp_path, monkeypatch):
-    huge = 250_000
-    url = write_record(
-        tmp_path, windows=list(range(huge)), phase_chunks=huge, stalls=list(range(huge))
-    )
+def counted_reads(monkeypatch) -> list[str]:
+    """The name of every file ``RecordStore.get`` reads from now on."""
     reads, real = [], RecordStore.get
 
     def get(self, rel, limit):
@@ -217,6 +214,15 @@ def test_a_run_file_s_counts_are_checked_against_the_files_not_trusted(tmp_path,
         return real(self, rel, limit)
 
     monkeypatch.setattr(RecordStore, "get", get)
+    return reads
+
+
+def test_a_run_file_s_counts_are_checked_against_the_files_not_trusted(tmp_path, monkeypatch):
+    huge = 250_000
+    url = write_record(
+        tmp_path, windows=list(range(huge)), phase_chunks=huge, stalls=list(range(huge))
+    )
+    reads = counted_reads(monkeypatch)
     got = record_reader.open_record(url)
     assert reads == ["run.msgpack", "windows/000000.msgpack"]  # (before: 750,001 look-ups)
     assert list(got.run.state.windows) == [0]
@@ -246,13 +252,7 @@ def test_marks_are_read_for_the_windows_read_and_no_others(tmp_path, monkeypatch
     for index in (0, 7):  # (window 7 was never recorded)
         marks = codec.MarksFile(codec.VERSION, "r", index, {}, counted_slower=True)
         store.put(f"marks/{index:06d}.msgpack", codec.encode(marks))
-    reads, real = [], RecordStore.get
-
-    def get(self, rel, limit):
-        reads.append(rel)
-        return real(self, rel, limit)
-
-    monkeypatch.setattr(RecordStore, "get", get)
+    reads = counted_reads(monkeypatch)
     got = record_reader.open_record(url)
     assert got.run.state.windows[0].counted_slower is True and got.problems == []
     assert "marks/000000.msgpack" in reads and "marks/000007.msgpack" not in reads

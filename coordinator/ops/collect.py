@@ -200,19 +200,18 @@ def stored_trace(t: dict[str, Any], options: dict[str, Any]) -> str:
     """Where a recorded rank's trace is now: its upload, else the file it was written as, the
     first that is there; ``TraceMissing`` naming both when neither is (never uploaded,
     deleted)."""
-    tried: list[str] = [str(p) for p in (t["path"], t["local_path"]) if p]
+    tried: list[str] = list(dict.fromkeys(str(p) for p in (t["path"], t["local_path"]) if p))
     if not tried:
         raise TraceMissing(f"no trace: {(t['error'] or {}).get('message', 'nothing was written')}")
     why = "not there"
-    for src in dict.fromkeys(tried):
+    for src in tried:
         try:
             fs, path = filesystem(src, options)
             if fs.exists(path):
                 return src
         except Exception as exc:  # (a bucket that cannot be reached: said, the rest go on)
             why = f"cannot be looked at: {type(exc).__name__}: {exc}"[:300]
-    where = " nor ".join(dict.fromkeys(tried))
-    raise TraceMissing(f"its trace is not in save_path ({why}): {where}")
+    raise TraceMissing(f"its trace is not in save_path ({why}): {' nor '.join(tried)}")
 
 
 def _copy_file(src: str, dest: str, options: dict[str, Any]) -> tuple[str, int]:
