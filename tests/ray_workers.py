@@ -156,3 +156,35 @@ def gloo_pair(ray: Any, worker_cls: type) -> Iterator[list[Any]]:
     finally:
         for w in workers:
             ray.kill(w)
+
+
+class LeakyWorker(ToyWorker):
+    """A ToyWorker that can leak host memory at a known rate, or rise once and stay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[bytes] = []
+        self.leak_from: float | None = None
+
+    def leaky_step(self, bytes_per_s: int, rise_bytes: int = 0) -> int:
+        """One training step, then keep what the rate owes since the first leaky step
+        (touched, so resident) and, once, ``rise_bytes``; the bytes kept."""
+        import time
+
+        self.train_step()
+        time.sleep(0.05)
+        now = time.monotonic()
+        if self.leak_from is None:
+            self.leak_from = now
+        owed = int(bytes_per_s * (now - self.leak_from)) - sum(len(b) for b in self.kept)
+        if owed > 0:
+            self.kept.append(b"x" * owed)
+        if rise_bytes and not getattr(self, "risen", False):
+            self.risen = b"y" * rise_bytes
+        return sum(len(b) for b in self.kept)
+
+    def reset(self) -> bool:
+        self.kept, self.leak_from = [], None
+        if hasattr(self, "risen"):
+            del self.risen
+        return super().reset()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.core.attach import Attach
+from coordinator.core.memory_config import Memory, MemorySnapshot
 from coordinator.core.roles import POLICY, checked_ranks, checked_roles, role_ranks
 from coordinator.core.slowdown import AutoCapture
 from coordinator.core.storage import check_backend, is_remote, local_path, redact
@@ -24,6 +25,14 @@ _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 FANOUTS = ("node", "direct")
+SECTIONS: dict[str, Any] = {
+    "auto_capture": AutoCapture,
+    "trackers": Trackers,
+    "attach": Attach,
+    "memory": Memory,
+    "memory_snapshot": MemorySnapshot,
+}
+"""The config's sections: each a class with ``from_value`` and ``validate``."""
 
 
 @dataclass
@@ -135,6 +144,10 @@ class ProfilerConfig:
     """Where each settled window's figures and the phase times go in the trainer's process:
     ``tensorboard: {log_dir}``, ``mlflow: {tracking_uri, experiment}``, ``wandb: {project,
     mode}`` (see ``coordinator.core.trackers_config.Trackers``); none by default."""
+    memory: Memory = field(default_factory=Memory)
+    """Every rank's memory sampled by the node agents, and leak marks (``Memory``)."""
+    memory_snapshot: MemorySnapshot = field(default_factory=MemorySnapshot)
+    """CUDA memory snapshots: ``on`` window, oom, demand (``MemorySnapshot``)."""
     attach: Attach = field(default_factory=Attach)
     """The attach hook's settings (``worker_ext.attach.setup``): ``trainer_id``, ``role``,
     ``actor_classes``, and the coordinator's ``name`` and ``namespace`` (see
@@ -175,15 +188,8 @@ class ProfilerConfig:
         keys = list(mapping.keys())  # (OmegaConf mappings are not always iterable dicts)
         check_known_keys(keys, names)
         for key in keys:
-            value = mapping[key]
-            if key == "auto_capture":
-                values[key] = AutoCapture.from_value(value)
-            elif key == "trackers":
-                values[key] = Trackers.from_value(value)
-            elif key == "attach":
-                values[key] = Attach.from_value(value)
-            else:
-                values[key] = _plain(value)
+            section = SECTIONS.get(key)
+            values[key] = section.from_value(mapping[key]) if section else _plain(mapping[key])
         return cls(**values).validate(check_paths)
 
     def to_dict(self) -> dict[str, Any]:
@@ -196,8 +202,8 @@ class ProfilerConfig:
             for r in [spec["ranks"]]
         }
         out["storage_options"] = dict(self.storage_options)
-        out["trackers"] = self.trackers.to_dict()
-        out["attach"] = self.attach.to_dict()
+        for name in ("trackers", "attach", "memory", "memory_snapshot"):
+            out[name] = getattr(self, name).to_dict()
         return out
 
     def public_dict(self) -> dict[str, Any]:
@@ -256,9 +262,8 @@ class ProfilerConfig:
                 raise ValueError(
                     f"profiler config: {name!r} is {getattr(self, name)}, beyond 2**62 steps"
                 )
-        self.auto_capture = AutoCapture.from_value(self.auto_capture).validate()
-        self.trackers = Trackers.from_value(self.trackers).validate()
-        self.attach = Attach.from_value(self.attach).validate()
+        for name, section in SECTIONS.items():
+            setattr(self, name, section.from_value(getattr(self, name)).validate())
         self.ranks = checked_ranks(self.ranks)
         self.roles = checked_roles(self.roles)
         self._validate_activities()

@@ -102,6 +102,8 @@ class WindowFile(msgspec.Struct, tag="window", tag_field="kind"):
     primary: str | None
     changes: int
     optimizer_steps: dict[str, tuple[int, int]] = {}  # (a file written before it: none)
+    opened_at: float | None = None  # wall clock: the memory chart's band (older files: none)
+    closed_at: float | None = None
 
 
 class MarksFile(msgspec.Struct, tag="marks", tag_field="kind"):
@@ -247,6 +249,8 @@ def window_file(run: str, rec: WindowRecord, detail: bool = True) -> WindowFile:
         primary=rec.primary,
         changes=rec.changes,
         optimizer_steps=dict(rec.optimizer_steps),
+        opened_at=rec.opened_at,
+        closed_at=rec.closed_at,
     )
 
 
@@ -282,6 +286,8 @@ def window_record(f: WindowFile) -> WindowRecord:
         primary=f.primary,
         changes=f.changes,
         optimizer_steps=dict(f.optimizer_steps),
+        opened_at=f.opened_at,
+        closed_at=f.closed_at,
     )
 
 

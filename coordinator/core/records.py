@@ -135,6 +135,8 @@ class WindowRecord:
     changes: int = 0  # bumped where a trace or a lost summary is recorded over another
     # trainer_id -> (first, last) optimizer steps, for ranks whose steps are a driver's
     optimizer_steps: dict[str, tuple[int, int]] = field(default_factory=dict)
+    opened_at: float | None = None  # wall clock (the memory chart's bands)
+    closed_at: float | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Copied without the cache of role parts."""

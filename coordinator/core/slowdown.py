@@ -12,14 +12,13 @@ stops (it pays torch's stop, export and the free of its results), and the first
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.core.validate import section_values
+from coordinator.core.validate import section_of
 from coordinator.protocol.replies import AutoTrigger
 
 # Steps the baseline needs before anything can be called slow.
@@ -52,10 +51,7 @@ class AutoCapture:
     @classmethod
     def from_value(cls, value: Any) -> AutoCapture:
         """From a mapping (unknown keys rejected by name), or an ``AutoCapture``."""
-        if isinstance(value, AutoCapture):
-            return value
-        names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**section_values(value, names, "auto_capture"))
+        return section_of(cls, value, "auto_capture")
 
     def validate(self) -> AutoCapture:
         """Raise ValueError naming the field and the value; returns self."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -83,7 +84,7 @@ class CoordinatorState:
     ) -> WindowRecord:
         roles = {t.trainer_id: t.role for t in self.trainers.values()}
         rec = WindowRecord(window, planned, set(participants), threshold=self.straggler_threshold)
-        rec.roles, rec.primary = roles, self.stepping_trainer
+        rec.roles, rec.primary, rec.opened_at = roles, self.stepping_trainer, time.time()
         self.windows[window.index] = rec
         self.counters["windows_opened"] += 1
         return rec
@@ -108,7 +109,7 @@ class CoordinatorState:
         """Mark ``rec`` closed (its closing command was answered) and bound the history."""
         if rec.closed:
             return
-        rec.closed = True
+        rec.closed, rec.closed_at = True, time.time()
         self.counters["windows_closed"] += 1
         _expect_spmd_closes(self, rec)
         closed = self.closed_windows()

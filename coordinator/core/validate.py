@@ -7,16 +7,20 @@ ranks stay below ``MAX_WORLD``, names are short.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 MAX_STEP = 2**63 - 1
 MAX_WORLD = 1 << 20  # ranks are 0 .. MAX_WORLD - 1: a million GPUs is not a sane world size
 MAX_SUMMARY_BYTES = 4 * 1024 * 1024  # as summary_codec.MAX_PAYLOAD_BYTES: checked before decoding
 MAX_TEXT = 4096
 TRAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+T = TypeVar("T")
 
 
 def is_int(value: Any) -> bool:
@@ -119,6 +123,14 @@ def section_values(value: Any, fields: list[str], name: str) -> dict[str, Any]:
     keys = list(value.keys())  # (OmegaConf mappings are not always iterable dicts)
     check_known_keys(keys, fields, f"{name}.")
     return {k: value[k] for k in keys}
+
+
+def section_of(cls: type[T], value: Any, name: str) -> T:
+    """A config section (a dataclass ``cls``) from a mapping, or ``value`` when it is one."""
+    if isinstance(value, cls):
+        return value
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    return cls(**section_values(value, names, name))
 
 
 def span(ranks: list[int]) -> str:

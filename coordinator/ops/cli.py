@@ -8,6 +8,7 @@
     ray-profiler auto on
     ray-profiler stragglers
     ray-profiler stacks
+    ray-profiler memory
     ray-profiler phases --last 200
     ray-profiler diff 0 7
     ray-profiler watch --interval 2
@@ -89,6 +90,12 @@ _EXAMPLES = {
         "\n"
         "  ray-profiler stacks --rank 2          # every thread of rank 2, frame by frame\n"
         "  ray-profiler stacks --native --json   # C/C++ frames too, as JSON"
+    ),
+    "memory": (
+        "ray-profiler memory\n"
+        "  leak: policy rank 1 grows 181.3 MiB/min since 18:40:02; the other ranks ... flat\n"
+        "  ray-profiler memory --json        # every rank: rss_bytes, peak_rss_bytes, growth\n"
+        "  ray-profiler memory --snapshot    # CUDA ranks: a memory snapshot each, now"
     ),
     "watch": "ray-profiler watch --interval 2\n  ray-profiler watch --count 10 > status.log",
     "serve": (
@@ -172,6 +179,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 Command = Any  # (name, help) -> argparse.ArgumentParser
 
 
+def _memory_args(mem: argparse.ArgumentParser) -> None:
+    mem.add_argument("--trainer", default=None, help="one trainer's ranks")
+    mem.add_argument(
+        "--snapshot", action="store_true", help="CUDA ranks write a memory snapshot now"
+    )
+    mem.add_argument("--rank", type=int, nargs="+", default=None, help="--snapshot: only these")
+    mem.add_argument("--wait", type=float, default=60.0, help="--snapshot: seconds to wait")
+
+
 def _reading_commands(command: Command) -> None:
     """The commands that only read the coordinator."""
     status = command("status", "run, window phase, step, windows, ranks, counters")
@@ -252,6 +268,7 @@ def _steering_commands(command: Command) -> None:
     stacks.add_argument("--native", action="store_true", help="C/C++ frames too (py-spy)")
     stacks.add_argument("--method", choices=["auto", "py-spy", "faulthandler"], default="auto")
     stacks.add_argument("--timeout", type=float, default=10.0, help="seconds per process")
+    _memory_args(command("memory", "every rank's memory now, its peak and growth; leaks named"))
     strag = command("stragglers", "ranks slower than the median in a window")
     strag.add_argument("--window", type=int, default=None)
     coll = command("collect", "copy a window's traces into one directory, or merge them")
@@ -385,6 +402,8 @@ def read(h: Any, args: argparse.Namespace) -> str | None:
     if a.command == "phases":
         pt = call(h, "phase_times", last=a.last, run=a.run)
         return dump(pt) if a.json else render_phases(pt)
+    if a.command == "memory":
+        return memory_command(h, a)
     if a.command == "stacks" and a.from_:  # a record: the stalls it kept, with their stacks
         stalls = call(h, "stalls")
         return dump(stalls) if a.json else render_stalls(stalls)
@@ -396,6 +415,32 @@ def read(h: Any, args: argparse.Namespace) -> str | None:
         )  # fmt: skip
         return dump(st) if a.json else render_stacks(st)
     return None
+
+
+def memory_command(h: Any, a: argparse.Namespace) -> str:
+    """``memory``: the table (or JSON); ``--snapshot``: ask, then wait for the files."""
+    from coordinator.ops.memory_table import render_memory, render_snapshot
+
+    if not a.snapshot:
+        m = call(h, "memory", False, a.trainer)
+        return json.dumps(m) if a.json else render_memory(m)
+    asked = call(h, "memory_snapshot", a.rank, a.trainer)
+    want = {(r["trainer_id"], r["rank"]) for r in asked["ranks"] if r["asked"]}
+    deadline = time.monotonic() + max(0.0, a.wait)
+    written: list[Any] = []
+    while True:
+        notes = call(h, "memory")["snapshots"]
+        written = [s for s in notes if s["on"] == "demand" and f"demand-{asked['request']:03d}/"
+                   in str(s["path"]) and (s["trainer_id"], s["rank"]) in want]  # fmt: skip
+        if len(written) >= len(want) or time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
+    if a.json:
+        return json.dumps({"asked": asked, "written": written})
+    text = render_snapshot(asked, written)
+    if len(written) < len(want) or any(s["error"] for s in written):
+        raise CliError(text)
+    return text
 
 
 def diff(h: Any, args: argparse.Namespace) -> Any:

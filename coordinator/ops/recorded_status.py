@@ -63,6 +63,7 @@ def recorded_status(rec: Recorded, ranks: str = "summary") -> StatusReply:
         "last_restart": None,
         "checkpoint": {"bytes": 0, "seconds": 0.0, "at": None, "error": None},
         "record": record_entry(rec),
+        "memory": None,  # (memory samples live in the coordinator: not in the record)
         "auto_capture": {
             "enabled": False,
             "source": "config",

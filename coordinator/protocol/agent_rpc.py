@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
+from coordinator.protocol.memory_replies import AgentMemoryReply, MemoryWatch
 from coordinator.protocol.replies import RankReply, RankState, Reason
 from coordinator.protocol.stack_replies import ProcessStack, StackRequest
 
@@ -111,6 +112,20 @@ class PlanAnswer(TypedDict):
     silent: list[int]
 
 
+class SnapshotRequest(TypedDict):
+    """``request_snapshots``: each target's pid and the path its snapshot goes to."""
+
+    targets: list[tuple[int, str]]
+
+
+class SnapshotAsked(TypedDict):
+    """Whether a process was asked for its snapshot (it notes the result when written)."""
+
+    pid: int
+    asked: bool
+    reason: str | None
+
+
 class AgentRPC:
     """The signatures of the node agent's RPCs that the coordinator calls."""
 
@@ -128,4 +143,13 @@ class AgentRPC:
 
     async def read_stacks(self, req: StackRequest) -> list[ProcessStack]:
         """The stack of every process ``req`` lists on this node, read at ``req["at"]``."""
+        raise NotImplementedError
+
+    async def watch_memory(self, watch: MemoryWatch) -> AgentMemoryReply:
+        """Sample the memory of ``watch``'s processes from now on; what was sampled since the
+        last watch (``worker_ext.agent.memory_sampler``)."""
+        raise NotImplementedError
+
+    async def request_snapshots(self, req: SnapshotRequest) -> list[SnapshotAsked]:
+        """Ask each process of ``req`` on this node for a CUDA memory snapshot to its path."""
         raise NotImplementedError

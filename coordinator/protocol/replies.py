@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypedDict
 
+from coordinator.protocol.memory_replies import MemoryStatusEntry as MemoryStatusEntry
 from coordinator.protocol.stack_replies import StackDump as StackDump
 from coordinator.protocol.stack_replies import StackEntry as StackEntry
 from coordinator.protocol.stack_replies import StackGroup as StackGroup
@@ -493,6 +494,7 @@ class StatusReply(TypedDict):
     auto_capture: AutoCaptureEntry
     stalls: list[StallEntry]  # the watchdog's recent stalls, oldest first (bounded)
     attach_problems: list[AttachProblemEntry]  # attached processes not profiled (bounded)
+    memory: MemoryStatusEntry | None  # the leaks named (``memory()`` has every rank)
 
 
 NodePath = Literal["agent", "direct"]

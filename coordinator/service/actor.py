@@ -32,6 +32,7 @@ from coordinator.protocol.replies import (
 from coordinator.service.agent_reports import AgentReports
 from coordinator.service.captures import CAPTURE_REPORT_TIMEOUT_S, Captures
 from coordinator.service.diffs import Diffs
+from coordinator.service.memory_watch import MemoryWatcher
 from coordinator.service.operator_rpcs import OperatorRPCs
 from coordinator.service.readers import Readers, WaitUntil
 from coordinator.service.run_recorder import RunRecorder
@@ -57,7 +58,9 @@ class _Coordinator(OperatorRPCs, SpmdRPCs):
         self._recorder = RunRecorder(self._shell, self._diffs.mark)
         self._shell.record_soon = self._recorder.soon
         self._shell.record_entry = self._recorder.entry
-        parts = (self._watchdog, self._recorder)
+        self._memory = MemoryWatcher(self._shell)
+        self._shell.memory_entry = self._memory.entry
+        parts = (self._watchdog, self._recorder, self._memory)
         self._spmd = SpmdRanks(self._shell, self._runs, lambda: [p.start() for p in parts])
 
     # ------------------------------------------------------------ the trainer's calls
@@ -89,6 +92,7 @@ class _Coordinator(OperatorRPCs, SpmdRPCs):
         """
         self._watchdog.start()
         self._recorder.start()
+        self._memory.start()
         return await self._runs.register(trainer_id, workers, role, advances_step, driver)
 
     async def start(
@@ -115,6 +119,7 @@ class _Coordinator(OperatorRPCs, SpmdRPCs):
         """
         self._watchdog.start()  # (a no-op once running; after a restart, its first start)
         self._recorder.start()
+        self._memory.start()
         return await self._runs.step(trainer_id, k, waiting, phases, walls)
 
     async def stop(self, trainer_id: str) -> StepReply:

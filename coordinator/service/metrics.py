@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from coordinator.core.state import CoordinatorState, rank_counts
+from coordinator.protocol.memory_replies import MemoryMark
 
 
 class CoordinatorMetrics:
@@ -31,6 +32,7 @@ class CoordinatorMetrics:
 
     def __init__(self, name: str) -> None:
         self.values: dict[str, float] = {}
+        self._leak_tags: set[tuple[str, str]] = set()
         self._sent: dict[str, float] = {}
         try:
             from ray.util import metrics
@@ -51,9 +53,20 @@ class CoordinatorMetrics:
                 tag_keys=("coordinator", "region"),
             )
             self._phase.set_default_tags(tags)
+            self._leaking: Any = metrics.Gauge(
+                "profiler_memory_leaking_ranks", "Ranks marked as leaking memory"
+            )
+            self._leaks: Any = metrics.Gauge(
+                "profiler_memory_leak_bytes_per_min",
+                "A rank marked as leaking: how fast its resident memory grows (0: no longer)",
+                tag_keys=("coordinator", "trainer_id", "rank"),
+            )
+            for g in (self._leaking, self._leaks):
+                g.set_default_tags(tags)
             self.error: str | None = None
         except Exception as exc:  # metrics are a convenience; never fail the coordinator
             self._gauges, self._counters, self._phase = {}, {}, None
+            self._leaking = self._leaks = None
             self.error = f"{type(exc).__name__}: {exc}"
 
     def phases(self, ms: dict[str, float] | None) -> None:
@@ -64,6 +77,23 @@ class CoordinatorMetrics:
             for region, value in ms.items():
                 self._phase.set(value, tags={"region": region})
             self.values["profiler_phase_ms"] = ms["step"]
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def memory(self, marks: list[MemoryMark]) -> None:
+        """The ranks marked as leaking: how many, and each one's rate (bytes a minute)."""
+        if self._leaks is None:
+            return
+        try:
+            self._leaking.set(float(len(marks)))
+            self.values["profiler_memory_leaking_ranks"] = float(len(marks))
+            now = {(m["trainer_id"], str(m["rank"])) for m in marks}
+            for tid, rank in self._leak_tags - now:  # a mark that ended reads 0, not its last
+                self._leaks.set(0.0, tags={"trainer_id": tid, "rank": rank})
+            for m in marks:
+                tags = {"trainer_id": m["trainer_id"], "rank": str(m["rank"])}
+                self._leaks.set(m["bytes_per_min"], tags=tags)
+            self._leak_tags = now
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from coordinator.core.step_series import DEFAULT_POINTS
 from coordinator.core.tracker_figures import TOP_KERNELS, settled_after, window_figures
-from coordinator.core.validate import is_int
+from coordinator.core.validate import is_int, trainer_id_problem
+from coordinator.protocol.memory_replies import MemoryReply, SnapshotReply
 from coordinator.protocol.replies import (
     BaselineReply,
     KernelDiffReply,
@@ -17,6 +18,7 @@ from coordinator.protocol.replies import (
     WindowFigures,
 )
 from coordinator.service.diffs import Diffs
+from coordinator.service.memory_watch import MemoryWatcher
 from coordinator.service.readers import Readers
 from coordinator.service.stacks import STACK_TIMEOUT_S, StackCalls
 
@@ -27,6 +29,7 @@ class OperatorRPCs:
     _stacks: StackCalls
     _readers: Readers
     _diffs: Diffs
+    _memory: MemoryWatcher
 
     async def stacks(
         self,
@@ -134,6 +137,42 @@ class OperatorRPCs:
             [(k["name"], k["a_us"], k["b_us"], k["ratio"]) for k in d["kernels"][:5]]
         """
         return await self._diffs.kernel_diff(a, b, run_a, run_b, trainer_id, top_k)
+
+    async def memory(self, series: bool = False, trainer_id: str | None = None) -> MemoryReply:
+        """Every rank's memory over the run, sampled by its node agent about once a second
+        (``memory.sample_s``): resident (``rss_bytes``), unique and GPU memory now, the peaks,
+        and ``growth`` (bytes a minute and since when) for a rank marked as leaking; a rank
+        that grows while the others of its role stay flat is a ``culprit`` (one line each in
+        ``culprits``). ``series``: each rank's ``(t, rss)`` over the run (at most 600 points),
+        and ``windows``: when each window ran, for a chart. A ``MemoryReply``.
+
+        Example::
+
+            m = ray.get(h.memory.remote())
+            [(r["rank"], r["rss_bytes"], r["growth"]) for r in m["ranks"]], m["culprits"]
+        """
+        if not isinstance(series, bool):
+            raise ValueError(f"series must be a bool, got {series!r:.80}")
+        if trainer_id is not None and (problem := trainer_id_problem(trainer_id)):
+            raise ValueError(problem)
+        return self._memory.reply(series, trainer_id)
+
+    async def memory_snapshot(
+        self, ranks: list[int] | None = None, trainer_id: str | None = None
+    ) -> SnapshotReply:
+        """Ask the run's CUDA ranks (``ranks`` of ``trainer_id``; None: all) for a CUDA memory
+        snapshot now (``memory_snapshot.on`` must hold ``demand``). Each asked rank writes
+        ``<run dir>/memory/demand-<n>/<role>/rank<R>.memory.pickle`` and its note then shows in
+        ``memory()["snapshots"]``; a rank not asked says why. A ``SnapshotReply``."""
+        if ranks is not None and (
+            not isinstance(ranks, list)
+            or len(ranks) > 100_000
+            or any(isinstance(r, bool) or not isinstance(r, int) for r in ranks)
+        ):
+            raise ValueError(f"ranks must be None or a list of ints, got {ranks!r:.80}")
+        if trainer_id is not None and (problem := trainer_id_problem(trainer_id)):
+            raise ValueError(problem)
+        return await self._memory.snapshot(ranks, trainer_id)
 
     async def pin_baseline(self, window: int | None) -> BaselineReply:
         """The window every later one is compared with for regression marks (None: back to

@@ -104,6 +104,7 @@ class Readers:
             "auto_capture": sh.auto_capture_entry(),
             "stalls": [dict(s) for s in sh.stalls],  # type: ignore[misc]
             "attach_problems": [dict(p) for p in sh.attach_problems],  # type: ignore[misc]
+            "memory": sh.memory_entry(),
         }
 
     async def ranks(

@@ -30,6 +30,7 @@ from coordinator.protocol.replies import (
     AutoCaptureEntry,
     AutoTrigger,
     CaptureReply,
+    MemoryStatusEntry,
     Phase,
     RecordEntry,
     StallEntry,
@@ -118,6 +119,7 @@ class CoordinatorShell:
         # The run's record in save_path (``run_recorder``): told of changes, shown in status().
         self.record_soon: Callable[[], None] = lambda: None
         self.record_entry: Callable[[], RecordEntry] = no_record
+        self.memory_entry: Callable[[], MemoryStatusEntry | None] = lambda: None
         self.restored: dict[str, Recorded] = {}  # runs continued from their record, by name
         if not self.restarts:  # created anew: a run its record says did not end goes on
             self.run = self.continue_recorded(*new_or_recorded(self.run.config, set()))

@@ -35,7 +35,10 @@ from coordinator.protocol.agent_rpc import (
     NodeCommandReply,
     PlanAnswer,
     PlanPost,
+    SnapshotAsked,
+    SnapshotRequest,
 )
+from coordinator.protocol.memory_replies import AgentMemoryReply, MemoryWatch
 from coordinator.protocol.names import AGENT_NAMESPACE, agent_name, is_agent_name
 from coordinator.protocol.reasons import reason
 from coordinator.protocol.replies import Reason
@@ -44,6 +47,12 @@ from coordinator.protocol.summary_codec import RankSummary, decode_summary
 from coordinator.protocol.timeline import PieceRank, TimelinePiece
 from coordinator.raylink.handle_stubs import install_handle_stubs
 from worker_ext.agent.idle_exit import IDLE_EXIT_S, IdleExit, exit_actor
+from worker_ext.agent.memory_sampler import (
+    MemorySampler,
+    ask_for_snapshot,
+    check_snapshot_request,
+    check_watch,
+)
 from worker_ext.agent.partials import (
     LINGER_S,
     Gather,
@@ -102,6 +111,7 @@ class NodeAgent(AgentRPC):
         self._owners: set[tuple[str, str]] = set()
         self._pieces = PieceStore()  # merged window traces of this node's ranks
         self._boards = BoardWriter(self._node)  # plan boards of this node's SPMD ranks
+        self._memory = MemorySampler(self._node)  # the memory of this node's ranks
 
     def _leave(self) -> None:
         """Idle with no live run: the merged pieces go with the agent (``IdleExit``)."""
@@ -141,6 +151,24 @@ class NodeAgent(AgentRPC):
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._files, sweep_dumps)
         return await loop.run_in_executor(None, read_stacks, req)
+
+    @control_lane
+    async def watch_memory(self, watch: MemoryWatch) -> AgentMemoryReply:
+        """Sample ``watch``'s processes from now on (``memory_sampler``); what was sampled
+        since the last watch. A watch counts as use: the agent stays while a run samples."""
+        self._idle.touch()
+        check_watch(watch)
+        return await asyncio.get_running_loop().run_in_executor(None, self._memory.watch, watch)
+
+    @control_lane
+    async def request_snapshots(self, req: SnapshotRequest) -> list[SnapshotAsked]:
+        """Ask each of ``req``'s processes for a CUDA memory snapshot to its path."""
+        self._idle.touch()
+        return [
+            {"pid": int(pid), "asked": why is None, "reason": why}
+            for pid, path in check_snapshot_request(req)
+            for why in [ask_for_snapshot(int(pid), path)]
+        ]
 
     async def collect_partial(
         self, report_to: dict[str, str], window: int, node: str, blob: bytes

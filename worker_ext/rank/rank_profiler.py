@@ -34,6 +34,7 @@ from coordinator.protocol.replies import ClosedWindow, Phase, RankReply, Reason
 from worker_ext.agent.trace_jobs import TraceJob
 from worker_ext.rank.agent_link import AgentLink, node_id
 from worker_ext.rank.hand_off import HandOff
+from worker_ext.rank.memory_snapshot import MemorySnapshots
 from worker_ext.rank.stack_dump import enable_stack_dump
 from worker_ext.rank.torch_session import (
     TraceTarget,
@@ -111,6 +112,7 @@ class RankProfiler:
         self._abandoned: list[Any] = []  # torch objects we must never touch again
         self.device, self.note = pick_device(config)
         self.stack_dump = enable_stack_dump()  # so the node agent can read a stuck rank
+        self.snapshots = MemorySnapshots.of(self)  # CUDA memory snapshots (when asked for)
         if not self.selected:
             return
         if refuse_reason:
@@ -281,6 +283,7 @@ class RankProfiler:
         prof.start()
         self._abandoned.remove(prof)
         self._prof, self._window = prof, window
+        self.snapshots.window_started()
         self._recorded_first = step if step >= window.first else None
         self._last_done = None
 
@@ -321,6 +324,7 @@ class RankProfiler:
                 # Only now, and even if stop() raised once the trace was written: the agent's
                 # parse never competes with torch's stop, export or free for the node's cores.
                 self.hand_off.submit(closing.job)
+        self.snapshots.window_ended(closing.job if closing is not None else None)
         self._closed = ClosedWindow(
             window=w.index,
             steps=list(steps) if steps else None,

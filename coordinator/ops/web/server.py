@@ -226,6 +226,7 @@ class WebServer:
         r.add_get("/api/diff", self.diff)
         r.add_get("/api/phases", self.phases)
         r.add_get("/api/chart", self.chart)
+        r.add_get("/api/memory", self.memory)
         r.add_post("/api/captures", self.capture)
         r.add_delete("/api/captures/{window}", self.cancel)
         return app
@@ -410,6 +411,10 @@ class WebServer:
         points = int_param(request.query, "points", DEFAULT_POINTS, 1, MAX_POINTS)
         series = await self.link.call("step_series", points=points)
         return reply(run_chart(series, await self.link.call("status")))
+
+    async def memory(self, request: web.Request) -> web.StreamResponse:
+        """Every rank's memory over the run (``MemoryReply`` with each rank's series)."""
+        return reply(await self.link.call("memory", series=True))
 
     async def capture(self, request: web.Request) -> web.StreamResponse:
         """A capture's answer: 200 when accepted, 409 with its ``reason`` when refused."""

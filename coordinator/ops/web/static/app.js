@@ -150,6 +150,7 @@ function runPage(main, st) {
     ...Object.keys(BAND_COLORS).map(k => el("span", { class: `kind-${k}` }, `${k} `)),
     "), ▼ marked slower, red line: a stall; click a band to open its window"));
   runChart(box);
+  memoryCharts(main);
   main.append(el("h2", {}, "Windows"));
   if (!st.windows.length) { main.append(el("p", { class: "muted" }, "no closed window yet")); return; }
   main.append(table(
@@ -265,6 +266,53 @@ async function runChart(box) {
 }
 
 function drawRunChart(box, c) { return mount(box, runChartConfig(c)); }
+
+// ------------------------------------------------------- memory over the run
+
+// Windows as bands over wall-clock time (seconds since the first sample).
+const memoryBands = { id: "memoryBands", beforeDatasetsDraw(chart) {
+  const { ctx, chartArea: a, scales: { x } } = chart;
+  ctx.save();
+  for (const [index, t0, t1] of chart.config.options.plugins.memoryBands.windows) {
+    const x0 = x.getPixelForValue(t0), x1 = Math.max(x.getPixelForValue(t1), x0 + 3);
+    if (x1 < a.left || x0 > a.right) continue;
+    ctx.fillStyle = BAND_COLORS.scheduled.fill;
+    ctx.fillRect(Math.max(x0, a.left), a.top, Math.min(x1, a.right) - Math.max(x0, a.left), a.bottom - a.top);
+    ctx.fillStyle = BAND_COLORS.scheduled.line;
+    ctx.fillText(`w${index}`, Math.max(x0, a.left) + 2, a.top + 10);
+  }
+  ctx.restore();
+} };
+
+// One chart a role: each rank's resident memory over the run, windows as bands, the culprit named.
+async function memoryCharts(main) {
+  const section = el("div", { id: "memory" });
+  main.append(el("h2", {}, "Memory over the run"), section);
+  const res = await api("/api/memory");
+  if (!res.ok) { section.append(el("p", { class: "muted" }, `memory: ${res.body?.error ?? res.status}`)); return; }
+  const m = res.body;
+  if (!m.sample_s) { section.append(el("p", { class: "muted" }, "memory sampling is off (memory.sample_s: 0)")); return; }
+  for (const line of m.culprits) section.append(el("p", { class: "slower culprit" }, `leak: ${line}`));
+  const sampled = m.ranks.filter(r => r.series && r.series.length);
+  if (!sampled.length) { section.append(el("p", { class: "muted" }, "no sample yet")); return; }
+  const t0 = Math.min(...sampled.map(r => r.series[0][0]));
+  const roles = [...new Set(sampled.map(r => r.role))];
+  for (const role of roles) {
+    const ranks = sampled.filter(r => r.role === role);
+    section.append(el("h3", {}, `${role}: resident memory (MiB), ${ranks.length} ranks`));
+    const box = el("div", { class: "chart memory-chart", "data-role": role });
+    section.append(box);
+    const sets = ranks.map((r, i) => ({ label: `rank ${r.rank}` + (r.growth ? ` +${num(r.growth.bytes_per_min / 1048576, 1)} MiB/min` : "")
+        + (r.culprit ? " (culprit)" : ""), type: "line", pointRadius: 0, borderWidth: r.culprit ? 2.5 : 1.2,
+      borderColor: PALETTE[i % PALETTE.length], backgroundColor: PALETTE[i % PALETTE.length],
+      data: r.series.map(([t, b]) => ({ x: t - t0, y: b / 1048576 })) }));
+    mount(box, { type: "line", data: { datasets: sets }, plugins: [memoryBands],
+      options: { parsing: false, normalized: true, animation: false,
+        plugins: { memoryBands: { windows: m.windows.map(([i, a, b]) => [i, a - t0, b - t0]) } },
+        scales: { x: { type: "linear", title: { display: true, text: "seconds since the first sample" } },
+                  y: { title: { display: true, text: "MiB" } } } } });
+  }
+}
 
 async function windowPage(main, index, role, by) {
   by = by === "op" ? "op" : "kernel";

@@ -1,0 +1,75 @@
+"""``ray-profiler memory``: every rank's memory as a table, the leaks named first. Pure."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from coordinator.protocol.memory_replies import MemoryReply, SnapshotReply
+
+MiB = 1 << 20
+
+
+def _mib(b: int | None) -> str:
+    return "-" if b is None else f"{b / MiB:,.0f} MiB"
+
+
+def render_memory(m: MemoryReply) -> str:
+    """The reply of ``memory()`` as lines: the culprits, then one row a rank."""
+    if not m["sample_s"]:
+        return "memory sampling is off (memory.sample_s: 0 in the config)"
+    lines = [
+        f"memory of {len(m['ranks'])} ranks (run {m['run']}, a sample every "
+        f"{m['sample_s']:g} s; a leak: steady growth over {m['leak_span_s']:g} s at "
+        f"{m['leak_min_bytes_per_min'] / MiB:g} MiB/min or more)"
+    ]
+    lines += [f"  leak: {c}" for c in m["culprits"]]
+    marked = [r for r in m["ranks"] if r["growth"] and not r["culprit"]]
+    if marked:
+        lines.append(f"  {len(marked)} more ranks grow with the others of their role")
+    lines.append(
+        f"  {'role':<10} {'rank':>5} {'rss':>12} {'peak rss':>12} {'uss':>12} {'gpu':>12}  growth"
+    )
+    for r in m["ranks"]:
+        g = r["growth"]
+        growth = (
+            f"+{g['bytes_per_min'] / MiB:,.1f} MiB/min since "
+            f"{time.strftime('%H:%M:%S', time.localtime(g['since']))}"
+            + ("  <- culprit" if r["culprit"] else "")
+            if g
+            else (r["state"] if r["state"] != "sampled" else "flat")
+        )
+        if r["reason"] and r["state"] != "sampled":
+            growth += f" ({r['reason'][:80]})"
+        lines.append(
+            f"  {r['role'][:10]:<10} {r['rank']:>5} {_mib(r['rss_bytes']):>12} "
+            f"{_mib(r['peak_rss_bytes']):>12} {_mib(r['uss_bytes']):>12} "
+            f"{_mib(r['gpu_bytes']):>12}  {growth}"
+        )
+    for node, why in sorted(m["gpu"].items()):
+        lines.append(f"  node {node[:12]}: GPU memory not sampled: {why}")
+    for s in m["snapshots"][-10:]:
+        lines.append(
+            f"  snapshot ({s['on']}) rank {s['rank']}: "
+            + (s["path"] or "-")
+            + (f"  FAILED: {s['error']}" if s["error"] else "")
+        )
+    return "\n".join(lines)
+
+
+def render_snapshot(asked: SnapshotReply, written: list[Any]) -> str:
+    """``memory --snapshot``: each rank asked, and the files written (or why not)."""
+    lines = [f"snapshot request {asked['request']}:"]
+    done = {(s["trainer_id"], s["rank"]): s for s in written}
+    for a in asked["ranks"]:
+        s = done.get((a["trainer_id"], a["rank"]))
+        if not a["asked"]:
+            lines.append(f"  rank {a['rank']}: not asked: {a['reason']}")
+        elif s is None:
+            lines.append(f"  rank {a['rank']}: asked, no file yet ({a['path']})")
+        else:
+            lines.append(
+                f"  rank {a['rank']}: "
+                + (f"FAILED: {s['error']}" if s["error"] else str(s["path"]))
+            )
+    return "\n".join(lines)

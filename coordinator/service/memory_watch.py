@@ -1,0 +1,342 @@
+"""``memory()``: every rank's memory over the run, sampled by the node agents, and the leaks
+named; ``memory_snapshot()``: CUDA memory snapshots on demand.
+
+A timer on the coordinator sends each node's agent a ``MemoryWatch`` (the pids of the run's
+ranks on that node) every ``pull_s`` and folds what the agent sampled since the last one into
+the run's ``MemoryBook`` (``coordinator.core.memory``), which marks the leaks. Where a rank
+runs: its own replies (``pid``, ``node_id``), else Ray's actor table. Nothing here touches the
+step path; a node whose agent does not answer is said per rank (``unreachable``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import time
+from typing import Any
+
+from coordinator.core.memory import MemoryBook
+from coordinator.core.records import Key
+from coordinator.core.storage import is_remote
+from coordinator.protocol.memory_replies import (
+    AgentMemoryReply,
+    MemoryMark,
+    MemoryRankEntry,
+    MemoryReply,
+    MemoryStatusEntry,
+    SnapshotAsk,
+    SnapshotEntry,
+    SnapshotReply,
+)
+from coordinator.protocol.names import agent_name
+from coordinator.raylink.actor_table import actor_id, place_actors
+from coordinator.raylink.agents import AgentHandles
+from coordinator.service.shell import CoordinatorShell
+
+log = logging.getLogger(__name__)
+AGENT_TIMEOUT_S = 10.0
+SNAPSHOTS = 256
+MiB = 1 << 20
+
+
+def pull_every(sample_s: float) -> float:
+    """Seconds between two watches: five samples, within 1..5 s."""
+    return min(5.0, max(1.0, 5 * sample_s))
+
+
+class MemoryWatcher:
+    """See the module docstring."""
+
+    def __init__(self, shell: CoordinatorShell) -> None:
+        self.shell = shell
+        self.agents = AgentHandles()
+        self.book = MemoryBook()
+        self.run_name = shell.run.name
+        self.where: dict[Key, tuple[str | None, int | None, str | None]] = {}  # node, pid, why
+        self.gpu: dict[str, str] = {}
+        self.cpu_s: dict[str, float] = {}
+        self.snapshots = collections.deque[SnapshotEntry](maxlen=SNAPSHOTS)
+        self._placed: dict[str, Any] = {}  # actor id -> place, for ranks with no pid reported
+        self._placed_version = -1
+        self._evaluated = 0.0
+        self.snapshots_asked = 0
+        self.bands: dict[int, tuple[float, float]] = {}  # window -> first and last seen open
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the timer (once; from the event loop)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            cfg = self.shell.run.config.memory
+            await asyncio.sleep(pull_every(cfg.sample_s or 1.0))
+            try:
+                await self.pull()
+            except Exception:  # the timer must outlive its own faults
+                log.exception("memory pull failed")
+
+    async def pull(self) -> None:
+        """One watch to every node with ranks of the live run; their samples folded."""
+        run = self.shell.run
+        if run.name != self.run_name:  # a new run: a new book
+            self.book, self.run_name, self.where = MemoryBook(), run.name, {}
+            self.snapshots.clear()
+            self.bands = {}
+        cfg = run.config.memory
+        if not cfg.sample_s or run.lifecycle not in ("configured", "running"):
+            return
+        self._band(run, time.time())
+        by_node = await self._place()
+        got = await asyncio.gather(
+            *(self._watch(n, pids, cfg.sample_s) for n, pids in by_node.items())
+        )
+        pid_key = {pid: key for pids in by_node.values() for pid, key in pids.items()}
+        pid_key.update({rm.pid: k for k, rm in self.book.ranks.items() if rm.pid is not None})
+        for node, reply in zip(by_node, got, strict=True):
+            if reply is not None:
+                self._fold(node, reply, pid_key)
+        now = time.time()
+        if now - self._evaluated >= max(pull_every(cfg.sample_s), cfg.leak_span_s / 20):
+            self._evaluated = now
+            self.book.evaluate(now, cfg.leak_span_s, cfg.leak_min_bytes_per_s)
+            self.shell.metrics.memory(self.marks())
+
+    def _band(self, run: Any, now: float) -> None:
+        """The run's windows as chart bands: when each opened and closed (still open: now)."""
+        for rec in list(run.state.windows.values()):
+            if rec.opened_at is not None:
+                self.bands[rec.window.index] = (rec.opened_at, rec.closed_at or now)
+        while len(self.bands) > SNAPSHOTS:
+            self.bands.pop(min(self.bands))
+
+    async def _place(self) -> dict[str, dict[int, Key]]:
+        """node -> {pid: rank} of the run's ranks; ``where`` says why a rank has no place."""
+        st = self.shell.run.state
+        missing: dict[Key, str] = {}
+        for t in st.trainers.values():
+            for r, h in t.handles.items():
+                rec = st.ranks.get((t.trainer_id, r))
+                if rec is None or rec.pid is None or rec.node_id is None:
+                    aid = actor_id(h)
+                    if aid:
+                        missing[(t.trainer_id, r)] = aid
+        if missing and (
+            st.ranks_version != self._placed_version or set(missing.values()) - set(self._placed)
+        ):
+            loop = asyncio.get_running_loop()
+            self._placed = await loop.run_in_executor(None, place_actors, set(missing.values()))
+            self._placed_version = st.ranks_version
+        by_node: dict[str, dict[int, Key]] = {}
+        for key, rec in st.ranks.items():
+            node, pid, why = rec.node_id, rec.pid, None
+            if key in missing:
+                place = self._placed.get(missing[key])
+                node, pid = (place.node_id, place.pid) if place is not None else (None, None)
+                if place is not None and not place.alive:
+                    why = place.death or "its actor exited"
+            if rec.state == "lost":
+                why = (
+                    str((rec.reason or {}).get("message") or "lost")
+                    if isinstance(rec.reason, dict)
+                    else "lost"
+                )
+            if node is None or pid is None:
+                why = why or "its pid and node are not known yet"
+            self.where[key] = (node, pid, why)
+            if why is None and node is not None and pid is not None:
+                by_node.setdefault(node, {})[pid] = key
+        return by_node
+
+    async def _watch(
+        self, node: str, pids: dict[int, Key], sample_s: float
+    ) -> AgentMemoryReply | None:
+        name = agent_name(node)
+        watch = {"targets": [{"pid": p} for p in sorted(pids)], "sample_s": sample_s}
+        try:
+            agent = await self.agents.get(name)
+            reply: AgentMemoryReply = await asyncio.wait_for(
+                agent.watch_memory.remote(watch), AGENT_TIMEOUT_S
+            )
+            return reply
+        except Exception as exc:
+            self.agents.forget(name)
+            why = (
+                f"no node agent on node {node[:12]}"
+                if isinstance(exc, ValueError)
+                else f"node {node[:12]}'s agent did not answer: {type(exc).__name__}: {exc}"[:300]
+            )
+            for key in pids.values():
+                node_, pid, _ = self.where[key]
+                self.where[key] = (node_, pid, why)
+            return None
+
+    def _fold(self, node: str, reply: AgentMemoryReply, pid_key: dict[int, Key]) -> None:
+        if reply.get("gpu"):
+            self.gpu[node] = str(reply["gpu"])
+        else:
+            self.gpu.pop(node, None)
+        self.cpu_s[node] = float(reply.get("cpu_s") or 0.0)
+        for p in reply.get("processes") or []:
+            key = pid_key.get(p["pid"])
+            if key is None:
+                continue
+            if p["samples"]:
+                self.book.add(key, p["pid"], p["samples"], p.get("error"))
+            if p.get("gone"):
+                self.book.lose(key, str(p["gone"]))
+        for note in reply.get("snapshots") or []:
+            key = pid_key.get(note.get("pid", -1))
+            if key is not None:
+                self.snapshots.append(
+                    {"trainer_id": key[0], "rank": key[1], "on": note["on"],
+                     "path": note.get("path"), "error": note.get("error"),
+                     "at": float(note.get("at") or time.time())}
+                )  # fmt: skip
+
+    async def snapshot(self, ranks: list[int] | None, trainer_id: str | None) -> SnapshotReply:
+        """Ask the run's ranks (``ranks`` of ``trainer_id``: None for all) for a CUDA memory
+        snapshot now, through their node agents; each one notes its file when written."""
+        run = self.shell.run
+        self.snapshots_asked += 1
+        n = self.snapshots_asked
+        by_node = await self._place()
+        trainers = run.state.trainers
+        asked: list[SnapshotAsk] = []
+        calls: dict[str, list[tuple[Key, int, str]]] = {}
+        for key, (node, pid, why) in sorted(self.where.items()):
+            t = trainers.get(key[0])
+            if t is None or (trainer_id is not None and key[0] != trainer_id):
+                continue
+            if ranks is not None and key[1] not in ranks:
+                continue
+            name = f"demand-{n:03d}/{t.role}/rank{key[1]}.memory.pickle"
+            local = t.run_dir and not is_remote(t.run_dir)
+            path = os.path.join(t.run_dir, "memory", name) if local else name  # type: ignore[arg-type]
+            if why is not None or node is None or pid is None or node not in by_node:
+                asked.append(_ask(key, path, why or "not placed"))
+            else:
+                calls.setdefault(node, []).append((key, pid, path))
+        for got in await asyncio.gather(*(self._ask_node(n_, c) for n_, c in calls.items())):
+            asked += got
+        return {"request": n, "ranks": sorted(asked, key=lambda a: (a["trainer_id"], a["rank"]))}
+
+    async def _ask_node(self, node: str, calls: list[tuple[Key, int, str]]) -> list[SnapshotAsk]:
+        name = agent_name(node)
+        try:
+            agent = await self.agents.get(name)
+            req = {"targets": [(pid, path) for _, pid, path in calls]}
+            got = await asyncio.wait_for(agent.request_snapshots.remote(req), AGENT_TIMEOUT_S)
+            by_pid = {g["pid"]: g for g in got}
+        except Exception as exc:
+            self.agents.forget(name)
+            why = f"node {node[:12]}'s agent: {type(exc).__name__}: {exc}"[:300]
+            return [_ask(key, path, why) for key, _, path in calls]
+        return [
+            _ask(key, path, (by_pid.get(pid) or {}).get("reason", "no answer"))
+            for key, pid, path in calls
+        ]
+
+    # ------------------------------------------------------------------ readers
+
+    def _roles(self) -> dict[Key, str]:
+        trainers = self.shell.run.state.trainers
+        return {k: trainers[k[0]].role if k[0] in trainers else "policy" for k in self.book.ranks}
+
+    def marks(self) -> list[MemoryMark]:
+        culprits = self.book.culprits(self._roles())
+        return [
+            {"trainer_id": k[0], "rank": k[1], "bytes_per_min": rm.growth["bytes_per_min"],
+             "since": rm.growth["since"], "culprit": k in culprits}
+            for k, rm in sorted(self.book.ranks.items()) if rm.growth is not None
+        ]  # fmt: skip
+
+    def culprit_lines(self) -> list[str]:
+        roles = self._roles()
+        out = []
+        for m in self.marks():
+            if m["culprit"]:
+                key = (m["trainer_id"], m["rank"])
+                when = time.strftime("%H:%M:%S", time.localtime(m["since"]))
+                out.append(
+                    f"{roles.get(key, 'policy')} rank {m['rank']} grows "
+                    f"{m['bytes_per_min'] / MiB:.1f} MiB/min since {when}; the other ranks of "
+                    "its role stay flat"
+                )
+        return out
+
+    def entry(self) -> MemoryStatusEntry:
+        """``status()["memory"]``."""
+        return {
+            "sample_s": float(self.shell.run.config.memory.sample_s),
+            "sampled_ranks": sum(
+                1 for rm in self.book.ranks.values() if rm.lost is None and rm.last
+            ),
+            "lost_ranks": sum(1 for rm in self.book.ranks.values() if rm.lost is not None),
+            "marked": self.marks(),
+            "culprits": self.culprit_lines(),
+            "snapshots": list(self.snapshots)[-8:],
+        }
+
+    def reply(self, series: bool, trainer_id: str | None) -> MemoryReply:
+        """``memory()``: every rank of the run (of ``trainer_id``), oldest trainer first."""
+        run = self.shell.run
+        cfg = run.config.memory
+        if run.name == self.run_name:
+            self._band(run, time.time())
+        culprits = self.book.culprits(self._roles())
+        ranks = [
+            self._rank_entry(t.trainer_id, t.role, r, series, culprits)
+            for t in run.state.trainers.values()
+            if trainer_id is None or t.trainer_id == trainer_id
+            for r in sorted(set(t.ranks) | set(t.handles))
+        ]
+        return {
+            "run": run.name,
+            "sample_s": float(cfg.sample_s),
+            "leak_span_s": float(cfg.leak_span_s),
+            "leak_min_bytes_per_min": cfg.leak_min_mib_per_min * MiB,
+            "taken_at": time.time(),
+            "ranks": ranks,
+            "culprits": self.culprit_lines(),
+            "windows": [(i, a, b) for i, (a, b) in sorted(self.bands.items())],
+            "gpu": dict(self.gpu),
+            "agent_cpu_s": dict(self.cpu_s),
+            "snapshots": list(self.snapshots),
+        }
+
+    def _rank_entry(
+        self, tid: str, role: str, rank: int, series: bool, culprits: set[Key]
+    ) -> MemoryRankEntry:
+        key = (tid, rank)
+        rm = self.book.ranks.get(key)
+        node, pid, why = self.where.get(key, (None, None, "not placed yet"))
+        last = rm.last if rm is not None else None
+        state = (
+            "lost" if rm is not None and rm.lost is not None
+            else "sampled" if last is not None and why is None
+            else "unreachable" if why is not None and "not known yet" not in why
+            else "waiting"
+        )  # fmt: skip
+        return {
+            "trainer_id": tid, "role": role, "rank": rank, "node_id": node,
+            "pid": rm.pid if rm is not None and rm.pid is not None else pid,
+            "state": state,  # type: ignore[typeddict-item]
+            "reason": (rm.lost if rm is not None and rm.lost else None) or why
+            or (rm.error if rm is not None else None),
+            "rss_bytes": last[1] if last else None, "uss_bytes": last[2] if last else None,
+            "gpu_bytes": last[3] if last else None,
+            "peak_rss_bytes": rm.peak_rss if rm is not None else None,
+            "peak_gpu_bytes": rm.peak_gpu if rm is not None else None,
+            "growth": dict(rm.growth) if rm is not None and rm.growth else None,  # type: ignore[typeddict-item]
+            "culprit": key in culprits, "samples": rm.samples if rm is not None else 0,
+            "last_at": last[0] if last else None,
+            "series": rm.series() if series and rm is not None else None,
+        }  # fmt: skip
+
+
+def _ask(key: Key, path: str, why: str | None) -> SnapshotAsk:
+    return {"trainer_id": key[0], "rank": key[1], "path": path, "asked": why is None, "reason": why}

@@ -1,0 +1,170 @@
+"""The pure memory core: leak marks, the bounded series, culprits, and the config sections."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.memory import EXACT, MAX_BUCKETS, MemoryBook, RankMemory, leak_growth
+
+MiB = 1 << 20
+BASE = 2_000_000_000
+
+
+def series(seconds, rss_at, every=1.0, noise=0.0, seed=0):
+    rng = random.Random(seed)
+    return [
+        (t * every, int(rss_at(t * every) + rng.uniform(-noise, noise)))
+        for t in range(int(seconds / every))
+    ]
+
+
+def grows(points, span=300.0, min_rate=4 * MiB / 60):
+    return leak_growth(points, points[-1][0], span, min_rate)
+
+
+def test_a_steady_leak_is_marked_with_its_rate_and_since():
+    rate = 30 * MiB / 60  # 30 MiB a minute, with 2 MiB of noise on every sample
+    pts = series(600, lambda t: BASE + rate * t, noise=2 * MiB)
+    per_min, since = grows(pts)
+    assert per_min == pytest.approx(30 * MiB, rel=0.05)
+    assert since == pytest.approx(pts[-1][0] - 300, abs=1.0)
+
+
+def test_a_staircase_leak_is_still_steady():
+    # 8 MiB every 20 s (one epoch's cache never freed): a leak, not a one-off rise
+    pts = series(600, lambda t: BASE + 8 * MiB * (t // 20))
+    assert grows(pts)[0] == pytest.approx(24 * MiB, rel=0.15)
+
+
+@pytest.mark.parametrize("rise_at", [350, 420, 500, 590])
+def test_a_rise_that_happens_once_and_stays_is_not_a_leak(rise_at):
+    pts = series(600, lambda t: BASE + (800 * MiB if t >= rise_at else 0), noise=MiB)
+    assert grows(pts) is None
+
+
+def test_a_flat_noisy_run_and_a_slow_drift_are_not_marked():
+    assert grows(series(600, lambda t: BASE, noise=20 * MiB)) is None
+    assert grows(series(600, lambda t: BASE + 1 * MiB / 60 * t)) is None  # under 4 MiB/min
+
+
+def test_too_few_samples_or_too_short_a_span_say_nothing():
+    assert grows(series(100, lambda t: BASE + MiB * t)) is None  # 100 s of a 300 s span
+    assert grows([(0.0, BASE), (300.0, BASE + 300 * MiB)]) is None
+
+
+def test_growth_that_stopped_a_while_ago_is_no_longer_marked():
+    pts = series(900, lambda t: BASE + 2 * MiB * min(t, 400))
+    assert grows(pts) is None  # the last 300 s are flat
+
+
+@given(st.integers(0, 10_000), st.floats(-1e9, 1e9), st.floats(0, 1e8))
+def test_a_rate_found_is_at_least_the_minimum(seed, slope, noise):
+    pts = series(400, lambda t: BASE + slope * t, noise=noise, seed=seed)
+    found = grows(pts)
+    assert found is None or found[0] >= 4 * MiB - 1e-6
+
+
+def test_a_rank_s_series_stays_bounded_over_a_week_and_keeps_its_peak():
+    rm = RankMemory()
+    day = 86_400
+    for start in range(0, 7 * day, 5):
+        rm.add(1, [(float(t), BASE + (t % 1000), None, None) for t in range(start, start + 5)])
+    rm.add(1, [(7.0 * day, BASE + 10 * MiB, None, 5 * MiB)])
+    assert len(rm.exact) <= 8 * EXACT and len(rm.buckets) <= MAX_BUCKETS
+    assert rm.peak_rss == BASE + 10 * MiB and rm.peak_gpu == 5 * MiB
+    assert rm.samples == 7 * day + 1
+    pts = rm.series(600)
+    assert len(pts) == 600 and max(v for _, v in pts) == BASE + 10 * MiB
+    assert pts[0][0] < day  # the series reaches back to the run's start
+
+
+def test_samples_out_of_order_or_twice_are_folded_once():
+    rm = RankMemory()
+    rm.add(7, [(1.0, 10, None, None), (2.0, 20, None, None)])
+    rm.add(7, [(2.0, 20, None, None), (1.5, 99, None, None), (3.0, 30, None, None)])
+    assert rm.samples == 3 and rm.points() == [(1.0, 10.0), (2.0, 20.0), (3.0, 30.0)]
+
+
+def test_a_restarted_rank_starts_its_leak_span_again():
+    book = MemoryBook()
+    key = ("t", 0)
+    book.add(key, 100, [(float(t), BASE + MiB * t, None, None) for t in range(400)], None)
+    book.evaluate(399.0, 300.0, 4 * MiB / 60)
+    assert book.ranks[key].growth is not None
+    book.add(key, 200, [(400.0, BASE, None, None)], None)  # a new process: memory back down
+    assert book.ranks[key].growth is None and book.ranks[key].pid == 200
+
+
+def test_a_mark_keeps_its_since_and_a_lost_rank_loses_its_mark():
+    book = MemoryBook()
+    key = ("t", 0)
+    book.add(key, 1, [(float(t), BASE + MiB * t, None, None) for t in range(400)], None)
+    book.evaluate(399.0, 300.0, 4 * MiB / 60)
+    since = book.ranks[key].growth["since"]
+    book.add(key, 1, [(float(t), BASE + MiB * t, None, None) for t in range(400, 500)], None)
+    book.evaluate(499.0, 300.0, 4 * MiB / 60)
+    assert book.ranks[key].growth["since"] == since
+    book.lose(key, "the process exited")
+    book.evaluate(499.0, 300.0, 4 * MiB / 60)
+    assert book.ranks[key].growth is None and book.ranks[key].lost == "the process exited"
+
+
+def _book(growing, flat, role="policy"):
+    book, roles = MemoryBook(), {}
+    for r in range(growing + flat):
+        rate = MiB if r < growing else 0
+        book.add(
+            ("t", r), 100 + r, [(float(t), BASE + rate * t, None, None) for t in range(400)], None
+        )
+        roles[("t", r)] = role
+    book.evaluate(399.0, 300.0, 4 * MiB / 60)
+    return book, roles
+
+
+def test_one_rank_growing_while_the_other_stays_flat_is_the_culprit():
+    book, roles = _book(1, 1)
+    assert book.culprits(roles) == {("t", 0)}
+
+
+def test_every_rank_growing_names_no_culprit():
+    book, roles = _book(2, 0)
+    assert book.culprits(roles) == set()
+    assert all(rm.growth is not None for rm in book.ranks.values())
+
+
+def test_two_of_eight_growing_are_both_culprits_and_five_of_eight_none():
+    assert _book(2, 6)[0].culprits(_book(2, 6)[1]) == {("t", 0), ("t", 1)}
+    assert _book(5, 3)[0].culprits(_book(5, 3)[1]) == set()
+
+
+@pytest.mark.parametrize(
+    ("section", "match"),
+    [
+        ({"memory": None}, "'memory' must be a mapping"),
+        ({"memory": {"sample_s": None}}, "'memory.sample_s' must be a number"),
+        ({"memory": {"sample_s": 0.01}}, "0 \\(off\\) or at least 0.05"),
+        ({"memory": {"leak_span_s": 3, "sample_s": 1}}, "must cover at least 8 samples"),
+        ({"memory": {"leak_min_mib_per_min": -1}}, "leak_min_mib_per_min"),
+        ({"memory": {"sampel_s": 1}}, "did you mean 'sample_s'"),
+        ({"memory_snapshot": {"on": ["never"]}}, "'memory_snapshot.on' must be a list"),
+        ({"memory_snapshot": {"max_entries": 10**9}}, "an int in 1..10000000"),
+        ({"memory_snapshot": {"stacks": None}}, "'memory_snapshot.stacks' must be one of"),
+    ],
+)
+def test_bad_memory_config_is_refused_by_name(section, match):
+    with pytest.raises(ValueError, match=match):
+        ProfilerConfig.from_dict(section)
+
+
+def test_memory_config_round_trips_and_defaults_sample_every_second():
+    cfg = ProfilerConfig.from_dict(
+        {"memory": {"sample_s": 0, "leak_span_s": 60}, "memory_snapshot": {"on": "oom"}}
+    )
+    again = ProfilerConfig.from_dict(cfg.to_dict())
+    assert again.memory == cfg.memory and again.memory_snapshot.on == ["oom"]
+    assert ProfilerConfig().memory.sample_s == 1.0 and ProfilerConfig().memory_snapshot.on == []

@@ -1,0 +1,154 @@
+"""Memory across ranks on real runs: two Ray ranks, their node agent sampling them out of
+process. One rank leaks host memory at a known rate: it alone is marked, with its rate within
+30% of the truth, and named the culprit; a run whose memory rises once and stays gets no mark."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+from coordinator.ops.cli import main as cli_main
+from tests.configs import profiler_config
+from trainers.hooks import ProfilingHooks
+
+MiB = 1 << 20
+RATE = 3 * MiB  # bytes a second: 180 MiB a minute
+SPAN_S = 10.0
+MEMORY = {"sample_s": 0.2, "leak_span_s": SPAN_S, "leak_min_mib_per_min": 20}
+
+
+@pytest.fixture(scope="module")
+def leaky(ray_session):
+    from tests.ray_workers import LeakyWorker
+
+    workers = [ray_session.remote(num_cpus=0)(LeakyWorker).remote() for _ in range(2)]
+    ray_session.get([w.pid.remote() for w in workers])
+    yield workers
+    for w in workers:
+        ray_session.kill(w)
+
+
+def train(ray, hooks, workers, seconds, rates, rise=(0, 0)):
+    step, t0 = 0, time.monotonic()
+    with hooks.session(first_step=0):
+        while time.monotonic() - t0 < seconds:
+            ray.get(
+                [w.leaky_step.remote(r, s) for w, r, s in zip(workers, rates, rise, strict=True)]
+            )
+            hooks.step(step)
+            step += 1
+        return ray.get(hooks.coordinator.memory.remote(series=True))
+
+
+def attach(ray, workers, tmp_path):
+    ray.get([w.reset.remote() for w in workers])  # (before the hooks configure them)
+    cfg = profiler_config(tmp_path, wait=10, warmup=1, active=2, repeat=1, memory=MEMORY)
+    name = f"profiler-{uuid.uuid4().hex[:8]}"
+    return ProfilingHooks.attach(cfg, workers, trainer_id="sft", name=name), name
+
+
+def test_the_leaking_rank_alone_is_marked_with_its_rate(ray_session, leaky, tmp_path, capsys):
+    ray = ray_session
+    hooks, name = attach(ray, leaky, tmp_path)
+    try:
+        m = train(ray, hooks, leaky, SPAN_S * 1.8, rates=(0, RATE))
+        by_rank = {r["rank"]: r for r in m["ranks"]}
+        assert [r["state"] for r in m["ranks"]] == ["sampled", "sampled"], m["ranks"]
+        assert by_rank[0]["growth"] is None, by_rank[0]
+        growth = by_rank[1]["growth"]
+        assert growth is not None, [(r["rank"], r["series"][-5:]) for r in m["ranks"]]
+        assert growth["bytes_per_min"] == pytest.approx(RATE * 60, rel=0.3)
+        assert by_rank[1]["culprit"] and not by_rank[0]["culprit"]
+        assert m["culprits"] == [m["culprits"][0]] and "rank 1 grows" in m["culprits"][0]
+        assert by_rank[1]["peak_rss_bytes"] >= by_rank[1]["rss_bytes"] > by_rank[0]["rss_bytes"]
+        assert len(by_rank[1]["series"]) > 30 and m["windows"], m["windows"]
+        st = ray.get(hooks.coordinator.status.remote())
+        assert [r["state"] for r in st["ranks"]] == ["ok", "ok"]
+        assert [w["steps"] for w in st["windows"]] == [[11, 12]]
+        assert [(k["rank"], k["culprit"]) for k in st["memory"]["marked"]] == [(1, True)]
+        assert cli_main(["--name", name, "--namespace", "profiler", "memory"]) == 0
+        table = capsys.readouterr().out
+        assert "leak: policy rank 1 grows" in table and "<- culprit" in table
+        assert cli_main(["--name", name, "--namespace", "profiler", "memory", "--json"]) == 0
+        public = json.loads(capsys.readouterr().out)
+        public_keys = {"trainer_id", "rank", "rss_bytes", "peak_rss_bytes", "growth"}
+        assert public_keys <= set(public["ranks"][0])
+        print(table)
+        chart_in_a_browser(hooks.coordinator, name, tmp_path)
+    finally:
+        ray.kill(hooks.coordinator)
+
+
+def test_a_rise_that_stays_and_a_steady_rank_get_no_mark(ray_session, leaky, tmp_path):
+    ray = ray_session
+    hooks, name = attach(ray, leaky, tmp_path)
+    try:
+        m = train(ray, hooks, leaky, SPAN_S * 1.8, rates=(0, 0), rise=(0, 200 * MiB))
+        assert [r["state"] for r in m["ranks"]] == ["sampled", "sampled"], m["ranks"]
+        assert [r["growth"] for r in m["ranks"]] == [None, None], m["ranks"]
+        assert m["culprits"] == []
+        by_rank = {r["rank"]: r for r in m["ranks"]}
+        assert by_rank[1]["peak_rss_bytes"] > by_rank[0]["peak_rss_bytes"] + 150 * MiB
+    finally:
+        ray.kill(hooks.coordinator)
+
+
+def test_a_rank_whose_process_dies_is_marked_lost_and_keeps_its_peak(ray_session, tmp_path):
+    from tests.ray_workers import LeakyWorker
+
+    ray = ray_session
+    workers = [ray.remote(num_cpus=0, max_restarts=0)(LeakyWorker).remote() for _ in range(2)]
+    hooks, _ = attach(ray, workers, tmp_path)
+    try:
+        with hooks.session(first_step=0):
+            for step in range(20):
+                ray.get([w.leaky_step.remote(0) for w in workers])
+                hooks.step(step)
+            ray.kill(workers[1])
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # the run goes on with rank 0
+                ray.get(workers[0].leaky_step.remote(0))
+                step += 1
+                hooks.step(step)
+                m = ray.get(hooks.coordinator.memory.remote())
+                dead = m["ranks"][1]
+                if dead["state"] in ("lost", "unreachable"):
+                    break
+        assert dead["state"] in ("lost", "unreachable"), dead
+        assert dead["peak_rss_bytes"] and dead["reason"]
+        assert m["ranks"][0]["state"] == "sampled"
+    finally:
+        ray.kill(hooks.coordinator)
+        for w in workers:
+            ray.kill(w)
+
+
+def chart_in_a_browser(coord, name, tmp_path):
+    """The run page in Chromium: the policy role's memory chart, a line a rank, the window as a
+    band, the culprit named above it."""
+    from coordinator.ops.web.server import CoordinatorLink
+    from tests.test_web import ServerThread, chromium_browser, screenshot, wait_js
+
+    web = ServerThread(CoordinatorLink(name, "profiler", coord))
+    try:
+        status, m = web.http("GET", "/api/memory")
+        assert status == 200 and len(m["ranks"][1]["series"]) > 30
+        with chromium_browser() as browser:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(web.url + "/")
+            chart = "document.querySelector('.memory-chart[data-role=policy]')?.chart"
+            wait_js(page, f"{chart}?.data?.datasets?.length === 2", 30)
+            labels = page.evaluate(f"{chart}.data.datasets.map(d => d.label)")
+            assert labels[0] == "rank 0" and labels[1].startswith("rank 1 +")
+            assert labels[1].endswith("(culprit)")
+            assert page.evaluate(f"{chart}.config.options.plugins.memoryBands.windows.length") == 1
+            assert "leak: policy rank 1 grows" in page.inner_text("#memory")
+            screenshot(page, tmp_path, "memory.png")
+        assert errors == []
+    finally:
+        web.close()

@@ -1,0 +1,269 @@
+"""The node agent's memory sampler against real processes, and a rank's CUDA memory snapshots
+with torch's CUDA memory functions replaced (this machine has no GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from coordinator.core.memory_config import MemorySnapshot
+from worker_ext.agent import memory_sampler
+from worker_ext.agent.memory_sampler import (
+    MemorySampler,
+    ask_for_snapshot,
+    check_snapshot_request,
+    check_watch,
+    memory_dir,
+)
+
+MiB = 1 << 20
+LEAKER = textwrap.dedent(
+    """
+    import sys, time
+    keep, rate, t0 = [], int(sys.argv[1]), time.monotonic()
+    print("ready", flush=True)
+    while True:
+        time.sleep(0.05)
+        due = int(rate * (time.monotonic() - t0)) - sum(len(b) for b in keep)
+        if due > 0:
+            keep.append(b"x" * due)  # touched: resident, not just reserved
+    """
+)
+
+
+@pytest.fixture(autouse=True)
+def private_dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_PROFILER_STACKS_DIR", str(tmp_path / "stacks"))
+
+
+def child(rate):
+    p = subprocess.Popen([sys.executable, "-c", LEAKER, str(rate)], stdout=subprocess.PIPE)
+    assert p.stdout.readline().strip() == b"ready"
+    return p
+
+
+@pytest.mark.subprocess
+def test_a_leaking_process_is_sampled_out_of_process_and_its_exit_is_said():
+    leak, flat = child(8 * MiB), child(0)
+    sampler = MemorySampler("node-a")
+    try:
+        watch = {"targets": [{"pid": leak.pid}, {"pid": flat.pid}], "sample_s": 0.1}
+        first = sampler.watch(watch)
+        time.sleep(2.0)
+        got = {p["pid"]: p for p in sampler.watch(watch)["processes"]}
+        a, b = got[leak.pid]["samples"], got[flat.pid]["samples"]
+        assert len(a) >= 8 and len(b) >= 8
+        rate = (a[-1][1] - a[0][1]) / (a[-1][0] - a[0][0])
+        assert 4 * MiB < rate < 14 * MiB  # the truth: 8 MiB a second
+        assert abs(b[-1][1] - b[0][1]) < 2 * MiB
+        assert all(s[2] is not None and s[2] <= s[1] for s in a)  # unique <= resident
+        assert first["gpu"] is None or "NVML" in first["gpu"]
+        leak.kill()
+        leak.wait()
+        time.sleep(0.5)
+        gone = {p["pid"]: p for p in sampler.watch(watch)["processes"]}
+        assert "exited" in gone[leak.pid]["gone"] and gone[flat.pid]["gone"] is None
+        reply = sampler.watch({"targets": [{"pid": flat.pid}], "sample_s": 0.1})
+        assert [p["pid"] for p in reply["processes"]] == [flat.pid]
+        assert reply["sampled"] > 16 and reply["cpu_s"] > 0
+    finally:
+        for p in (leak, flat):
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.subprocess
+def test_psutil_refused_by_the_os_is_said_and_resident_memory_still_sampled(monkeypatch):
+    proc = child(0)
+    try:
+
+        def refused(self):
+            raise psutil.AccessDenied(self.pid, "injected")
+
+        monkeypatch.setattr(psutil.Process, "memory_full_info", refused)
+        sampler = MemorySampler("node-a")
+        watch = {"targets": [{"pid": proc.pid}], "sample_s": 0.1}
+        sampler.watch(watch)
+        time.sleep(0.6)
+        (p,) = sampler.watch(watch)["processes"]
+        assert p["samples"] and all(s[1] > 0 and s[2] is None for s in p["samples"])
+        assert "psutil refused by the OS" in p["error"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_pid_that_is_not_there_is_gone_at_once():
+    sampler = MemorySampler("node-a")
+    dead = 2**22 + 12345  # above pid_max on this machine's default
+    (p,) = sampler.watch({"targets": [{"pid": dead}], "sample_s": 1.0})["processes"]
+    assert p["samples"] == [] and "NoSuchProcess" in p["gone"]
+
+
+def test_no_nvml_is_said_not_raised():
+    gpu = memory_sampler.GpuMemory()
+    assert gpu.by_pid() == {}
+    assert gpu.problem is not None and "NVML" in gpu.problem  # this machine has none
+
+
+@pytest.mark.parametrize(
+    "watch",
+    [None, {"targets": None, "sample_s": 1}, {"targets": [], "sample_s": 0},
+     {"targets": [{"pid": -1}], "sample_s": 1}, {"targets": [{"pid": True}], "sample_s": 1}],
+)  # fmt: skip
+def test_a_bad_watch_is_refused_by_name(watch):
+    with pytest.raises(ValueError):
+        check_watch(watch)
+
+
+@pytest.mark.parametrize(
+    "target",
+    [(1, "/etc/passwd"), (1, "x/../../y.memory.pickle"), ("1", "/a.memory.pickle"),
+     (1, "/a\n.memory.pickle")],
+)  # fmt: skip
+def test_a_snapshot_request_names_only_snapshot_files(target):
+    with pytest.raises(ValueError):
+        check_snapshot_request({"targets": [target]})
+
+
+def test_a_relative_snapshot_path_lands_in_the_node_s_memory_dir():
+    (got,) = check_snapshot_request({"targets": [(5, "demand-001/policy/rank0.memory.pickle")]})
+    assert got == (5, str(memory_dir() / "snapshots" / "demand-001/policy/rank0.memory.pickle"))
+
+
+def test_a_process_with_no_demand_pipe_is_not_asked():
+    why = ask_for_snapshot(os.getpid(), "/tmp/x.memory.pickle")
+    assert "no demand pipe" in why
+
+
+# ---------------------------------------------------------------- CUDA snapshots (mocked)
+
+
+class FakeCudaMemory:
+    """torch.cuda.memory's history and snapshot calls, replaced: the only mocking here."""
+
+    def __init__(self, fail_dump=False):
+        self.history, self.dumps, self.fail_dump = [], [], fail_dump
+
+    def _record_memory_history(self, enabled="all", **kw):
+        self.history.append((enabled, kw))
+
+    def _dump_snapshot(self, path):
+        if self.fail_dump:
+            raise RuntimeError("injected: disk full")
+        with open(path, "wb") as f:
+            f.write(b"snapshot")
+        self.dumps.append(path)
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    import torch
+
+    from worker_ext.rank import memory_snapshot
+
+    fake = FakeCudaMemory()
+    observers = []
+    monkeypatch.setattr(memory_snapshot, "_cuda_memory", lambda: fake)
+    monkeypatch.setattr(
+        torch._C, "_cuda_attach_out_of_memory_observer", observers.append, raising=False
+    )
+    monkeypatch.setattr(memory_snapshot, "_state", {})
+    fake.observers = observers
+    yield fake
+
+
+def notes():
+    path = memory_dir() / f"{os.getpid()}.snapshots.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_window_snapshot_is_written_beside_the_trace_and_history_stops_after(cuda, tmp_path):
+    from worker_ext.rank.memory_snapshot import MemorySnapshots
+
+    cfg = MemorySnapshot(on=["window"], max_entries=5000, stacks="all").validate()
+    snaps = MemorySnapshots(cfg, "cuda", 3, str(tmp_path))
+    assert cuda.history == []  # nothing recorded between windows
+    snaps.window_started()
+    path = snaps.window_ended(str(tmp_path / "window_0000_steps_1-2" / "policy"))
+    assert path == str(tmp_path / "window_0000_steps_1-2" / "policy" / "rank3.memory.pickle")
+    assert Path(path).read_bytes() == b"snapshot"
+    assert cuda.history == [
+        ("all", {"context": "all", "stacks": "all", "max_entries": 5000}),
+        (None, {}),
+    ]
+    assert notes()[-1]["on"] == "window" and notes()[-1]["path"] == path
+    assert [n for n in os.listdir(os.path.dirname(path)) if n.endswith(".tmp")] == []
+
+
+def test_a_cpu_rank_never_touches_cuda_memory(cuda, tmp_path):
+    from worker_ext.rank.memory_snapshot import MemorySnapshots
+
+    cfg = MemorySnapshot(on=["window", "oom", "demand"]).validate()
+    snaps = MemorySnapshots(cfg, "cpu", 0, str(tmp_path))
+    snaps.window_started()
+    assert snaps.window_ended(str(tmp_path)) is None
+    assert cuda.history == [] and cuda.observers == []
+
+
+def test_an_oom_writes_its_snapshot_before_the_error_goes_on_and_notes_it(cuda, tmp_path):
+    from worker_ext.rank.memory_snapshot import MemorySnapshots
+
+    cfg = MemorySnapshot(on=["oom"], stacks="none").validate()
+    MemorySnapshots(cfg, "cuda", 1, str(tmp_path), role="rollout")
+    assert cuda.history == [("all", {"context": None, "stacks": "python", "max_entries": 100_000})]
+    (observer,) = cuda.observers
+    observer(0, 2 << 30, 70 << 30, 1 << 20)  # what the allocator calls, then raises its OOM
+    (path,) = cuda.dumps and [n["path"] for n in notes() if n["on"] == "oom"]
+    assert path.startswith(str(tmp_path / "memory" / "rollout" / "rank1.oom-"))
+    assert os.path.exists(path)
+
+
+def test_a_snapshot_that_fails_to_write_is_noted_and_never_raised(cuda, tmp_path):
+    from worker_ext.rank.memory_snapshot import MemorySnapshots
+
+    cuda.fail_dump = True
+    snaps = MemorySnapshots(
+        MemorySnapshot(on=["window", "oom"]).validate(), "cuda", 0, str(tmp_path)
+    )
+    snaps.window_started()
+    assert snaps.window_ended(str(tmp_path / "w")) is None
+    cuda.observers[0](0, 1, 2, 3)
+    failed = [n for n in notes() if n["error"]]
+    assert [n["on"] for n in failed] == ["window", "oom"]
+    assert all("injected: disk full" in n["error"] for n in failed)
+    assert not any(name.endswith(".tmp") for name in os.listdir(tmp_path / "w"))
+
+
+def test_a_snapshot_on_demand_comes_through_the_pipe_and_its_note_reaches_the_agent(cuda, tmp_path):
+    from worker_ext.rank.memory_snapshot import MemorySnapshots
+
+    MemorySnapshots(MemorySnapshot(on=["demand"]).validate(), "cuda", 2, str(tmp_path))
+    sampler = MemorySampler("node-a")
+    target = str(tmp_path / "memory" / "demand-001" / "policy" / "rank2.memory.pickle")
+    assert ask_for_snapshot(os.getpid(), target) is None
+    deadline = time.monotonic() + 10
+    while not os.path.exists(target) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.1)
+    got = sampler.watch({"targets": [{"pid": os.getpid()}], "sample_s": 1.0})["snapshots"]
+    assert [(n["on"], n["path"], n["pid"]) for n in got] == [("demand", target, os.getpid())]
+    assert sampler.watch({"targets": [], "sample_s": 1.0})["snapshots"] == []  # read once
+
+
+@pytest.mark.parametrize("stacks", ["python", "all", "none"])
+def test_max_entries_and_stacks_reach_torch(cuda, tmp_path, stacks):
+    from worker_ext.rank.memory_snapshot import MemorySnapshots
+
+    cfg = MemorySnapshot(on=["demand"], max_entries=10_000_000, stacks=stacks).validate()
+    MemorySnapshots(cfg, "cuda", 0, str(tmp_path))
+    ((enabled, kw),) = cuda.history
+    assert kw["max_entries"] == 10_000_000 and (kw["context"] is None) == (stacks == "none")

@@ -1,0 +1,316 @@
+"""The node agent's memory sampler: each rank process's memory, out of process, about once a
+second, on a thread of the agent's own (never a training process's).
+
+Per process: resident memory (``psutil``'s ``memory_info().rss``, 10 us), unique memory
+(``memory_full_info().uss``: it reads ``/proc/<pid>/smaps``, about 1.4 ms for a process with
+torch loaded, so only every ``USS_EVERY``-th sample) and, where NVML answers, the GPU memory
+the process holds on every device. The coordinator sends a ``MemoryWatch`` now and then (which
+processes, how often) and takes back what was sampled since the last one; the samples wait in a
+bounded buffer per process. With no watch for ``STALE_S`` the thread stops by itself.
+
+CUDA memory snapshots the node's ranks wrote are noted beside them (``snapshot_notes``): each
+watch carries the notes new since the last.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from coordinator.protocol.memory_replies import (
+    AgentMemoryReply,
+    MemoryWatch,
+    ProcessSamples,
+    SnapshotNote,
+)
+from worker_ext.agent.stack_reader import process_exited, stacks_dir
+
+USS_EVERY = 10
+BUFFER = 3600  # samples kept per process between two watches
+STALE_S = 120.0
+MAX_TARGETS = 4096
+MAX_NOTES = 256  # snapshot notes a watch carries
+
+
+def memory_dir() -> Path:
+    """Where this node's ranks leave their snapshot notes and demand pipes: a folder of the
+    stack dumps' (``stacks_dir``), made private to the user."""
+    return stacks_dir() / "memory"
+
+
+class GpuMemory:
+    """Each process's GPU memory on this node through NVML (``pynvml``, else Ray's own copy)."""
+
+    def __init__(self) -> None:
+        self.problem: str | None = None
+        self._nvml: Any = None
+        self._devices: list[Any] = []
+        try:
+            try:
+                import pynvml  # type: ignore[import-not-found,unused-ignore]
+            except ImportError:
+                from ray._private.thirdparty import pynvml  # type: ignore[no-redef,unused-ignore]
+            pynvml.nvmlInit()
+            self._devices = [
+                pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())
+            ]
+            self._nvml = pynvml
+            if not self._devices:
+                self.problem = "NVML sees no GPU on this node"
+        except Exception as exc:
+            self.problem = f"no NVML: {type(exc).__name__}: {exc}"[:300]
+
+    def by_pid(self) -> dict[int, int]:
+        """Bytes of GPU memory per pid, over every device (empty with no NVML)."""
+        out: dict[int, int] = {}
+        for dev in self._devices:
+            try:
+                procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(dev)
+            except Exception as exc:
+                self.problem = f"NVML failed: {type(exc).__name__}: {exc}"[:300]
+                continue
+            for p in procs:
+                used = getattr(p, "usedGpuMemory", None)
+                if isinstance(used, int):
+                    out[p.pid] = out.get(p.pid, 0) + used
+        return out
+
+
+class MemorySampler:
+    """See the module docstring. ``watch`` is called from the agent's event loop (it never
+    blocks on a sample); the samples are taken on the sampler's thread."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self._lock = threading.Lock()
+        self._procs: dict[int, Any] = {}  # pid -> psutil.Process
+        self._buffers: dict[int, collections.deque[Any]] = {}
+        self._gone: dict[int, str] = {}
+        self._errors: dict[int, str] = {}
+        self._uss: dict[int, int | None] = {}
+        self._interval = 1.0
+        self._watched_at = 0.0
+        self._thread: threading.Thread | None = None
+        self._gpu: GpuMemory | None = None
+        self._cpu_s = 0.0
+        self._sampled = 0
+        self._ticks = 0
+        self._notes: dict[Path, int] = {}  # snapshot note file -> bytes read
+
+    def watch(self, w: MemoryWatch) -> AgentMemoryReply:
+        """Sample ``w``'s processes from now on; what was sampled since the last watch."""
+        import psutil  # type: ignore[import-untyped,unused-ignore]
+
+        pids = {int(t["pid"]) for t in w["targets"][:MAX_TARGETS]}
+        with self._lock:
+            self._interval, self._watched_at = float(w["sample_s"]), time.monotonic()
+            for pid in pids - set(self._procs) - set(self._gone):
+                try:
+                    self._procs[pid] = psutil.Process(pid)
+                    self._buffers[pid] = collections.deque(maxlen=BUFFER)
+                except Exception as exc:  # no such process, or not ours to see
+                    self._gone[pid] = f"{type(exc).__name__}: {exc}"[:300]
+            for pid in set(self._procs) - pids:  # no longer a rank of a live run
+                self._drop(pid)
+            out = [
+                self._drain(pid) for pid in sorted(pids) if pid in self._procs or pid in self._gone
+            ]
+            for pid in [p for p in self._gone if p not in pids]:
+                self._gone.pop(pid)
+            self._start()
+        gpu = self._gpu.problem if self._gpu is not None else None
+        return {
+            "node": self.node,
+            "processes": out,
+            "gpu": gpu,
+            "cpu_s": round(self._cpu_s, 4),
+            "sampled": self._sampled,
+            "snapshots": self._read_notes(),
+        }
+
+    def _drain(self, pid: int) -> ProcessSamples:
+        buf = self._buffers.get(pid)
+        samples = list(buf) if buf is not None else []
+        if buf is not None:
+            buf.clear()
+        gone = self._gone.get(pid)
+        if gone is not None and pid in self._procs:
+            self._drop(pid)
+        return {"pid": pid, "samples": samples, "gone": gone, "error": self._errors.get(pid)}
+
+    def _drop(self, pid: int) -> None:
+        self._procs.pop(pid, None)
+        self._buffers.pop(pid, None)
+        self._errors.pop(pid, None)
+        self._uss.pop(pid, None)
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="profiler-memory", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        if self._gpu is None:
+            self._gpu = GpuMemory()
+        while True:
+            with self._lock:
+                if time.monotonic() - self._watched_at > max(STALE_S, 10 * self._interval):
+                    self._procs.clear()
+                    self._buffers.clear()
+                    self._thread = None
+                    return  # nobody asks any more: the next watch starts it again
+                interval = self._interval
+            c0 = time.thread_time()
+            self.sample_once()
+            self._cpu_s += time.thread_time() - c0
+            time.sleep(interval)
+
+    def sample_once(self) -> None:
+        """One sample of every watched process (its faults are noted, never raised)."""
+        import psutil  # type: ignore[import-untyped,unused-ignore]
+
+        gpu = self._gpu.by_pid() if self._gpu is not None and self._gpu._devices else {}
+        self._ticks += 1
+        with self._lock:
+            procs = list(self._procs.items())
+        for pid, proc in procs:
+            t = time.time()
+            try:
+                rss = int(proc.memory_info().rss)
+                uss = self._uss.get(pid)
+                if (self._ticks - 1) % USS_EVERY == 0 or pid not in self._uss:
+                    try:
+                        uss = int(proc.memory_full_info().uss)
+                        self._errors.pop(pid, None)
+                    except psutil.AccessDenied as exc:
+                        uss, self._errors[pid] = None, f"psutil refused by the OS: {exc}"[:300]
+                    self._uss[pid] = uss
+            except (psutil.NoSuchProcess, psutil.ZombieProcess) as exc:
+                with self._lock:
+                    self._gone.setdefault(pid, f"the process exited ({type(exc).__name__})")
+                continue
+            except Exception as exc:  # psutil refused by the OS: said, the others go on
+                self._errors[pid] = f"{type(exc).__name__}: {exc}"[:300]
+                continue
+            with self._lock:
+                buf = self._buffers.get(pid)
+                if buf is not None:
+                    buf.append((round(t, 3), rss, uss, gpu.get(pid)))
+                    self._sampled += 1
+
+    def _read_notes(self) -> list[SnapshotNote]:
+        """Snapshot notes new since the last read (``<pid>.snapshots.jsonl``, of any process:
+        a rank killed by its OOM leaves its note behind); the files of exited processes go
+        once read."""
+        out: list[Any] = []
+        paths: list[Path] = []
+        with contextlib.suppress(OSError):
+            paths = sorted(memory_dir().glob("*.snapshots.jsonl"))
+            for pipe in memory_dir().glob("*.mem"):  # demand pipes of ranks killed outright
+                if pipe.stem.isdigit() and process_exited(int(pipe.stem)):
+                    pipe.unlink()
+        for path in paths:
+            pid = path.name.partition(".")[0]
+            if not pid.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                out += _notes(path, self._notes, int(pid))
+                if process_exited(int(pid)):
+                    path.unlink()
+                    self._notes.pop(path, None)
+        return out[-MAX_NOTES:]
+
+
+def _notes(path: Path, read: dict[Path, int], pid: int) -> list[Any]:
+    done = read.get(path, 0)
+    if path.stat().st_size <= done:
+        return []
+    with open(path, "rb") as f:
+        f.seek(done)
+        data = f.read(1 << 20)
+    end = data.rfind(b"\n") + 1
+    read[path] = done + end
+    out = []
+    for line in data[:end].splitlines():
+        with contextlib.suppress(ValueError):
+            note = json.loads(line)
+            if isinstance(note, dict) and note.get("on") in ("window", "oom", "demand"):
+                out.append({**note, "pid": pid})
+    return out
+
+
+def note_snapshot(on: str, path: str | None, error: str | None) -> None:
+    """In a rank: say that a snapshot was written (or why not), for the node agent to pick up
+    (``MemorySampler`` reads ``<pid>.snapshots.jsonl``); never raises."""
+    with contextlib.suppress(Exception):
+        folder = memory_dir()
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        note = {"on": on, "path": path, "error": error, "at": round(time.time(), 3)}
+        with open(folder / f"{os.getpid()}.snapshots.jsonl", "a") as f:
+            f.write(json.dumps(note) + "\n")
+
+
+def demand_pipe(pid: int | None = None) -> str:
+    """The named pipe a rank reads on-demand snapshot paths from."""
+    return str(memory_dir() / f"{pid or os.getpid()}.mem")
+
+
+def ask_for_snapshot(pid: int, path: str) -> str | None:
+    """In the node agent: ask process ``pid`` for a snapshot to ``path``; why not, or None."""
+    fifo = demand_pipe(pid)
+    if not os.path.exists(fifo):
+        return "it has no demand pipe (not a CUDA rank, or 'demand' not in memory_snapshot.on)"
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            os.write(fd, (path + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return f"its pipe refused: {exc}"
+    return None
+
+
+def check_watch(watch: object) -> None:
+    """ValueError naming what is wrong with a ``MemoryWatch``."""
+    if not isinstance(watch, dict) or not isinstance(watch.get("targets"), list):
+        raise ValueError(f"a memory watch must be a dict with a 'targets' list, got {watch!r:.80}")
+    s = watch.get("sample_s")
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.05 <= s <= 3600:
+        raise ValueError(f"sample_s must be a number in 0.05..3600, got {s!r:.80}")
+    for t in watch["targets"][:MAX_TARGETS]:
+        pid = t.get("pid") if isinstance(t, dict) else None
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+            raise ValueError(f"a memory target must be {{'pid': int > 0}}, got {t!r:.80}")
+
+
+def check_snapshot_request(req: object) -> list[tuple[int, str]]:
+    """A ``SnapshotRequest``'s targets, checked: each path must end ``.memory.pickle``."""
+    targets = req.get("targets") if isinstance(req, dict) else None
+    if not isinstance(targets, list) or len(targets) > MAX_TARGETS:
+        raise ValueError(f"a snapshot request must hold a 'targets' list, got {req!r:.80}")
+    out = []
+    for t in targets:
+        if (
+            not isinstance(t, (list, tuple))
+            or len(t) != 2
+            or isinstance(t[0], bool)
+            or not isinstance(t[0], int)
+            or not isinstance(t[1], str)
+            or not t[1].endswith(".memory.pickle")
+            or "\n" in t[1]
+            or "\0" in t[1]
+            or "/../" in f"/{t[1]}/"
+        ):
+            raise ValueError(
+                f"a snapshot target must be [pid, a .memory.pickle path], got {t!r:.80}"
+            )
+        path = t[1] if os.path.isabs(t[1]) else str(memory_dir() / "snapshots" / t[1])
+        out.append((t[0], path))
+    return out
