@@ -12,6 +12,7 @@ import pytest
 
 from coordinator.ops.cli import main as cli_main
 from tests.configs import profiler_config
+from tests.fault_cases import wait_for_windows
 from trainers.hooks import ProfilingHooks
 
 MiB = 1 << 20
@@ -43,9 +44,9 @@ def train(ray, hooks, workers, seconds, rates, rise=(0, 0)):
         return ray.get(hooks.coordinator.memory.remote(series=True))
 
 
-def attach(ray, workers, tmp_path):
+def attach(ray, workers, tmp_path, **more):
     ray.get([w.reset.remote() for w in workers])  # (before the hooks configure them)
-    cfg = profiler_config(tmp_path, wait=10, warmup=1, active=2, repeat=1, memory=MEMORY)
+    cfg = profiler_config(tmp_path, wait=10, warmup=1, active=2, repeat=1, memory=MEMORY, **more)
     name = f"profiler-{uuid.uuid4().hex[:8]}"
     return ProfilingHooks.attach(cfg, workers, trainer_id="sft", name=name), name
 
@@ -83,8 +84,9 @@ def test_the_leaking_rank_alone_is_marked_with_its_rate(ray_session, leaky, tmp_
 
 
 def test_a_rise_that_stays_and_a_steady_rank_get_no_mark(ray_session, leaky, tmp_path):
+    """...and its window, with ``profile_memory``, shows each rank's peak and top ops."""
     ray = ray_session
-    hooks, name = attach(ray, leaky, tmp_path)
+    hooks, name = attach(ray, leaky, tmp_path, profile_memory=True)
     try:
         m = train(ray, hooks, leaky, SPAN_S * 1.8, rates=(0, 0), rise=(0, 200 * MiB))
         assert [r["state"] for r in m["ranks"]] == ["sampled", "sampled"], m["ranks"]
@@ -92,6 +94,13 @@ def test_a_rise_that_stays_and_a_steady_rank_get_no_mark(ray_session, leaky, tmp
         assert m["culprits"] == []
         by_rank = {r["rank"]: r for r in m["ranks"]}
         assert by_rank[1]["peak_rss_bytes"] > by_rank[0]["peak_rss_bytes"] + 150 * MiB
+        wait_for_windows(ray, hooks.coordinator)
+        mem = ray.get(hooks.coordinator.kernel_summary.remote(window=0))["memory"]
+        assert set(mem["peak_bytes"]) == {0, 1} and all(b > 0 for b in mem["peak_bytes"].values())
+        assert set(mem["peak_step"].values()) <= {11, 12}
+        assert all(mem["allocated_bytes"][r] >= mem["freed_bytes"][r] > 0 for r in (0, 1))
+        assert mem["ops"] and mem["ops"][0]["total_bytes"] > 0 and mem["ops"][0]["name"]
+        window_page_in_a_browser(hooks.coordinator, name, mem)
     finally:
         ray.kill(hooks.coordinator)
 
@@ -149,6 +158,26 @@ def chart_in_a_browser(coord, name, tmp_path):
             assert page.evaluate(f"{chart}.config.options.plugins.memoryBands.windows.length") == 1
             assert "leak: policy rank 1 grows" in page.inner_text("#memory")
             screenshot(page, tmp_path, "memory.png")
+        assert errors == []
+    finally:
+        web.close()
+
+
+def window_page_in_a_browser(coord, name, mem):
+    """The window page's memory part: the rank with the highest peak, and a row a rank."""
+    from coordinator.ops.web.server import CoordinatorLink
+    from tests.test_web import ServerThread, chromium_browser, wait_js
+
+    web = ServerThread(CoordinatorLink(name, "profiler", coord))
+    try:
+        with chromium_browser() as browser:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(web.url + "/#/window/0")
+            wait_js(page, "document.getElementById('memory-peak') !== null", 30)
+            text = page.inner_text("#memory-peak")
+            assert text.startswith(f"highest peak: rank {mem['max_peak_rank']},"), text
         assert errors == []
     finally:
         web.close()

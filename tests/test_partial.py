@@ -90,6 +90,9 @@ def window_summaries(draw):
                 memory=[MemoryRow("aten::empty", draw(st.integers(0, 2**30)), 2)]
                 if peak is not None
                 else [],
+                memory_flow=(draw(st.integers(-1, 9)), draw(st.integers(0, 2**40)), 7)
+                if peak is not None
+                else None,
             )
         )
     return out

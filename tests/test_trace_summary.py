@@ -352,3 +352,61 @@ def test_reference_trainer_windows_equal_key_averages(
             path, rank=0, window=0, steps=(0, 9), partial=False, device="cpu", top_k=5
         )
         assert s.breakdown.comm_us > 0 and s.breakdown.compute_us > 0
+
+
+def plain_memory_reading(path, steps):
+    """The window's allocations read plainly from the trace's events: every ``[memory]`` event
+    of the CPU, its innermost enclosing op on its thread, the ProfilerStep it falls in."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    mem = [e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
+    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    spans = {
+        int(e["name"].split("#")[1]): (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")
+    }
+    peak = max(mem, key=lambda e: e["args"]["Total Allocated"])
+    peak_step = next(s for s, (b, end) in spans.items() if b <= peak["ts"] <= end and s in steps)
+    by_op: dict[str, int] = {}
+    for e in mem:
+        if e["args"]["Bytes"] <= 0:
+            continue
+        around = [
+            o for o in ops if o["tid"] == e["tid"] and o["ts"] <= e["ts"] < o["ts"] + o["dur"]
+        ]
+        inner = min(around, key=lambda o: o["dur"])["name"] if around else "<outside any op>"
+        by_op[inner] = by_op.get(inner, 0) + e["args"]["Bytes"]
+    return {
+        "peak": peak["args"]["Total Allocated"],
+        "peak_step": peak_step,
+        "allocated": sum(e["args"]["Bytes"] for e in mem if e["args"]["Bytes"] > 0),
+        "freed": -sum(e["args"]["Bytes"] for e in mem if e["args"]["Bytes"] < 0),
+        "top": max(by_op.items(), key=lambda kv: kv[1]),
+    }
+
+
+def test_a_window_s_allocations_match_a_plain_reading_of_its_memory_events(tmp_path):
+    model = TinyMLP()
+    with profile(
+        activities=[ProfilerActivity.CPU],
+        profile_memory=True,
+        schedule=lambda _: torch.profiler.ProfilerAction.RECORD,
+    ) as prof:
+        prof.step_num = 20
+        for k in range(3):
+            model.train_step()
+            if k == 1:  # step 21 holds the window's peak: 8 MiB allocated and kept a moment
+                big = torch.ones(2 << 20)
+                del big
+            prof.step()
+    path = str(tmp_path / "t.json")
+    prof.export_chrome_trace(path)
+    s, _ = summarise_trace(
+        path, rank=0, window=0, steps=(20, 22), partial=False, device="cpu", top_k=5
+    )
+    plain = plain_memory_reading(path, range(20, 23))
+    assert s.peak_bytes == plain["peak"]
+    assert s.memory_flow == (plain["peak_step"], plain["allocated"], plain["freed"])
+    assert plain["peak_step"] == 21
+    assert (s.memory[0].name, s.memory[0].bytes) == plain["top"]

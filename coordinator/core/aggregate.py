@@ -54,6 +54,7 @@ _SNAPSHOT_COPIES = (
     *("_folding", "_torn", "devices", "rank_totals", "rank_step_ms", "rank_steps"),
     "step_ms_sum",
     *("step_ranks", "rank_dropped", "bad_ranks", "breakdowns", "streams", "peak_bytes"),
+    "memory_flow",
 )
 """What a snapshot copies (the rest it shares: per-rank values are only ever appended to)."""
 TORN = (
@@ -112,6 +113,7 @@ class WindowAggregate:
         self.breakdowns: dict[int, tuple[float, ...]] = {}  # Breakdown's fields (pickled fast)
         self.streams: dict[int, tuple[StreamRow, ...]] = {}
         self.peak_bytes: dict[int, int] = {}
+        self.memory_flow: dict[int, tuple[int, int, int]] = {}  # peak step, allocated, freed
         self._kernels = RowTable(NS)
         self._memory = RowTable(1)
         self.gpu = DeviceFigures()  # what CUDA ranks add: ops, launches, device step times
@@ -186,6 +188,8 @@ class WindowAggregate:
             self.streams[rank] = tuple(part.streams)
         if part.peak_bytes is not None:
             self.peak_bytes[rank] = part.peak_bytes
+            if part.memory_flow is not None:
+                self.memory_flow[rank] = tuple(part.memory_flow)  # type: ignore[assignment]
 
     def step_sums(self) -> tuple[dict[int, float], dict[int, int]]:
         """Each recorded step's time summed over ranks, and how many ranks timed it (made on
@@ -296,10 +300,16 @@ class WindowAggregate:
         n = len(self.peak_bytes)
         max_peak = max(self.peak_bytes.values())
         grand = float(sum(self._memory.total))
+        flow = {r: self.memory_flow.get(r) for r in sorted(self.peak_bytes)}
         return {
             "peak_bytes": dict(sorted(self.peak_bytes.items())),
             "max_peak_bytes": max(self.peak_bytes.values()),
             "max_peak_rank": min(r for r, b in self.peak_bytes.items() if b == max_peak),
+            "peak_step": {
+                r: f[0] if f is not None and f[0] >= 0 else None for r, f in flow.items()
+            },
+            "allocated_bytes": {r: f[1] if f is not None else None for r, f in flow.items()},
+            "freed_bytes": {r: f[2] if f is not None else None for r, f in flow.items()},
             "ops": cast("list[MemoryStats]", self._memory.top(k, n, grand, "bytes")),
         }
 
@@ -520,7 +530,7 @@ def saved_aggregate(agg: WindowAggregate, detail: bool = True) -> AggregateFile:
         peak_bytes=dict(agg.peak_bytes), kernels=agg._kernels.saved(),
         memory=agg._memory.saved(), gpu=agg.gpu.saved(),
         detail=list(agg._detail) if detail and agg._detail is not None else None,
-        torn=agg._torn | folding,
+        torn=agg._torn | folding, memory_flow=dict(agg.memory_flow),
     )  # fmt: skip
 
 
@@ -534,7 +544,7 @@ def restored_aggregate(f: AggregateFile) -> WindowAggregate:
     agg.step_ms_sum, agg.step_ranks = dict(f.step_ms_sum), dict(f.step_ranks)
     agg.bad_ranks, agg.duplicates = dict(f.bad_ranks), f.duplicates
     agg.breakdowns, agg.streams = dict(f.breakdowns), dict(f.streams)
-    agg.peak_bytes = dict(f.peak_bytes)
+    agg.peak_bytes, agg.memory_flow = dict(f.peak_bytes), dict(f.memory_flow)
     agg._kernels, agg._memory = RowTable.from_saved(f.kernels), RowTable.from_saved(f.memory)
     agg.gpu = DeviceFigures.from_saved(f.gpu)
     agg._detail = list(f.detail) if f.detail is not None else None

@@ -220,6 +220,7 @@ def rank_part(s: RankSummary) -> RankPart:
         step_device=tuple(s.step_device),
         launch=s.launch,
         launch_bound=tuple(s.launch_bound),
+        memory_flow=s.memory_flow if s.peak_bytes is not None else None,
     )
 
 

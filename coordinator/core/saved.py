@@ -92,6 +92,9 @@ class AggregateFile(msgspec.Struct):
     torn: set[int] = msgspec.field(name="_torn")
     """Ranks whose partial was being folded when it was saved: their rows are in the tables,
     and a summary of theirs sent again is refused."""
+    memory_flow: dict[int, tuple[int, int, int]] = {}
+    """Per rank: the step its peak fell in (-1: none), bytes allocated, bytes freed (a file
+    written before it: none)."""
 
 
 class WindowSpan(msgspec.Struct):

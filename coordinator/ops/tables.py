@@ -188,6 +188,7 @@ def render_top(ks: KernelSummaryReply) -> str:
             "",
             f"memory: peak {_mb(mem['max_peak_bytes'])} on rank {mem['max_peak_rank']} "
             f"(per rank: {', '.join(f'{r}: {_mb(b)}' for r, b in mem['peak_bytes'].items())})",
+            *_peak_flow(mem),
             f"{'allocated':>11} {'max':>10} {'max@':>5} {'allocs':>7}  op",
         ]
         for op in mem["ops"][:10]:
@@ -247,6 +248,34 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:.1f} MB"
 
 
+def _peak_flow(mem: Any) -> list[str]:
+    """Where the highest peak fell, and what the window allocated and freed on that rank."""
+    r = mem["max_peak_rank"]
+    step = (mem.get("peak_step") or {}).get(r)
+    alloc, freed = (mem.get("allocated_bytes") or {}).get(r), (mem.get("freed_bytes") or {}).get(r)
+    if alloc is None:
+        return []
+    where = f"in step {step}" if step is not None else "outside the recorded steps"
+    freed_mb = _mb(freed or 0)
+    return [
+        f"rank {r} peaked {where}; the window allocated {_mb(alloc)} and freed {freed_mb} there"
+    ]
+
+
+def memory_straggler_line(ks: Any) -> str | None:
+    """Says when the slowest flagged rank is also the one with the highest memory peak."""
+    mem, flagged = ks.get("memory"), ks["stragglers"]["flagged"]
+    if not mem or not flagged:
+        return None
+    r = mem["max_peak_rank"]
+    if r not in flagged:
+        return None
+    return (
+        f"rank {r}, a straggler, is also the rank with the highest memory peak "
+        f"({_mb(mem['max_peak_bytes'])}): its allocations may be what slows it"
+    )
+
+
 def render_stragglers(ks: KernelSummaryReply) -> str:
     if ks["window"] is None:
         return "no closed window yet"
@@ -272,7 +301,8 @@ def render_stragglers(ks: KernelSummaryReply) -> str:
                 else ""
             )
         )
-    return "\n".join(lines)
+    note = memory_straggler_line(ks)
+    return "\n".join([*lines, note] if note else lines)
 
 
 def _num(x: float | None, digits: int = 1) -> str:

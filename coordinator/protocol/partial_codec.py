@@ -87,6 +87,7 @@ class RankPart(msgspec.Struct, array_like=True, frozen=True, gc=False):
     ]
     launch: LaunchRow | None
     launch_bound: Annotated[tuple[Count, ...], msgspec.Meta(max_length=MAX_STEPS)]
+    memory_flow: tuple[Annotated[int, msgspec.Meta(ge=-1)], Count, Count] | None = None
     # (Tuples, not lists: a tuple of numbers or untracked rows leaves the garbage collector's
     # lists at its first pass, and the coordinator keeps these for every rank of a window.)
 

@@ -632,6 +632,9 @@ class MemoryTable(TypedDict):
     peak_bytes: dict[int, int]
     max_peak_bytes: int
     max_peak_rank: int
+    peak_step: dict[int, int | None]  # the recorded step each rank's peak fell in
+    allocated_bytes: dict[int, int | None]  # allocated in the window (frees not subtracted)
+    freed_bytes: dict[int, int | None]
     ops: list[MemoryStats]
 
 

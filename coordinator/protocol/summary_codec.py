@@ -135,6 +135,8 @@ class RankSummary:
     peak_bytes: int | None = None
     """Peak allocated bytes in the window (with ``profile_memory``), else None."""
     memory: list[MemoryRow] = field(default_factory=list)
+    memory_flow: tuple[int, int, int] | None = None
+    """With ``peak_bytes``: the step the peak fell in (-1: none), bytes allocated, bytes freed."""
     unit: str = UNIT
     unattributed_us: float = 0.0
     """CUDA: device time launched outside the window's steps, or with no launch in the trace."""
@@ -182,6 +184,7 @@ class _Wire(msgspec.Struct, forbid_unknown_fields=True):
     launch: LaunchRow | None
     launch_bound: Annotated[list[Count], msgspec.Meta(max_length=MAX_STEPS)]
     ops: Annotated[list[OpRow], msgspec.Meta(max_length=MAX_KERNELS)]
+    memory_flow: tuple[Annotated[int, msgspec.Meta(ge=-1)], Count, Count] | None = None
 
     def __post_init__(self) -> None:
         if self.steps[0] > self.steps[1]:
@@ -215,6 +218,7 @@ def encode_summary(summary: RankSummary) -> bytes:
         launch=summary.launch,
         launch_bound=list(summary.launch_bound),
         ops=list(summary.ops),
+        memory_flow=summary.memory_flow if summary.peak_bytes is not None else None,
     )
     return strict_encode(wire, "summary", decode_summary)
 
@@ -275,4 +279,5 @@ def decode_summary(data: Any) -> RankSummary:
         launch=w.launch,
         launch_bound=w.launch_bound,
         ops=w.ops,
+        memory_flow=w.memory_flow,
     )

@@ -153,6 +153,8 @@ class TraceDigest:
     device: list[tuple[int, int, int, int, int, int, int]] = field(default_factory=list)
     steps: list[tuple[int, int, int]] = field(default_factory=list)  # step, start ns, end ns
     peak_allocated: dict[tuple[int, int], int] = field(default_factory=dict)
+    # per (device type, device id): [ts ns of the peak, bytes allocated, bytes freed]
+    memory_flow: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     # [memory] allocations (frees left out): thread, ts ns, bytes
     allocations: list[tuple[int, int, int]] = field(default_factory=list)
     events: int = 0
@@ -244,10 +246,14 @@ class TraceDigest:
         if a is None:
             return
         key = (_int_or(a.device_type, 0), _int_or(a.device_id, -1))
+        flow = self.memory_flow.setdefault(key, [0, 0, 0])
         total = a.total_allocated
         if type(total) is int and total > self.peak_allocated.get(key, -1):
             self.peak_allocated[key] = total
+            flow[0] = self._ns1(e.ts)
         nbytes = a.bytes
+        if type(nbytes) is int:
+            flow[1 if nbytes > 0 else 2] += abs(nbytes)
         if type(nbytes) is int and nbytes > 0:
             tids = self._thread_ids
             thread = tids.setdefault((e.pid, e.tid), len(tids))

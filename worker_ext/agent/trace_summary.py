@@ -102,6 +102,7 @@ def summarise(
     comm = np.array(cpu.comm_spans, dtype=np.int64).reshape(-1, 2)
     cpu.breakdown[COMM] = union_ns(comm[:, 0], comm[:, 1], w0, w1)  # wall time in collectives
     peak, memory = _memory(d, cpu, device)
+    flow = _memory_flow(d, device, step_spans) if peak is not None else None
     summary = RankSummary(
         rank=rank,
         window=window,
@@ -112,6 +113,7 @@ def summarise(
         step_us=[(s, (e - b) / 1e3) for s, b, e in step_spans],
         peak_bytes=peak,
         memory=memory,
+        memory_flow=flow,
     )
     if device == "cuda" and d.device:
         # Attributed by their launch: to each recorded step, or (no step marker: the trace
@@ -250,6 +252,21 @@ def _memory(d: TraceDigest, cpu: _CpuResult, device: str) -> tuple[int | None, l
         return None, []
     top_alloc = sorted(cpu.allocations.items(), key=lambda kv: (-kv[1][0], kv[0]))
     return max(peaks, default=0), [MemoryRow(n, b, c) for n, (b, c) in top_alloc[:MEMORY_TOP_K]]
+
+
+def _memory_flow(
+    d: TraceDigest, device: str, step_spans: list[tuple[int, int, int]]
+) -> tuple[int, int, int]:
+    """On the rank's device: the step its peak fell in (-1: outside every recorded step), and
+    the bytes allocated and freed in the window."""
+    device_type = 1 if device == "cuda" else 0
+    keys = [k for k in d.memory_flow if k[0] == device_type]
+    if not keys:
+        return (-1, 0, 0)
+    top = max(keys, key=lambda k: d.peak_allocated.get(k, -1))
+    at = d.memory_flow[top][0]
+    step = next((s for s, b, e in step_spans if b <= at <= e), -1)
+    return (step, sum(d.memory_flow[k][1] for k in keys), sum(d.memory_flow[k][2] for k in keys))
 
 
 @dataclass

@@ -513,6 +513,10 @@ function stragglers(main, ks) {
      { label: "trace", get: r => traceLink(`/api/windows/${ks.window}/timeline.json.gz?ranks=${r.rank}` +
          `&role=${encodeURIComponent(ks.role ?? "policy")}`, `rank ${r.rank}`, `rank ${r.rank}'s trace in Perfetto`) }],
     rows, r => r.flagged ? "flagged" : null));
+  const peak = ks.memory ? String(ks.memory.max_peak_rank) : null;
+  if (peak !== null && (s.flagged || []).map(String).includes(peak))
+    main.append(el("p", { class: "slower", id: "straggler-memory" }, `rank ${peak}, a straggler, is also the rank ` +
+      `with the highest memory peak (${num(ks.memory.max_peak_bytes / 2 ** 20, 1)} MB)`));
   main.append(el("h2", {}, "Step time per rank (ms)"));
   chart(main, { type: "bar", data: { labels: rows.map(r => `rank ${r.rank}`),
     datasets: [{ label: "mean step time (ms)", data: rows.map(r => r.step_ms) }] } });
@@ -521,9 +525,17 @@ function stragglers(main, ks) {
 function memory(main, ks) {
   main.append(el("h2", {}, "Memory peaks per rank"));
   if (!ks.memory) { main.append(el("p", { class: "muted" }, "profile_memory is off in this run")); return; }
-  const ranks = Object.keys(ks.memory.peak_bytes);
+  const ranks = Object.keys(ks.memory.peak_bytes), m = ks.memory;
+  const at = r => (m.peak_step || {})[r], mb = b => b === null || b === undefined ? "" : num(b / 2 ** 20, 1);
+  main.append(el("p", { id: "memory-peak" }, `highest peak: rank ${m.max_peak_rank}, ${mb(m.max_peak_bytes)} MB` +
+    (at(m.max_peak_rank) !== null && at(m.max_peak_rank) !== undefined ? `, in step ${at(m.max_peak_rank)}` : "")));
+  main.append(table(
+    [{ label: "rank", get: r => r }, { label: "peak MB", get: r => mb(m.peak_bytes[r]), num: true },
+     { label: "peak in step", get: r => at(r) ?? "", num: true },
+     { label: "allocated MB", get: r => mb((m.allocated_bytes || {})[r]), num: true },
+     { label: "freed MB", get: r => mb((m.freed_bytes || {})[r]), num: true }], ranks));
   chart(main, { type: "bar", data: { labels: ranks.map(r => `rank ${r}`),
-    datasets: [{ label: "peak allocated (MB)", data: ranks.map(r => ks.memory.peak_bytes[r] / 2 ** 20) }] } });
+    datasets: [{ label: "peak allocated (MB)", data: ranks.map(r => m.peak_bytes[r] / 2 ** 20) }] } });
 }
 
 function capturesPage(main, st) {
