@@ -86,6 +86,7 @@ bench: venv
 	$(PY) bench/relay_cost.py
 	$(PY) bench/record_cost.py
 	RAY_AUTH_MODE=disabled $(PY) bench/state_store_cost.py --restart
+	$(PY) bench/memory_sampling.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

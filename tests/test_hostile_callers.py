@@ -66,6 +66,8 @@ METHODS = {
     "attach_rank": 6,
     "rank_start": 4,
     "rank_status": 5,
+    "memory": 2,
+    "memory_snapshot": 2,
 }
 CALLS = st.sampled_from(sorted(METHODS)).flatmap(
     lambda m: st.tuples(st.just(m), st.lists(HOSTILE, min_size=METHODS[m], max_size=METHODS[m]))

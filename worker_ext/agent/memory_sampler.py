@@ -102,6 +102,15 @@ class MemorySampler:
         self._sampled = 0
         self._ticks = 0
         self._notes: dict[Path, int] = {}  # snapshot note file -> bytes read
+        self._closed = False
+
+    def close(self) -> None:
+        """Stop sampling (the thread ends after its current sample); a later watch restarts."""
+        with self._lock:
+            self._closed = True
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=10)
 
     def watch(self, w: MemoryWatch) -> AgentMemoryReply:
         """Sample ``w``'s processes from now on; what was sampled since the last watch."""
@@ -110,6 +119,7 @@ class MemorySampler:
         pids = {int(t["pid"]) for t in w["targets"][:MAX_TARGETS]}
         with self._lock:
             self._interval, self._watched_at = float(w["sample_s"]), time.monotonic()
+            self._closed = False
             for pid in pids - set(self._procs) - set(self._gone):
                 try:
                     self._procs[pid] = psutil.Process(pid)
@@ -160,7 +170,8 @@ class MemorySampler:
             self._gpu = GpuMemory()
         while True:
             with self._lock:
-                if time.monotonic() - self._watched_at > max(STALE_S, 10 * self._interval):
+                stale = time.monotonic() - self._watched_at > max(STALE_S, 10 * self._interval)
+                if stale or self._closed:
                     self._procs.clear()
                     self._buffers.clear()
                     self._thread = None
