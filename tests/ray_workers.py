@@ -188,3 +188,32 @@ class LeakyWorker(ToyWorker):
         if hasattr(self, "risen"):
             del self.risen
         return super().reset()
+
+    def fake_cuda_snapshots(self, rank: int, out_dir: str, on: list[str]) -> bool:
+        """Arm this rank's CUDA memory snapshots with torch's CUDA memory calls replaced (this
+        machine has no GPU; the only mocking: the GPU calls)."""
+        from pathlib import Path
+
+        import torch
+
+        from coordinator.core.memory_config import MemorySnapshot
+        from worker_ext.rank import memory_snapshot as ms
+
+        class FakeCudaMemory:
+            def _record_memory_history(self, *args: object, **kwargs: object) -> None:
+                return None
+
+            def _dump_snapshot(self, path: str) -> None:
+                Path(path).write_bytes(b"snapshot")
+
+        ms._cuda_memory = FakeCudaMemory  # type: ignore[assignment]
+        self.oom_observers: list = []
+        torch._C._cuda_attach_out_of_memory_observer = self.oom_observers.append  # type: ignore[attr-defined]
+        self.snapshots = ms.MemorySnapshots(MemorySnapshot(on=on).validate(), "cuda", rank, out_dir)
+        return True
+
+    def fake_oom(self) -> int:
+        """What the CUDA allocator does on an OOM: call its observers, then raise."""
+        for observer in self.oom_observers:
+            observer(0, 8 << 30, 70 << 30, 1 << 20)
+        return len(self.oom_observers)

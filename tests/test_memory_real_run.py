@@ -5,6 +5,7 @@ process. One rank leaks host memory at a known rate: it alone is marked, with it
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 
@@ -181,3 +182,58 @@ def window_page_in_a_browser(coord, name, mem):
         assert errors == []
     finally:
         web.close()
+
+
+def test_snapshots_on_demand_and_on_oom_reach_the_coordinator_with_their_rank(
+    ray_session, tmp_path, capsys
+):
+    """The CUDA snapshot paths end to end, torch's CUDA memory calls replaced in the ranks: the
+    CLI asks, each rank's node agent writes its pipe, the files are named per rank; an OOM in
+    rank 1 names rank 1 and its file in ``status()``."""
+    from tests.ray_workers import LeakyWorker
+
+    ray = ray_session
+    workers = [ray.remote(num_cpus=0)(LeakyWorker).remote() for _ in range(2)]
+    hooks, name = attach(ray, workers, tmp_path)
+    run_dir = str(tmp_path / "run")
+    try:
+        on = ["oom", "demand"]
+        ray.get([w.fake_cuda_snapshots.remote(r, run_dir, on) for r, w in enumerate(workers)])
+        with hooks.session(first_step=0):
+            for step in range(10):
+                ray.get([w.leaky_step.remote(0) for w in workers])
+                hooks.step(step)
+            argv = [
+                "--name",
+                name,
+                "--namespace",
+                "profiler",
+                "memory",
+                "--snapshot",
+                "--wait",
+                "30",
+            ]
+            assert cli_main(argv) == 0
+            out = capsys.readouterr().out
+            for r in (0, 1):
+                path = f"{run_dir}/memory/demand-001/policy/rank{r}.memory.pickle"
+                assert f"rank {r}: {path}" in out and os.path.isfile(path), out
+            assert ray.get(workers[1].fake_oom.remote()) == 1
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                snaps = ray.get(hooks.coordinator.status.remote())["memory"]["snapshots"]
+                oom = [s for s in snaps if s["on"] == "oom"]
+                if oom:
+                    break
+                time.sleep(0.5)
+            ray.get([w.leaky_step.remote(0) for w in workers])
+            hooks.step(10)
+        (s,) = oom
+        assert (s["trainer_id"], s["rank"], s["error"]) == ("sft", 1, None)
+        assert s["path"].startswith(f"{run_dir}/memory/policy/rank1.oom-") and os.path.isfile(
+            s["path"]
+        )
+    finally:
+        ray.kill(hooks.coordinator)
+        for w in workers:
+            ray.kill(w)

@@ -267,3 +267,31 @@ def test_max_entries_and_stacks_reach_torch(cuda, tmp_path, stacks):
     MemorySnapshots(cfg, "cuda", 0, str(tmp_path))
     ((enabled, kw),) = cuda.history
     assert kw["max_entries"] == 10_000_000 and (kw["context"] is None) == (stacks == "none")
+
+
+@pytest.mark.subprocess  # (the rank's node agent is a spawned child here)
+def test_a_rank_profiler_s_window_writes_its_snapshot_beside_the_trace(cuda, tmp_path, monkeypatch):
+    """The rank profiler's real CPU window, its snapshot calls as on a CUDA rank."""
+    from coordinator.core.config import ProfilerConfig
+    from tests.torch_helpers import run_profiled
+    from worker_ext.rank.memory_snapshot import MemorySnapshots
+
+    as_cuda = MemorySnapshots.of.__func__  # type: ignore[attr-defined]
+
+    def of_cuda(cls, rp):
+        made = as_cuda(cls, rp)
+        made.on = set(rp.config.memory_snapshot.on)  # what a CUDA rank's would be
+        return made
+
+    monkeypatch.setattr(MemorySnapshots, "of", classmethod(of_cuda))
+    cfg = ProfilerConfig(
+        enable=True, save_path=str(tmp_path), activities=["cpu"], export_type="chrome_trace",
+        wait=1, warmup=1, active=2, repeat=1, memory_snapshot={"on": ["window"]},
+    )  # fmt: skip
+    rp, statuses = run_profiled(cfg, steps=6)
+    (closed,) = [s["closed"] for s in statuses if s["closed"]]
+    trace = closed["trace_path"]
+    assert os.path.isfile(trace)
+    snap = os.path.join(os.path.dirname(trace), "rank0.memory.pickle")
+    assert Path(snap).read_bytes() == b"snapshot"
+    assert [h[0] for h in cuda.history] == ["all", None]  # on for the window, off after it

@@ -2,11 +2,13 @@
 
 import gzip
 import json
+import os
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from coordinator.ops.cli import main as cli_main
 from tests.torch_helpers import TinyMLP
 from tests.trace_equality import differences, key_averages_table, trace_table
 from worker_ext.agent import trace_reader
@@ -386,7 +388,7 @@ def plain_memory_reading(path, steps):
     }
 
 
-def test_a_window_s_allocations_match_a_plain_reading_of_its_memory_events(tmp_path):
+def test_a_window_s_allocations_match_a_plain_reading_of_its_memory_events(tmp_path, capsys):
     model = TinyMLP()
     with profile(
         activities=[ProfilerActivity.CPU],
@@ -410,3 +412,7 @@ def test_a_window_s_allocations_match_a_plain_reading_of_its_memory_events(tmp_p
     assert s.memory_flow == (plain["peak_step"], plain["allocated"], plain["freed"])
     assert plain["peak_step"] == 21
     assert (s.memory[0].name, s.memory[0].bytes) == plain["top"]
+    rank0 = tmp_path / "rank0.pt.trace.json"  # ``summarise`` prints the same for any trace
+    os.rename(path, rank0)
+    assert cli_main(["summarise", str(rank0), "--steps", "20-22"]) == 0
+    assert "rank 0 peaked in step 21; the window allocated" in capsys.readouterr().out
