@@ -4,7 +4,10 @@
    model of about 200 MB resident), sampled by the agent's own ``MemorySampler`` for
    ``--seconds`` at ``memory.sample_s`` 1.0 (the default) and at 0.2; the sampler thread's CPU
    time (``time.thread_time``) over ranks x seconds.
-2. The training step with sampling on and off: one rank-like process trains (one thread, the
+2. The coordinator at ``--coordinator-ranks`` (10,000): the CPU of one pull's fold (5 samples a
+   rank) and of one leak evaluation (every 30 s by default), over 600 s of history a rank, one
+   rank in 100 leaking; and the memory the series take (``tracemalloc``).
+3. The training step with sampling on and off: one rank-like process trains (one thread, the
    step of ``rank_profiler_overhead.py``) in blocks of steps while this process plays the agent,
    sampling it (at 0.2 s, five times the default rate) in every other block. Off and on blocks
    alternate, so the machine's drift falls on both; the noise is the spread between the off
@@ -22,6 +25,7 @@ import sys
 import textwrap
 import time
 
+from coordinator.core.memory import MemoryBook
 from worker_ext.agent.memory_sampler import MemorySampler
 
 RANK = textwrap.dedent(
@@ -88,6 +92,39 @@ def agent_cpu(ranks: int, sample_s: float, seconds: float) -> tuple[float, int]:
             p.wait()
 
 
+def coordinator_cost(ranks: int) -> tuple[float, float, float, float]:
+    """ms of CPU to fold one pull (median and most of 12), to evaluate the marks, and the MB
+    the series hold."""
+    import tracemalloc
+
+    book, t0 = MemoryBook(), 1.7e9
+    tracemalloc.start()
+    for r in range(ranks):
+        rate = 2**20 if r % 100 == 0 else 0
+        samples = [(t0 + s, 10**9 + rate * s, 9 * 10**8, None) for s in range(600)]
+        book.add(("t", r), r + 1, samples, None)  # type: ignore[arg-type]
+    held = tracemalloc.get_traced_memory()[0] / 1e6
+    tracemalloc.stop()
+    folds = []
+    for p in range(12):  # a minute of pulls: the spills into buckets fall in some of them
+        at = t0 + 600 + 5 * p
+        pull = {
+            r: [(at + s, 10**9 + (2**20 if r % 100 == 0 else 0) * (at + s - t0), 9 * 10**8, None)
+                for s in range(5)]
+            for r in range(ranks)
+        }  # fmt: skip
+        c0 = time.process_time()
+        for r, samples in pull.items():
+            book.add(("t", r), r + 1, samples, None)  # type: ignore[arg-type]
+        folds.append((time.process_time() - c0) * 1e3)
+    fold_ms, fold_max = statistics.median(folds), max(folds)
+    c0 = time.process_time()
+    book.evaluate(t0 + 659, 600.0, 4 * 2**20 / 60)
+    evaluate_ms = (time.process_time() - c0) * 1e3
+    assert sum(1 for rm in book.ranks.values() if rm.growth) == ranks // 100  # the leakers
+    return fold_ms, fold_max, evaluate_ms, held
+
+
 def step_on_off(blocks: int, steps: int, sample_s: float) -> tuple[list[float], list[float]]:
     """Median step ms of each off block and each on block, alternating."""
     rank = start_rank()
@@ -120,7 +157,15 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--blocks", type=int, default=6)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--coordinator-ranks", type=int, default=10_000)
     args = ap.parse_args()
+    fold_ms, fold_max, evaluate_ms, held = coordinator_cost(args.coordinator_ranks)
+    print(
+        f"coordinator, {args.coordinator_ranks} ranks with 600 s of samples each: a pull's fold "
+        f"{fold_ms:.0f} ms (median of 12 pulls, most {fold_max:.0f}), a leak evaluation "
+        f"{evaluate_ms:.0f} ms of CPU (on its reads "
+        f"thread); the series hold {held:.0f} MB"
+    )
     for sample_s in (1.0, 0.2):
         ms, n = agent_cpu(args.ranks, sample_s, args.seconds)
         print(

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coordinator.core.config import ProfilerConfig
-from coordinator.core.memory import EXACT, MAX_BUCKETS, MemoryBook, RankMemory, leak_growth
+from coordinator.core.memory import EXACT, MAX_BUCKETS, MemoryBook, RankMemory, W, leak_growth
 
 MiB = 1 << 20
 BASE = 2_000_000_000
@@ -75,7 +75,8 @@ def test_a_rank_s_series_stays_bounded_over_a_week_and_keeps_its_peak():
     for start in range(0, 7 * day, 5):
         rm.add(1, [(float(t), BASE + (t % 1000), None, None) for t in range(start, start + 5)])
     rm.add(1, [(7.0 * day, BASE + 10 * MiB, None, 5 * MiB)])
-    assert len(rm.exact) <= 8 * EXACT and len(rm.buckets) <= MAX_BUCKETS
+    assert len(rm.exact) <= 8 * EXACT and len(rm.buckets) <= W * MAX_BUCKETS
+    assert rm.exact.itemsize * (len(rm.exact) + len(rm.buckets)) < 27_000  # bytes, a week
     assert rm.peak_rss == BASE + 10 * MiB and rm.peak_gpu == 5 * MiB
     assert rm.samples == 7 * day + 1
     pts = rm.series(600)
@@ -168,3 +169,26 @@ def test_memory_config_round_trips_and_defaults_sample_every_second():
     again = ProfilerConfig.from_dict(cfg.to_dict())
     assert again.memory == cfg.memory and again.memory_snapshot.on == ["oom"]
     assert ProfilerConfig().memory.sample_s == 1.0 and ProfilerConfig().memory_snapshot.on == []
+
+
+def test_value_at_reads_buckets_then_samples():
+    rm = RankMemory()
+    rm.add(1, [(float(t), 1000 + t, None, None) for t in range(2000)])  # some spilled to buckets
+    assert rm.buckets and rm.value_at(-5.0) == pytest.approx(rm.buckets[3] / rm.buckets[2])
+    last_exact = rm.exact[-2]
+    assert rm.value_at(last_exact) == 1000 + last_exact
+    assert rm.value_at(5000.0) is None
+
+
+def test_ten_thousand_flat_ranks_and_one_leak_mark_the_leak_alone():
+    book = MemoryBook()
+    for r in range(10_000):
+        rate = MiB if r == 4321 else 0
+        book.add(
+            ("t", r),
+            r + 1,
+            [(float(t), BASE + rate * t, None, None) for t in range(0, 400, 4)],
+            None,
+        )
+    book.evaluate(396.0, 300.0, 4 * MiB / 60)
+    assert [k for k, rm in book.ranks.items() if rm.growth] == [("t", 4321)]

@@ -71,6 +71,8 @@ def test_the_leaking_rank_alone_is_marked_with_its_rate(ray_session, leaky, tmp_
         assert [r["state"] for r in st["ranks"]] == ["ok", "ok"]
         assert [w["steps"] for w in st["windows"]] == [[11, 12]]
         assert [(k["rank"], k["culprit"]) for k in st["memory"]["marked"]] == [(1, True)]
+        assert st["metrics"]["exported"], st["metrics"]  # the leak gauges too
+        assert st["metrics"]["values"]["profiler_memory_leaking_ranks"] == 1.0
         assert cli_main(["--name", name, "--namespace", "profiler", "memory"]) == 0
         table = capsys.readouterr().out
         assert "leak: policy rank 1 grows" in table and "<- culprit" in table

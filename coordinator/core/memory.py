@@ -3,7 +3,8 @@
 The node agents sample each rank process (``worker_ext.agent.memory_sampler``); the coordinator
 folds the samples here. A ``RankMemory`` keeps the last ``EXACT`` samples exact and, before
 them, one bucket per ``bucket_s`` seconds (mean and peak); past ``MAX_BUCKETS`` two neighbours
-merge and the width doubles, so a rank's series is bounded (about 20 KB) however long the run.
+merge and the width doubles, so a rank's series is bounded (about 26 KB at most) however long
+the run. The fold and the marks run on the coordinator's reads thread, not its event loop.
 
 A leak is steady growth: over the last ``leak_span_s`` seconds the resident memory's
 least-squares slope is at least the configured rate, and it grew in each of the span's four
@@ -22,6 +23,7 @@ True
 from __future__ import annotations
 
 import array
+import bisect
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +31,8 @@ from dataclasses import dataclass, field
 from coordinator.protocol.memory_replies import Growth
 
 EXACT = 300
+SPILL = 30  # samples past EXACT before the oldest go into buckets
+W = 5  # values a bucket: first and last time, samples, sum of rss, max of rss
 BUCKET_S = 30.0
 MAX_BUCKETS = 512
 SERIES_POINTS = 600  # the most (t, rss) points a rank's series gives the chart
@@ -78,7 +82,8 @@ class RankMemory:
 
     pid: int | None = None
     exact: array.array[float] = field(default_factory=lambda: array.array("d"))
-    buckets: list[list[float]] = field(default_factory=list)  # [t0, t1, n, sum_rss, max_rss]
+    buckets: array.array[float] = field(default_factory=lambda: array.array("d"))
+    """Flat, ``W`` values a bucket: first and last time, samples, sum and max of rss."""
     bucket_s: float = BUCKET_S
     last: Sample | None = None
     peak_rss: int | None = None
@@ -102,7 +107,7 @@ class RankMemory:
             self.peak_rss = rss if self.peak_rss is None else max(self.peak_rss, rss)
             if gpu is not None:
                 self.peak_gpu = gpu if self.peak_gpu is None else max(self.peak_gpu, gpu)
-        if len(self.exact) > 4 * EXACT:
+        if len(self.exact) > 2 * (EXACT + SPILL):  # a few at a time: no rank spills at once
             self._spill(len(self.exact) // 2 - EXACT)
 
     def _restart(self) -> None:
@@ -111,28 +116,47 @@ class RankMemory:
 
     def _spill(self, n: int) -> None:
         """The oldest ``n`` exact samples into buckets."""
+        b = self.buckets
         for i in range(n):
             t, rss = self.exact[2 * i], self.exact[2 * i + 1]
-            b = self.buckets[-1] if self.buckets else None
-            if b is None or t >= b[0] + self.bucket_s:
-                self.buckets.append([t, t, 1.0, rss, rss])
+            if not b or t >= b[-W] + self.bucket_s:
+                b.extend((t, t, 1.0, rss, rss))
             else:
-                b[1], b[2], b[3], b[4] = t, b[2] + 1, b[3] + rss, max(b[4], rss)
+                b[-4], b[-3], b[-2], b[-1] = t, b[-3] + 1, b[-2] + rss, max(b[-1], rss)
         del self.exact[: 2 * n]
-        while len(self.buckets) > MAX_BUCKETS:
+        while len(b) > W * MAX_BUCKETS:
             self.bucket_s *= 2
-            old = self.buckets
-            self.buckets = [
-                _merge(old[i], old[i + 1] if i + 1 < len(old) else None)
-                for i in range(0, len(old), 2)
-            ]
+            merged = array.array("d")
+            for k in range(0, len(b), 2 * W):
+                one, two = b[k : k + W], b[k + W : k + 2 * W]
+                merged.extend(
+                    (one[0], two[1], one[2] + two[2], one[3] + two[3], max(one[4], two[4]))
+                    if two
+                    else one
+                )
+            self.buckets = b = merged
 
     def points(self, since: float = 0.0) -> list[tuple[float, float]]:
         """``(t, rss)`` from ``since`` on: bucket means (at their middle), then exact samples."""
-        out = [((b[0] + b[1]) / 2, b[3] / b[2]) for b in self.buckets if b[1] >= since]
-        ex = self.exact
+        b, ex = self.buckets, self.exact
+        out = [
+            ((b[k] + b[k + 1]) / 2, b[k + 3] / b[k + 2])
+            for k in range(0, len(b), W)
+            if b[k + 1] >= since
+        ]
         out += [(ex[i], ex[i + 1]) for i in range(0, len(ex), 2) if ex[i] >= since]
         return out
+
+    def value_at(self, t: float) -> float | None:
+        """The first kept value at or after ``t`` (a bucket's mean, else a sample), in
+        O(log n); None when nothing is kept after ``t``."""
+        b, nb = self.buckets, len(self.buckets) // W
+        i = bisect.bisect_left(range(nb), t, key=lambda k: b[W * k + 1])
+        if i < nb:
+            return b[W * i + 3] / b[W * i + 2]
+        ex = self.exact
+        j = bisect.bisect_left(range(len(ex) // 2), t, key=lambda k: ex[2 * k])
+        return ex[2 * j + 1] if j < len(ex) // 2 else None
 
     def series(self, limit: int = SERIES_POINTS) -> list[tuple[float, int]]:
         """The run's ``(t, rss)`` for a chart: at most ``limit`` points, peaks kept."""
@@ -143,12 +167,6 @@ class RankMemory:
         return [
             max(pts[int(i * step) : int((i + 1) * step)], key=lambda p: p[1]) for i in range(limit)
         ]
-
-
-def _merge(a: list[float], b: list[float] | None) -> list[float]:
-    if b is None:
-        return a
-    return [a[0], b[1], a[2] + b[2], a[3] + b[3], max(a[4], b[4])]
 
 
 @dataclass
@@ -171,6 +189,10 @@ class MemoryBook:
         """Mark the ranks that grow steadily now; a mark keeps its ``since`` while it lasts."""
         for rm in self.ranks.values():
             if rm.lost is not None or rm.last is None:
+                continue
+            start = rm.value_at(now - span_s)
+            if start is None or rm.last[1] - start < 0.5 * min_bytes_per_s * span_s:
+                rm.growth = None  # (most ranks: flat, told apart in O(log n))
                 continue
             found = leak_growth(rm.points(now - span_s), rm.last[0], span_s, min_bytes_per_s)
             if found is None:

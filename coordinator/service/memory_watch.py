@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import time
 from typing import Any
 
 from coordinator.core.memory import MemoryBook
+from coordinator.core.memory_view import culprit_lines, marks, rank_entry, status_entry
 from coordinator.core.records import Key
 from coordinator.core.storage import is_remote
 from coordinator.protocol.memory_replies import (
     AgentMemoryReply,
     MemoryMark,
-    MemoryRankEntry,
     MemoryReply,
     MemoryStatusEntry,
     SnapshotAsk,
@@ -61,6 +62,7 @@ class MemoryWatcher:
         self._placed: dict[str, Any] = {}  # actor id -> place, for ranks with no pid reported
         self._placed_version = -1
         self._evaluated = 0.0
+        self._entry: MemoryStatusEntry | None = None  # made by each fold
         self.snapshots_asked = 0
         self.bands: dict[int, tuple[float, float]] = {}  # window -> first and last seen open
         self._task: asyncio.Task[None] | None = None
@@ -82,10 +84,10 @@ class MemoryWatcher:
     async def pull(self) -> None:
         """One watch to every node with ranks of the live run; their samples folded."""
         run = self.shell.run
-        if run.name != self.run_name:  # a new run: a new book
+        if run.name != self.run_name:  # a new run: a new book (the old one is left to readers)
             self.book, self.run_name, self.where = MemoryBook(), run.name, {}
-            self.snapshots.clear()
-            self.bands = {}
+            self.snapshots = collections.deque(maxlen=SNAPSHOTS)
+            self.bands, self._entry = {}, None
         cfg = run.config.memory
         if not cfg.sample_s or run.lifecycle not in ("configured", "running"):
             return
@@ -94,16 +96,34 @@ class MemoryWatcher:
         got = await asyncio.gather(
             *(self._watch(n, pids, cfg.sample_s) for n, pids in by_node.items())
         )
+        now, roles = time.time(), self._roles()
+        evaluate = now - self._evaluated >= max(pull_every(cfg.sample_s), cfg.leak_span_s / 20)
+        if evaluate:
+            self._evaluated = now
+        fold = functools.partial(self._fold_all, by_node, got, now if evaluate else None, roles)
+        marked = await asyncio.get_running_loop().run_in_executor(self.shell.reads, fold)
+        if marked is not None:
+            self.shell.metrics.memory(marked)
+
+    def _fold_all(
+        self,
+        by_node: dict[str, dict[int, Key]],
+        got: list[AgentMemoryReply | None],
+        evaluate_at: float | None,
+        roles: dict[Key, str],
+    ) -> list[MemoryMark] | None:
+        """On the reads thread (the book is only touched there): the agents' samples folded,
+        the leak marks made when due, ``status()["memory"]`` made anew; the marks when made."""
         pid_key = {pid: key for pids in by_node.values() for pid, key in pids.items()}
         pid_key.update({rm.pid: k for k, rm in self.book.ranks.items() if rm.pid is not None})
         for node, reply in zip(by_node, got, strict=True):
             if reply is not None:
                 self._fold(node, reply, pid_key)
-        now = time.time()
-        if now - self._evaluated >= max(pull_every(cfg.sample_s), cfg.leak_span_s / 20):
-            self._evaluated = now
-            self.book.evaluate(now, cfg.leak_span_s, cfg.leak_min_bytes_per_s)
-            self.shell.metrics.memory(self.marks())
+        cfg = self.shell.run.config.memory
+        if evaluate_at is not None:
+            self.book.evaluate(evaluate_at, cfg.leak_span_s, cfg.leak_min_bytes_per_s)
+        self._entry = status_entry(self.book, roles, cfg.sample_s, list(self.snapshots))
+        return self._entry["marked"] if evaluate_at is not None else None
 
     def _band(self, run: Any, now: float) -> None:
         """The run's windows as chart bands: when each opened and closed (still open: now)."""
@@ -243,99 +263,63 @@ class MemoryWatcher:
     # ------------------------------------------------------------------ readers
 
     def _roles(self) -> dict[Key, str]:
-        trainers = self.shell.run.state.trainers
-        return {k: trainers[k[0]].role if k[0] in trainers else "policy" for k in self.book.ranks}
-
-    def marks(self) -> list[MemoryMark]:
-        culprits = self.book.culprits(self._roles())
-        return [
-            {"trainer_id": k[0], "rank": k[1], "bytes_per_min": rm.growth["bytes_per_min"],
-             "since": rm.growth["since"], "culprit": k in culprits}
-            for k, rm in sorted(self.book.ranks.items()) if rm.growth is not None
-        ]  # fmt: skip
-
-    def culprit_lines(self) -> list[str]:
-        roles = self._roles()
-        out = []
-        for m in self.marks():
-            if m["culprit"]:
-                key = (m["trainer_id"], m["rank"])
-                when = time.strftime("%H:%M:%S", time.localtime(m["since"]))
-                out.append(
-                    f"{roles.get(key, 'policy')} rank {m['rank']} grows "
-                    f"{m['bytes_per_min'] / MiB:.1f} MiB/min since {when}; the other ranks of "
-                    "its role stay flat"
-                )
-        return out
-
-    def entry(self) -> MemoryStatusEntry:
-        """``status()["memory"]``."""
+        """Each registered rank's role (read on the event loop, which owns the trainers)."""
         return {
-            "sample_s": float(self.shell.run.config.memory.sample_s),
-            "sampled_ranks": sum(
-                1 for rm in self.book.ranks.values() if rm.lost is None and rm.last
-            ),
-            "lost_ranks": sum(1 for rm in self.book.ranks.values() if rm.lost is not None),
-            "marked": self.marks(),
-            "culprits": self.culprit_lines(),
-            "snapshots": list(self.snapshots)[-8:],
+            (t.trainer_id, r): t.role
+            for t in self.shell.run.state.trainers.values()
+            for r in set(t.ranks) | set(t.handles)
         }
 
-    def reply(self, series: bool, trainer_id: str | None) -> MemoryReply:
-        """``memory()``: every rank of the run (of ``trainer_id``), oldest trainer first."""
+    def entry(self) -> MemoryStatusEntry:
+        """``status()["memory"]``, as the last fold made it (nothing is computed here)."""
+        sample_s = float(self.shell.run.config.memory.sample_s)
+        if self._entry is None or self.run_name != self.shell.run.name:
+            return status_entry(MemoryBook(), {}, sample_s, [])
+        return {**self._entry, "sample_s": sample_s}
+
+    async def reply(self, series: bool, trainer_id: str | None) -> MemoryReply:
+        """``memory()``: every rank of the run (of ``trainer_id``), oldest trainer first; made
+        on the reads thread, where the book is folded."""
         run = self.shell.run
-        cfg = run.config.memory
         if run.name == self.run_name:
             self._band(run, time.time())
-        culprits = self.book.culprits(self._roles())
-        ranks = [
-            self._rank_entry(t.trainer_id, t.role, r, series, culprits)
+        roles, where = self._roles(), dict(self.where)
+        wanted = [
+            ((t.trainer_id, r), t.role)
             for t in run.state.trainers.values()
             if trainer_id is None or t.trainer_id == trainer_id
             for r in sorted(set(t.ranks) | set(t.handles))
         ]
+        book = self.book if run.name == self.run_name else MemoryBook()
+        make = functools.partial(self._reply, book, roles, where, wanted, series)
+        return await asyncio.get_running_loop().run_in_executor(self.shell.reads, make)
+
+    def _reply(
+        self,
+        book: MemoryBook,
+        roles: dict[Key, str],
+        where: dict[Key, Any],
+        wanted: list[tuple[Key, str]],
+        series: bool,
+    ) -> MemoryReply:
+        run, culprits = self.shell.run, book.culprits(roles)
+        cfg = run.config.memory
         return {
             "run": run.name,
             "sample_s": float(cfg.sample_s),
             "leak_span_s": float(cfg.leak_span_s),
             "leak_min_bytes_per_min": cfg.leak_min_mib_per_min * MiB,
             "taken_at": time.time(),
-            "ranks": ranks,
-            "culprits": self.culprit_lines(),
+            "ranks": [
+                rank_entry(book, key, role, where.get(key), series, key in culprits)
+                for key, role in wanted
+            ],
+            "culprits": culprit_lines(marks(book, roles), roles),
             "windows": [(i, a, b) for i, (a, b) in sorted(self.bands.items())],
             "gpu": dict(self.gpu),
             "agent_cpu_s": dict(self.cpu_s),
             "snapshots": list(self.snapshots),
         }
-
-    def _rank_entry(
-        self, tid: str, role: str, rank: int, series: bool, culprits: set[Key]
-    ) -> MemoryRankEntry:
-        key = (tid, rank)
-        rm = self.book.ranks.get(key)
-        node, pid, why = self.where.get(key, (None, None, "not placed yet"))
-        last = rm.last if rm is not None else None
-        state = (
-            "lost" if rm is not None and rm.lost is not None
-            else "sampled" if last is not None and why is None
-            else "unreachable" if why is not None and "not known yet" not in why
-            else "waiting"
-        )  # fmt: skip
-        return {
-            "trainer_id": tid, "role": role, "rank": rank, "node_id": node,
-            "pid": rm.pid if rm is not None and rm.pid is not None else pid,
-            "state": state,  # type: ignore[typeddict-item]
-            "reason": (rm.lost if rm is not None and rm.lost else None) or why
-            or (rm.error if rm is not None else None),
-            "rss_bytes": last[1] if last else None, "uss_bytes": last[2] if last else None,
-            "gpu_bytes": last[3] if last else None,
-            "peak_rss_bytes": rm.peak_rss if rm is not None else None,
-            "peak_gpu_bytes": rm.peak_gpu if rm is not None else None,
-            "growth": dict(rm.growth) if rm is not None and rm.growth else None,  # type: ignore[typeddict-item]
-            "culprit": key in culprits, "samples": rm.samples if rm is not None else 0,
-            "last_at": last[0] if last else None,
-            "series": rm.series() if series and rm is not None else None,
-        }  # fmt: skip
 
 
 def _ask(key: Key, path: str, why: str | None) -> SnapshotAsk:

@@ -54,7 +54,9 @@ class CoordinatorMetrics:
             )
             self._phase.set_default_tags(tags)
             self._leaking: Any = metrics.Gauge(
-                "profiler_memory_leaking_ranks", "Ranks marked as leaking memory"
+                "profiler_memory_leaking_ranks",
+                "Ranks marked as leaking memory",
+                tag_keys=("coordinator",),
             )
             self._leaks: Any = metrics.Gauge(
                 "profiler_memory_leak_bytes_per_min",
@@ -99,6 +101,7 @@ class CoordinatorMetrics:
 
     def export(self, st: CoordinatorState) -> None:
         counts = rank_counts(st)  # (of selected ranks: the others are "not_selected")
+        leaking = self.values.get("profiler_memory_leaking_ranks")
         self.values = {
             "profiler_global_step": float(st.global_step if st.global_step is not None else -1),
             "profiler_ranks_disabled": float(counts.get("disabled", 0)),
@@ -110,6 +113,8 @@ class CoordinatorMetrics:
             "profiler_stalls": float(st.counters["stalls"]),
             "profiler_regressions": float(st.counters["regressions"]),
         }
+        if leaking is not None:  # (set by ``memory`` when the marks are made)
+            self.values["profiler_memory_leaking_ranks"] = leaking
         try:
             for n, g in self._gauges.items():
                 g.set(self.values[n])

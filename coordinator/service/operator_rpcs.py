@@ -155,7 +155,7 @@ class OperatorRPCs:
             raise ValueError(f"series must be a bool, got {series!r:.80}")
         if trainer_id is not None and (problem := trainer_id_problem(trainer_id)):
             raise ValueError(problem)
-        return self._memory.reply(series, trainer_id)
+        return await self._memory.reply(series, trainer_id)
 
     async def memory_snapshot(
         self, ranks: list[int] | None = None, trainer_id: str | None = None
