@@ -295,3 +295,31 @@ def test_a_rank_profiler_s_window_writes_its_snapshot_beside_the_trace(cuda, tmp
     snap = os.path.join(os.path.dirname(trace), "rank0.memory.pickle")
     assert Path(snap).read_bytes() == b"snapshot"
     assert [h[0] for h in cuda.history] == ["all", None]  # on for the window, off after it
+
+
+@pytest.mark.subprocess
+def test_two_coordinators_sampling_one_node_each_get_their_own_samples_and_notes():
+    shared, mine = child(0), child(0)
+    sampler = MemorySampler("node-a")
+    try:
+        a = {"targets": [{"pid": shared.pid}, {"pid": mine.pid}], "sample_s": 0.1, "watcher": "a"}
+        b = {"targets": [{"pid": shared.pid}], "sample_s": 0.5, "watcher": "b"}
+        sampler.watch(a)
+        sampler.watch(b)
+        time.sleep(1.2)
+        got_a = {p["pid"]: p["samples"] for p in sampler.watch(a)["processes"]}
+        got_b = {p["pid"]: p["samples"] for p in sampler.watch(b)["processes"]}
+        assert set(got_a) == {shared.pid, mine.pid} and set(got_b) == {shared.pid}
+        assert len(got_b[shared.pid]) >= 8  # every sample of the shared process, for both
+        assert got_b[shared.pid] == got_a[shared.pid][-len(got_b[shared.pid]) :]
+        memory_dir().mkdir(parents=True, exist_ok=True)
+        note = {"on": "demand", "path": "/x.memory.pickle", "error": None, "at": 1.0}
+        (memory_dir() / f"{shared.pid}.snapshots.jsonl").write_text(json.dumps(note) + "\n")
+        assert [n["pid"] for n in sampler.watch(a)["snapshots"]] == [shared.pid]
+        assert [n["pid"] for n in sampler.watch(b)["snapshots"]] == [shared.pid]  # b's too
+        assert sampler.watch(a)["snapshots"] == []  # read once per watcher
+    finally:
+        sampler.close()
+        for p in (shared, mine):
+            p.kill()
+            p.wait()

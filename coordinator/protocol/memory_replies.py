@@ -19,10 +19,12 @@ class MemoryTarget(TypedDict):
 
 class MemoryWatch(TypedDict):
     """The coordinator to a node agent: sample these processes every ``sample_s`` seconds and
-    answer what was sampled since the last watch (``AgentMemoryReply``)."""
+    answer what was sampled for ``watcher`` (the coordinator's ``namespace/name``) since its
+    last watch (``AgentMemoryReply``)."""
 
     targets: list[MemoryTarget]
     sample_s: float
+    watcher: str
 
 
 class ProcessSamples(TypedDict):

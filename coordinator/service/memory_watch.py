@@ -175,7 +175,11 @@ class MemoryWatcher:
         self, node: str, pids: dict[int, Key], sample_s: float
     ) -> AgentMemoryReply | None:
         name = agent_name(node)
-        watch = {"targets": [{"pid": p} for p in sorted(pids)], "sample_s": sample_s}
+        watch = {
+            "targets": [{"pid": p} for p in sorted(pids)],
+            "sample_s": sample_s,
+            "watcher": f"{self.shell.namespace}/{self.shell.name}",
+        }
         try:
             agent = await self.agents.get(name)
             reply: AgentMemoryReply = await asyncio.wait_for(

@@ -20,6 +20,7 @@ import json
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,8 @@ from worker_ext.agent.stack_reader import process_exited, stacks_dir
 
 USS_EVERY = 10
 BUFFER = 3600  # samples kept per process between two watches
-STALE_S = 120.0
+STALE_S = 120.0  # a watcher that has not watched for this long is forgotten
+NOTES_KEEP_S = 3600.0  # a note file of an exited process is kept this long
 MAX_TARGETS = 4096
 MAX_NOTES = 256  # snapshot notes a watch carries
 
@@ -82,6 +84,20 @@ class GpuMemory:
         return out
 
 
+@dataclass
+class _Watcher:
+    """One coordinator's watch: its processes, the samples it has not taken yet, the snapshot
+    notes it has read. Two runs on one cluster sample the same node without taking each
+    other's samples or notes."""
+
+    pids: set[int]
+    sample_s: float
+    at: float  # when it last watched (monotonic)
+    buffers: dict[int, collections.deque[Any]] = field(default_factory=dict)
+    seen: set[int] = field(default_factory=set)  # pids it ever watched: whose notes it reads
+    noted: dict[Path, int] = field(default_factory=dict)  # note file -> bytes read
+
+
 class MemorySampler:
     """See the module docstring. ``watch`` is called from the agent's event loop (it never
     blocks on a sample); the samples are taken on the sampler's thread."""
@@ -89,19 +105,16 @@ class MemorySampler:
     def __init__(self, node: str) -> None:
         self.node = node
         self._lock = threading.Lock()
-        self._procs: dict[int, Any] = {}  # pid -> psutil.Process
-        self._buffers: dict[int, collections.deque[Any]] = {}
+        self._procs: dict[int, Any] = {}  # pid -> psutil.Process: every watcher's
         self._gone: dict[int, str] = {}
         self._errors: dict[int, str] = {}
         self._uss: dict[int, int | None] = {}
-        self._interval = 1.0
-        self._watched_at = 0.0
+        self._watchers: dict[str, _Watcher] = {}
         self._thread: threading.Thread | None = None
         self._gpu: GpuMemory | None = None
         self._cpu_s = 0.0
         self._sampled = 0
         self._ticks = 0
-        self._notes: dict[Path, int] = {}  # snapshot note file -> bytes read
         self._closed = False
 
     def close(self) -> None:
@@ -113,26 +126,22 @@ class MemorySampler:
             thread.join(timeout=10)
 
     def watch(self, w: MemoryWatch) -> AgentMemoryReply:
-        """Sample ``w``'s processes from now on; what was sampled since the last watch."""
-        import psutil  # type: ignore[import-untyped,unused-ignore]
-
+        """Sample ``w``'s processes from now on (for ``w["watcher"]``: one coordinator's run);
+        what was sampled for it since its last watch."""
         pids = {int(t["pid"]) for t in w["targets"][:MAX_TARGETS]}
+        now = time.monotonic()
         with self._lock:
-            self._interval, self._watched_at = float(w["sample_s"]), time.monotonic()
             self._closed = False
-            for pid in pids - set(self._procs) - set(self._gone):
-                try:
-                    self._procs[pid] = psutil.Process(pid)
-                    self._buffers[pid] = collections.deque(maxlen=BUFFER)
-                except Exception as exc:  # no such process, or not ours to see
-                    self._gone[pid] = f"{type(exc).__name__}: {exc}"[:300]
-            for pid in set(self._procs) - pids:  # no longer a rank of a live run
-                self._drop(pid)
-            out = [
-                self._drain(pid) for pid in sorted(pids) if pid in self._procs or pid in self._gone
-            ]
-            for pid in [p for p in self._gone if p not in pids]:
-                self._gone.pop(pid)
+            for name in [n for n, x in self._watchers.items() if now - x.at > STALE_S]:
+                del self._watchers[name]  # a coordinator that stopped asking
+            wt = self._watchers.setdefault(w.get("watcher", ""), _Watcher(pids, 1.0, now))
+            wt.pids, wt.sample_s, wt.at = pids, float(w["sample_s"]), now
+            wt.seen = (wt.seen | pids) if len(wt.seen) < 4 * MAX_TARGETS else set(pids)
+            self._open(pids)
+            for pid in set(wt.buffers) - pids:
+                del wt.buffers[pid]
+            out = [self._drain(wt, pid) for pid in sorted(pids)]
+            self._forget_unwatched()
             self._start()
         gpu = self._gpu.problem if self._gpu is not None else None
         return {
@@ -141,24 +150,34 @@ class MemorySampler:
             "gpu": gpu,
             "cpu_s": round(self._cpu_s, 4),
             "sampled": self._sampled,
-            "snapshots": self._read_notes(),
+            "snapshots": self._read_notes(wt),
         }
 
-    def _drain(self, pid: int) -> ProcessSamples:
-        buf = self._buffers.get(pid)
-        samples = list(buf) if buf is not None else []
-        if buf is not None:
-            buf.clear()
+    def _open(self, pids: set[int]) -> None:
+        import psutil  # type: ignore[import-untyped,unused-ignore]
+
+        for pid in pids - set(self._procs) - set(self._gone):
+            try:
+                self._procs[pid] = psutil.Process(pid)
+            except Exception as exc:  # no such process, or not ours to see
+                self._gone[pid] = f"{type(exc).__name__}: {exc}"[:300]
+
+    def _drain(self, wt: _Watcher, pid: int) -> ProcessSamples:
+        buf = wt.buffers.setdefault(pid, collections.deque(maxlen=BUFFER))
+        samples = list(buf)
+        buf.clear()
         gone = self._gone.get(pid)
-        if gone is not None and pid in self._procs:
-            self._drop(pid)
         return {"pid": pid, "samples": samples, "gone": gone, "error": self._errors.get(pid)}
 
-    def _drop(self, pid: int) -> None:
-        self._procs.pop(pid, None)
-        self._buffers.pop(pid, None)
-        self._errors.pop(pid, None)
-        self._uss.pop(pid, None)
+    def _forget_unwatched(self) -> None:
+        """The processes no watcher watches any more."""
+        watched = set().union(*(x.pids for x in self._watchers.values()))
+        for pid in set(self._procs) - watched:
+            self._procs.pop(pid, None)
+            self._errors.pop(pid, None)
+            self._uss.pop(pid, None)
+        for pid in set(self._gone) - watched:
+            del self._gone[pid]
 
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -170,55 +189,64 @@ class MemorySampler:
             self._gpu = GpuMemory()
         while True:
             with self._lock:
-                stale = time.monotonic() - self._watched_at > max(STALE_S, 10 * self._interval)
-                if stale or self._closed:
+                now = time.monotonic()
+                live = [x for x in self._watchers.values() if now - x.at <= STALE_S]
+                if not live or self._closed:
                     self._procs.clear()
-                    self._buffers.clear()
+                    self._watchers.clear()
                     self._thread = None
                     return  # nobody asks any more: the next watch starts it again
-                interval = self._interval
+                interval = min(x.sample_s for x in live)
             c0 = time.thread_time()
             self.sample_once()
             self._cpu_s += time.thread_time() - c0
             time.sleep(interval)
 
     def sample_once(self) -> None:
-        """One sample of every watched process (its faults are noted, never raised)."""
-        import psutil  # type: ignore[import-untyped,unused-ignore]
-
+        """One sample of every watched process, for each watcher of it (its faults are noted,
+        never raised)."""
         gpu = self._gpu.by_pid() if self._gpu is not None and self._gpu._devices else {}
         self._ticks += 1
         with self._lock:
             procs = list(self._procs.items())
         for pid, proc in procs:
-            t = time.time()
-            try:
-                rss = int(proc.memory_info().rss)
-                uss = self._uss.get(pid)
-                if (self._ticks - 1) % USS_EVERY == 0 or pid not in self._uss:
-                    try:
-                        uss = int(proc.memory_full_info().uss)
-                        self._errors.pop(pid, None)
-                    except psutil.AccessDenied as exc:
-                        uss, self._errors[pid] = None, f"psutil refused by the OS: {exc}"[:300]
-                    self._uss[pid] = uss
-            except (psutil.NoSuchProcess, psutil.ZombieProcess) as exc:
-                with self._lock:
-                    self._gone.setdefault(pid, f"the process exited ({type(exc).__name__})")
-                continue
-            except Exception as exc:  # psutil refused by the OS: said, the others go on
-                self._errors[pid] = f"{type(exc).__name__}: {exc}"[:300]
+            sample = self._sample(pid, proc, gpu)
+            if sample is None:
                 continue
             with self._lock:
-                buf = self._buffers.get(pid)
-                if buf is not None:
-                    buf.append((round(t, 3), rss, uss, gpu.get(pid)))
-                    self._sampled += 1
+                for wt in self._watchers.values():
+                    buf = wt.buffers.get(pid) if pid in wt.pids else None
+                    if buf is not None:
+                        buf.append(sample)
+                self._sampled += 1
 
-    def _read_notes(self) -> list[SnapshotNote]:
-        """Snapshot notes new since the last read (``<pid>.snapshots.jsonl``, of any process:
-        a rank killed by its OOM leaves its note behind); the files of exited processes go
-        once read."""
+    def _sample(self, pid: int, proc: Any, gpu: dict[int, int]) -> Any:
+        import psutil  # type: ignore[import-untyped,unused-ignore]
+
+        t = time.time()
+        try:
+            rss = int(proc.memory_info().rss)
+            uss = self._uss.get(pid)
+            if (self._ticks - 1) % USS_EVERY == 0 or pid not in self._uss:
+                try:
+                    uss = int(proc.memory_full_info().uss)
+                    self._errors.pop(pid, None)
+                except psutil.AccessDenied as exc:
+                    uss, self._errors[pid] = None, f"psutil refused by the OS: {exc}"[:300]
+                self._uss[pid] = uss
+        except (psutil.NoSuchProcess, psutil.ZombieProcess) as exc:
+            with self._lock:
+                self._gone.setdefault(pid, f"the process exited ({type(exc).__name__})")
+            return None
+        except Exception as exc:  # psutil refused by the OS: said, the others go on
+            self._errors[pid] = f"{type(exc).__name__}: {exc}"[:300]
+            return None
+        return (round(t, 3), rss, uss, gpu.get(pid))
+
+    def _read_notes(self, wt: _Watcher) -> list[SnapshotNote]:
+        """Snapshot notes of ``wt``'s processes (those it ever watched: a rank killed by its
+        OOM leaves its note behind) new since its last read. A note file of an exited process
+        goes after ``NOTES_KEEP_S``, so that every watcher of it has read it."""
         out: list[Any] = []
         paths: list[Path] = []
         with contextlib.suppress(OSError):
@@ -231,10 +259,11 @@ class MemorySampler:
             if not pid.isdigit():
                 continue
             with contextlib.suppress(OSError):
-                out += _notes(path, self._notes, int(pid))
-                if process_exited(int(pid)):
+                if int(pid) in wt.seen:
+                    out += _notes(path, wt.noted, int(pid))
+                old = time.time() - path.stat().st_mtime > NOTES_KEEP_S
+                if old and process_exited(int(pid)):
                     path.unlink()
-                    self._notes.pop(path, None)
         return out[-MAX_NOTES:]
 
 
@@ -292,6 +321,9 @@ def check_watch(watch: object) -> None:
     """ValueError naming what is wrong with a ``MemoryWatch``."""
     if not isinstance(watch, dict) or not isinstance(watch.get("targets"), list):
         raise ValueError(f"a memory watch must be a dict with a 'targets' list, got {watch!r:.80}")
+    who = watch.get("watcher", "")
+    if not isinstance(who, str) or len(who) > 300:
+        raise ValueError(f"watcher must be a str of at most 300 chars, got {who!r:.80}")
     s = watch.get("sample_s")
     if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.05 <= s <= 3600:
         raise ValueError(f"sample_s must be a number in 0.05..3600, got {s!r:.80}")
