@@ -362,7 +362,9 @@ def test_a_record_that_cannot_be_written_is_reported_and_the_run_goes_on(
     finally:
         ray_session.kill(coord)
     assert entry["pending"] >= 1 and entry["failures"] >= 1, entry
-    assert "blocked/record" in entry["error"] and st["record"]["error"] == entry["error"]
+    # (each failing file retries on its own back-off, so which one's error is the latest can
+    # change between the two calls: both name a file of the blocked record)
+    assert "blocked/record" in entry["error"] and "blocked/record" in st["record"]["error"]
     assert st["windows"][0]["steps"] == [3, 4] and st["windows"][0]["ranks"] == [0, 1]
     assert st["global_step"] == 7 and st["run"]["lifecycle"] == "stopped"
 

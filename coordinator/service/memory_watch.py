@@ -2,8 +2,9 @@
 named; ``memory_snapshot()``: CUDA memory snapshots on demand.
 
 A timer on the coordinator sends each node's agent a ``MemoryWatch`` (the pids of the run's
-ranks on that node) every ``pull_s`` and folds what the agent sampled since the last one into
-the run's ``MemoryBook`` (``coordinator.core.memory``), which marks the leaks. Where a rank
+ranks on that node) every few seconds (``pull_every``) and folds what the agent sampled since
+the last one into the run's ``MemoryBook`` (``coordinator.core.memory``), which marks the
+leaks. Where a rank
 runs: its own replies (``pid``, ``node_id``), else Ray's actor table. Nothing here touches the
 step path; a node whose agent does not answer is said per rank (``unreachable``).
 """
