@@ -4,6 +4,7 @@ process. One rank leaks host memory at a known rate: it alone is marked, with it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -138,52 +139,52 @@ def test_a_rank_whose_process_dies_is_marked_lost_and_keeps_its_peak(ray_session
             ray.kill(w)
 
 
-def chart_in_a_browser(coord, name, tmp_path):
-    """The run page in Chromium: the policy role's memory chart, a line a rank, the window as a
-    band, the culprit named above it."""
+@contextlib.contextmanager
+def web_page(coord, name, path):
+    """The web view of coordinator ``name`` served on loopback, and ``path`` opened in
+    Chromium; the page's JavaScript errors must be none when the block ends."""
     from coordinator.ops.web.server import CoordinatorLink
-    from tests.test_web import ServerThread, chromium_browser, screenshot, wait_js
+    from tests.test_web import ServerThread, chromium_browser
 
     web = ServerThread(CoordinatorLink(name, "profiler", coord))
     try:
-        status, m = web.http("GET", "/api/memory")
-        assert status == 200 and len(m["ranks"][1]["series"]) > 30
         with chromium_browser() as browser:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(web.url + "/")
-            chart = "document.querySelector('.memory-chart[data-role=policy]')?.chart"
-            wait_js(page, f"{chart}?.data?.datasets?.length === 2", 30)
-            labels = page.evaluate(f"{chart}.data.datasets.map(d => d.label)")
-            assert labels[0] == "rank 0" and labels[1].startswith("rank 1 +")
-            assert labels[1].endswith("(culprit)")
-            assert page.evaluate(f"{chart}.config.options.plugins.memoryBands.windows.length") == 1
-            assert "leak: policy rank 1 grows" in page.inner_text("#memory")
-            screenshot(page, tmp_path, "memory.png")
+            page.goto(web.url + path)
+            yield web, page
         assert errors == []
     finally:
         web.close()
+
+
+def chart_in_a_browser(coord, name, tmp_path):
+    """The run page in Chromium: the policy role's memory chart, a line a rank, the window as a
+    band, the culprit named above it."""
+    from tests.test_web import screenshot, wait_js
+
+    with web_page(coord, name, "/") as (web, page):
+        status, m = web.http("GET", "/api/memory")
+        assert status == 200 and len(m["ranks"][1]["series"]) > 30
+        chart = "document.querySelector('.memory-chart[data-role=policy]')?.chart"
+        wait_js(page, f"{chart}?.data?.datasets?.length === 2", 30)
+        labels = page.evaluate(f"{chart}.data.datasets.map(d => d.label)")
+        assert labels[0] == "rank 0" and labels[1].startswith("rank 1 +")
+        assert labels[1].endswith("(culprit)")
+        assert page.evaluate(f"{chart}.config.options.plugins.memoryBands.windows.length") == 1
+        assert "leak: policy rank 1 grows" in page.inner_text("#memory")
+        screenshot(page, tmp_path, "memory.png")
 
 
 def window_page_in_a_browser(coord, name, mem):
     """The window page's memory part: the rank with the highest peak, and a row a rank."""
-    from coordinator.ops.web.server import CoordinatorLink
-    from tests.test_web import ServerThread, chromium_browser, wait_js
+    from tests.test_web import wait_js
 
-    web = ServerThread(CoordinatorLink(name, "profiler", coord))
-    try:
-        with chromium_browser() as browser:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(web.url + "/#/window/0")
-            wait_js(page, "document.getElementById('memory-peak') !== null", 30)
-            text = page.inner_text("#memory-peak")
-            assert text.startswith(f"highest peak: rank {mem['max_peak_rank']},"), text
-        assert errors == []
-    finally:
-        web.close()
+    with web_page(coord, name, "/#/window/0") as (_, page):
+        wait_js(page, "document.getElementById('memory-peak') !== null", 30)
+        text = page.inner_text("#memory-peak")
+        assert text.startswith(f"highest peak: rank {mem['max_peak_rank']},"), text
 
 
 def test_snapshots_on_demand_and_on_oom_reach_the_coordinator_with_their_rank(
