@@ -238,7 +238,7 @@ def test_export_none_summarises_a_temporary_trace_then_deletes_it(tmp_path):
 def test_export_none_keeps_two_roles_rank_0_apart_in_one_run_directory(tmp_path):
     """The policy's and the rollout's rank 0 close the same window at once in one directory:
     each writes its own temporary trace (one used to rename the other's away, disabling both)."""
-    from worker_ext.rank.torch_session import TraceTarget, export_trace
+    from worker_ext.rank.torch_session import TraceTarget, export_trace, trace_job
 
     cfg = cfg_for(tmp_path, wait=0, export_type="none")
     window = Window(index=0, warmup_start=0, first=0, last=0)
@@ -247,7 +247,7 @@ def test_export_none_keeps_two_roles_rank_0_apart_in_one_run_directory(tmp_path)
         with torch.profiler.profile(activities=activities(["cpu"])) as prof:
             TinyMLP().train_step()
         target = TraceTarget(0, "cpu", str(tmp_path / "run"), None, role)
-        jobs.append(export_trace(prof, cfg, target, window, (0, 0), False, None))
+        jobs.append(export_trace(prof, trace_job(cfg, target, window, (0, 0), False, None)))
     paths = [j.raw_path for j in jobs]
     assert len(set(paths)) == 3 and all(os.path.dirname(p) == str(tmp_path / "run") for p in paths)
     assert all(load_trace(p)["traceEvents"] for p in paths)

@@ -146,7 +146,7 @@ class RankSession:
         import ray
 
         from coordinator.service.actor import ProfilerCoordinator
-        from worker_ext.rank.rank_profiler import RankProfiler
+        from worker_ext.rank.kineto_rank import profiler_class
 
         if not ray.is_initialized():
             raise RuntimeError("ray is not initialised in this rank's process")
@@ -167,7 +167,7 @@ class RankSession:
         self._owner = (namespace, name)
         self._generation = reply["generation"]
         self.config = ProfilerConfig.from_dict(reply["config"], check_paths=False)
-        self._profiler = RankProfiler(
+        self._profiler = profiler_class(self.config)(
             self.rank, self.config, self.run_dir, report_to=reply["report_to"], role=role
         )
         self._plan = WindowPlan(Schedule(self.config))

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from worker_ext.rank.mixin import ProfilerWorkerMixin
     from worker_ext.rank.rank_profiler import RankProfiler
 
-__all__ = ["ProfilerWorkerMixin", "RankProfiler"]
+__all__ = ["ProfilerWorkerMixin", "RankProfiler", "kineto_env"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +22,8 @@ def __getattr__(name: str) -> Any:
         from worker_ext.rank.rank_profiler import RankProfiler
 
         return RankProfiler
+    if name == "kineto_env":
+        from worker_ext.agent.kineto_ipc import kineto_env
+
+        return kineto_env
     raise AttributeError(f"module 'worker_ext' has no attribute {name!r}")

@@ -24,6 +24,9 @@ With ``attach: {skyrl: true}`` the watcher also waits for SkyRL's profiler modul
 ``torch_profiler_config`` and its ``start_profile`` / ``profile_step`` / ``stop_profile`` /
 ``dump_profiler_summary`` calls then drive the coordinator (``trainers.skyrl_profiler``), and
 optimizer steps attach nothing.
+
+With ``engine: kineto`` in the config, ``setup`` also puts libkineto's daemon environment
+(``worker_ext.kineto_env()``) in the process, before torch is imported.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import importlib.abc
 import importlib.machinery
 import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -55,6 +59,7 @@ def setup() -> None:
             return
         _installed = True
     try:
+        _kineto_environment()
         os.register_at_fork(after_in_child=_forked)
         waiting = {}
         for name, loaded in WATCHED.items():
@@ -67,6 +72,27 @@ def setup() -> None:
             sys.meta_path.insert(0, _ImportWatch(waiting))
     except Exception as exc:  # never the training's problem
         log.error("profiler: the attach hook could not be set up (%s); not profiled", exc)
+
+
+_KINETO = re.compile(r"""(?m)(^|[{,])\s*["']?engine["']?\s*:\s*["']?kineto\b""")
+
+
+def _kineto_environment() -> None:
+    """``engine: kineto`` in the job's config: turn libkineto's daemon mode on in this process
+    (``worker_ext.kineto_env()``), which only works before torch is imported."""
+    source = os.environ.get("RAY_PROFILER_CONFIG", "")
+    if source and "\n" not in source and os.path.isfile(source):
+        with open(source, encoding="utf-8") as f:
+            source = f.read(1 << 20)
+    if not _KINETO.search(source):
+        return
+    if "torch" in sys.modules:
+        log.error("profiler: engine kineto, but torch was imported before the setup hook ran")
+        return
+    from worker_ext.agent.kineto_ipc import kineto_env
+
+    for key, value in kineto_env().items():
+        os.environ.setdefault(key, value)
 
 
 def on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -21,6 +21,7 @@ from coordinator.protocol.summary_codec import DEFAULT_TOP_K
 
 ACTIVITIES = ("cpu", "cuda")
 EXPORT_TYPES = ("chrome_trace", "chrome_trace_gz", "stacks", "none")
+ENGINES = ("torch", "kineto")
 _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -105,6 +106,9 @@ class ProfilerConfig:
     with_modules: bool = False
     export_type: str = "chrome_trace_gz"
     """``chrome_trace``, ``chrome_trace_gz``, ``stacks`` (needs with_stack) or ``none``."""
+    engine: str = "torch"
+    """``torch`` (``torch.profiler`` in the rank) or ``kineto`` (libkineto's on-demand tracing,
+    the node agent as its daemon: docs/operations.md, "Two engines")."""
     top_k: int = DEFAULT_TOP_K
     """Kernels kept per rank per window in the summary."""
     worker_timeout_s: float = 60.0
@@ -400,6 +404,10 @@ def _plain(value: Any) -> Any:
 
 
 def _validate_export(cfg: ProfilerConfig) -> None:
+    if cfg.engine not in ENGINES:
+        raise ValueError(
+            f"profiler config: 'engine' is {cfg.engine!r}; expected one of {list(ENGINES)}"
+        )
     if cfg.export_type not in EXPORT_TYPES:
         raise ValueError(
             f"profiler config: 'export_type' is {cfg.export_type!r}; "

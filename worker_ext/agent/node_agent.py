@@ -47,6 +47,7 @@ from coordinator.protocol.summary_codec import RankSummary, decode_summary
 from coordinator.protocol.timeline import PieceRank, TimelinePiece
 from coordinator.raylink.handle_stubs import install_handle_stubs
 from worker_ext.agent.idle_exit import IDLE_EXIT_S, IdleExit, exit_actor
+from worker_ext.agent.kineto_daemon import ensure_daemon
 from worker_ext.agent.memory_sampler import (
     MemorySampler,
     ask_for_snapshot,
@@ -69,6 +70,7 @@ from worker_ext.agent.timeline_pieces import PieceStore, sweep_left
 from worker_ext.agent.trace_jobs import (
     JobResult,
     TraceJob,
+    fetch_kineto_trace,
     finish_trace,
     lowest_cpu_priority,
     summarise_job,
@@ -95,6 +97,12 @@ class NodeAgent(AgentRPC):
         self._summaries = concurrent.futures.ThreadPoolExecutor(1, "profiler-summary")
         self._files = concurrent.futures.ThreadPoolExecutor(
             1, "profiler-files", initializer=lowest_cpu_priority
+        )
+        # Kineto windows wait for libkineto's file on threads of their own, one per window,
+        # and are summarised at the lowest CPU priority.
+        self._waits = concurrent.futures.ThreadPoolExecutor(256, "profiler-kineto")
+        self._quiet = concurrent.futures.ThreadPoolExecutor(
+            1, "profiler-kineto-summary", initializer=lowest_cpu_priority
         )
         self.stubs = install_handle_stubs(own=("coordinator.", "worker_ext.agent."))
         self._node = str(ray.get_runtime_context().get_node_id())
@@ -210,6 +218,16 @@ class NodeAgent(AgentRPC):
                 continue  # gone, or not answering: it does not keep this agent alive
         return False
 
+    async def serve_kineto(self, directory: str) -> int:
+        """Play libkineto's daemon for this node's processes in ``directory`` (their
+        ``KINETO_IPC_SOCKET_DIR``), from a process of the agent's own; that process's pid."""
+        self._idle.touch()
+        if not isinstance(directory, str) or os.path.normpath(directory) != directory:
+            raise ValueError(f"{directory!r} is not a normalised directory path")
+        if not os.path.isabs(directory):
+            raise ValueError(f"{directory!r} is not an absolute path")
+        return await asyncio.get_running_loop().run_in_executor(None, ensure_daemon, directory)
+
     async def read_trace_chunk(self, path: str, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes of a trace file on this node from ``offset`` (b"" at its end).
 
@@ -258,7 +276,14 @@ class NodeAgent(AgentRPC):
 
     async def _process(self, job: TraceJob) -> JobResult:
         loop = asyncio.get_running_loop()
-        res, blob, folded = await loop.run_in_executor(self._summaries, summarise_job, job)
+        lost = await loop.run_in_executor(self._waits, fetch_kineto_trace, job)  # kineto windows
+        if lost is not None:
+            if job.report_to:
+                await self._notify(job, lost.errors[-1])
+            return lost
+        # A kineto window's summary yields the CPU to training (the point of that engine).
+        lane = self._summaries if job.kineto is None else self._quiet
+        res, blob, folded = await loop.run_in_executor(lane, summarise_job, job)
         if blob is not None:
             res.pushed = await self._publish(job, blob, res)
             if not res.pushed:

@@ -24,6 +24,7 @@ from coordinator.protocol.atomic_file import atomic_path
 from coordinator.protocol.reasons import reason
 from coordinator.protocol.replies import Reason
 from coordinator.protocol.summary_codec import encode_summary
+from worker_ext.agent.kineto_traces import KinetoRequest, await_trace, settle_steps
 from worker_ext.agent.trace_summary import summarise_trace
 
 
@@ -49,6 +50,8 @@ class TraceJob:
     storage_options: dict[str, Any] = field(default_factory=dict)
     keep_local: bool = False
     """Keep the local copy once it is uploaded."""
+    kineto: KinetoRequest | None = None
+    """``engine: kineto``: the trace is libkineto's, still to come (``kineto_traces``)."""
 
 
 @dataclass
@@ -74,12 +77,26 @@ def run_job(job: TraceJob) -> JobResult:
     """Summarise, then finish the trace file, for a agent that does not push (the summary
     rides on the rank's next reply). Never raises: failures go in ``errors``."""
     t0 = time.perf_counter()
+    lost = fetch_kineto_trace(job)
+    if lost is not None:
+        return lost
     res, blob, folded = summarise_job(job)
     res.summary = blob
     finish_trace(job, folded, res)
     upload_trace(job, res)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def fetch_kineto_trace(job: TraceJob) -> JobResult | None:
+    """A kineto window's trace written to ``job.raw_path`` (None), or the result that says why
+    its summary is lost. Blocks while the window runs; None at once for a torch window."""
+    if job.kineto is None:
+        return None
+    why = await_trace(job.kineto, job.raw_path)
+    if why is None:
+        return None
+    return JobResult(window=job.window, pid=os.getpid(), trace_path=None, errors=[why])
 
 
 def summarise_job(job: TraceJob) -> tuple[JobResult, bytes | None, list[str] | None]:
@@ -97,8 +114,14 @@ def summarise_job(job: TraceJob) -> tuple[JobResult, bytes | None, list[str] | N
             top_k=job.top_k,
             stacks=job.export_type == "stacks",
             flops=job.with_flops,
+            clip=job.kineto is not None,
         )
-        return res, encode_summary(summary), folded
+        blob = encode_summary(summary)
+        if job.kineto is not None:
+            blob, why = settle_steps(blob, job.steps)
+            if why is not None:
+                res.errors.append(why)
+        return res, blob, folded
     except Exception as exc:  # the reason goes to the rank's status
         res.errors.append(reason("summary", exc))
         return res, None, None

@@ -66,10 +66,13 @@ def summarise_trace(
     stacks: bool = False,
     flops: bool = False,
     chunk_bytes: int = CHUNK_BYTES,
+    clip: bool = False,
 ) -> tuple[RankSummary, list[str] | None]:
     """Read ``path`` once and build the rank's summary (and folded stacks when ``stacks``).
 
     ``flops``: count matrix-product flops from the recorded input shapes (``with_flops``).
+    ``clip``: leave out the CPU events outside the recorded steps' span (a trace that began
+    or ended off the steps: libkineto's, whose collection starts and stops on its own thread).
     Raises ``trace_reader.TraceError`` for a trace that cannot be read.
     """
     digest = read_trace(path, chunk_bytes=chunk_bytes, flops=flops)
@@ -82,6 +85,7 @@ def summarise_trace(
         device=device,
         top_k=top_k,
         stacks=stacks,
+        clip=clip,
     )
 
 
@@ -95,10 +99,11 @@ def summarise(
     device: str,
     top_k: int,
     stacks: bool = False,
+    clip: bool = False,
 ) -> tuple[RankSummary, list[str] | None]:
     """The rank's summary of a read trace, and folded-stack lines (``a;b;c self_us``)."""
     step_spans, w0, w1 = _window_span(d, steps)
-    cpu = _nest(d, stacks, (w0, w1))
+    cpu = _nest(d, stacks, (w0, w1), clip and bool(step_spans))
     comm = np.array(cpu.comm_spans, dtype=np.int64).reshape(-1, 2)
     cpu.breakdown[COMM] = union_ns(comm[:, 0], comm[:, 1], w0, w1)  # wall time in collectives
     peak, memory = _memory(d, cpu, device)
@@ -280,9 +285,9 @@ class _CpuResult:
     op_names: set[int]  # the name ids of ops (``OP`` events)
 
 
-def _nest(d: TraceDigest, stacks: bool, span: tuple[int, int]) -> _CpuResult:
+def _nest(d: TraceDigest, stacks: bool, span: tuple[int, int], clip: bool = False) -> _CpuResult:
     """Self time per CPU event, the breakdown (of the events inside ``span``, the window),
-    allocations and folded stacks."""
+    allocations and folded stacks; with ``clip``, of the events inside ``span`` only."""
     c = d.cpu()
     names = d.names
     is_work = np.array([bool(_ASYNC_WORK.match(n)) for n in names] or [False])
@@ -291,7 +296,7 @@ def _nest(d: TraceDigest, stacks: bool, span: tuple[int, int]) -> _CpuResult:
     work = (c.kind == ANNOTATION) & is_work[c.name]
     comm_spans = list(zip(c.start[work].tolist(), c.end[work].tolist(), strict=True))
     # Async work spans sit outside the op tree; everything else is nested per thread.
-    keep = np.flatnonzero(~work)
+    keep = np.flatnonzero(~work & ((c.start >= span[0]) & (c.end <= span[1]) if clip else True))
     order = keep[np.lexsort((-c.end[keep], c.start[keep], c.thread[keep]))]
     thread, start, end = c.thread[order], c.start[order], c.end[order]
     name, kind, flops, corr = c.name[order], c.kind[order], c.flops[order], c.corr[order]

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from coordinator.protocol.agent_rpc import CONTROL_CALLS, CONTROL_LANE
 from coordinator.protocol.names import AGENT_NAMESPACE, agent_name
+from worker_ext.agent.kineto_daemon import ensure_daemon
 from worker_ext.agent.node_agent import NodeAgent
 from worker_ext.agent.spawned import spawn_pool, submit_to
 from worker_ext.agent.trace_jobs import JobResult, TraceJob, run_job
@@ -42,6 +43,10 @@ class AgentLink(Protocol):
 
     def forget(self) -> None:
         """The agent died: start a new one on the next ``prepare``/``submit``."""
+        ...
+
+    def serve_kineto(self, directory: str) -> None:
+        """Have the agent play libkineto's daemon in ``directory`` (not awaited)."""
         ...
 
 
@@ -130,6 +135,9 @@ class NodeAgentLink:
         with self._lock:
             self._agent = None
 
+    def serve_kineto(self, directory: str) -> None:
+        self._handle().serve_kineto.remote(directory)
+
 
 class LocalAgentLink:
     """A spawned child of this process (used when this process is not part of a Ray cluster);
@@ -160,6 +168,9 @@ class LocalAgentLink:
         except BrokenProcessPool:
             self.forget()
             return submit_to(self._executor(), run_job, job)
+
+    def serve_kineto(self, directory: str) -> None:
+        submit_to(self._executor(), ensure_daemon, directory)
 
     def forget(self) -> None:
         with self._lock:

@@ -48,6 +48,17 @@ class HandOff:
             )
             log.warning("rank %d: %s", self.rank, message)
 
+    def serve_kineto(self, directory: str) -> None:
+        """Have the agent play libkineto's daemon in ``directory``; a failure is kept."""
+        if self.agent is None:
+            return
+        try:
+            self.agent.serve_kineto(directory)
+        except Exception as exc:
+            self.last_error = AgentError(
+                window=None, where="agent", type=type(exc).__name__, message=str(exc)[:1000]
+            )
+
     def submit(self, job: TraceJob) -> None:
         """Queue ``job`` on the agent; never waits for it, never raises."""
         assert self.agent is not None

@@ -55,7 +55,7 @@ class ProfilerWorkerMixin(RankRPC):
         node agent pushes summaries to as soon as they are built; without it they ride on replies.
         ``role``: its trainer's role (``window_.../<role>/rank<r>...`` in each window).
         """
-        from worker_ext.rank.rank_profiler import RankProfiler
+        from worker_ext.rank.kineto_rank import profiler_class
 
         old = self._rank_profiler
         if old is not None and old.phase != "idle":
@@ -67,7 +67,7 @@ class ProfilerWorkerMixin(RankRPC):
             cfg, refuse = ProfilerConfig(enable=True, ranks="all"), f"bad config: {exc}"
         if role_problem(role):
             role, cfg.roles = "policy", {}  # refused above; selected so that it says why
-        rp = RankProfiler(
+        rp = profiler_class(cfg)(
             int(rank),
             cfg,
             run_dir,

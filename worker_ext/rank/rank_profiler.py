@@ -46,6 +46,7 @@ from worker_ext.rank.torch_session import (
     pick_device,
     release,
     staging_dir,
+    trace_job,
     window_profiler,
 )
 
@@ -347,17 +348,13 @@ class RankProfiler:
             if closing is None or closing.steps is None or self.fault is not None:
                 return
             assert self.run_directory is not None
-            job = export_trace(
-                prof,
-                self.config,
-                TraceTarget(
-                    self.rank, self.device, self.run_directory, self.remote_run_dir, self.role
-                ),
-                closing.window,
-                closing.steps,
-                closing.partial,
-                self.report_to,
+            where = TraceTarget(
+                self.rank, self.device, self.run_directory, self.remote_run_dir, self.role
             )
+            job = trace_job(
+                self.config, where, closing.window, closing.steps, closing.partial, self.report_to
+            )
+            export_trace(prof, job)
             closing.trace_path = job.upload_to or job.final_path
             closing.job = job
         except BaseException as exc:  # noqa: BLE001 - re-raised by _stop when an exit

@@ -113,8 +113,15 @@ class TraceTarget:
     role: str = "policy"
 
 
-def export_trace(
-    prof: Any,
+def export_trace(prof: Any, job: TraceJob) -> TraceJob:
+    """Write the stopped profiler's raw chrome trace where ``job`` says (never half of one: a
+    temporary name, then a rename); the job, for the agent."""
+    with atomic_path(job.raw_path) as tmp:
+        prof.export_chrome_trace(tmp)
+    return job
+
+
+def trace_job(
     config: ProfilerConfig,
     target: TraceTarget,
     window: Window,
@@ -122,8 +129,8 @@ def export_trace(
     partial: bool,
     report_to: dict[str, str] | None,
 ) -> TraceJob:
-    """Write the stopped profiler's raw chrome trace (never half of one: a temporary name, then
-    a rename) and return the job that tells the agent what to make of it."""
+    """The job for a rank's trace of ``window``: where its raw trace goes (its directory made)
+    and what the agent makes of it."""
     first, last = steps
     export, rank, index = config.export_type, target.rank, window.index
     if export == "none":  # summarised from a temporary trace, then deleted
@@ -144,8 +151,6 @@ def export_trace(
         if target.remote_run_dir is not None:
             where = (os.path.basename(wdir), target.role, os.path.basename(final))
             upload = join(target.remote_run_dir, *where)
-    with atomic_path(raw) as tmp:
-        prof.export_chrome_trace(tmp)
     return TraceJob(
         rank=rank,
         window=index,

@@ -1,0 +1,275 @@
+"""The kineto daemon's protocol, its late-reply rules and the agent's wait for a trace, with
+real Unix sockets and files (no torch: the clients here speak libkineto's protocol)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import struct
+import tempfile
+import time
+
+import pytest
+
+from coordinator.protocol.summary_codec import (
+    KernelRow,
+    RankSummary,
+    decode_summary,
+    encode_summary,
+)
+from worker_ext.agent import kineto_ipc as ipc
+from worker_ext.agent.kineto_daemon import Daemon
+from worker_ext.agent.kineto_traces import (
+    KinetoRequest,
+    await_trace,
+    cancel_path,
+    settle_steps,
+    written_path,
+)
+
+
+@pytest.fixture
+def short():
+    """A directory short enough for socket paths in it (a pytest tmp_path is not)."""
+    d = tempfile.mkdtemp(prefix="kt-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def kdir(short):
+    return ipc.prepare_dir(os.path.join(short, "k"))
+
+
+class Client:
+    """A libkineto client: its own socket in the directory, asking the daemon for configs."""
+
+    def __init__(self, directory: str, name: str = "dynoconfigclient-test") -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.addr = os.path.join(directory, name)
+        self.sock.bind(self.addr)
+        self.sock.settimeout(0.3)
+        self.daemon = os.path.join(directory, ipc.SOCKET_NAME)
+
+    def ask(self, pid: int) -> None:
+        self.sock.sendto(ipc.request([pid, 1]), self.daemon)
+
+    def answer(self) -> str | None:
+        try:
+            msg = ipc.decode(self.sock.recv(1 << 16))
+        except TimeoutError:
+            return None
+        assert msg.kind == "req"
+        return msg.body.decode()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_messages_round_trip_and_malformed_ones_are_refused():
+    req = ipc.request([42, 7, 1], types=3, job_id=9)
+    msg = ipc.decode(req)
+    assert msg.kind == "req" and len(req) == 40 + 16 + 12
+    assert ipc.parse_request(msg.body) == ipc.ConfigRequest(3, 9, (42, 7, 1))
+    assert ipc.decode(ipc.reply("A=1\n")) == ipc.Message("req", b"A=1\n")
+    with pytest.raises(ValueError, match="shorter than the 40-byte header"):
+        ipc.decode(b"x" * 10)
+    with pytest.raises(ValueError, match="header says 5 bytes"):
+        ipc.decode(struct.pack("=Q32s", 5, b"req") + b"ab")
+    with pytest.raises(ValueError, match="with 0 pids"):
+        ipc.parse_request(struct.pack("=iiq", 3, 0, 0))
+    with pytest.raises(ValueError, match="with 99 pids"):
+        ipc.parse_request(struct.pack("=iiq", 3, 99, 0))
+
+
+def test_config_text_refuses_what_would_break_its_lines():
+    assert ipc.config_text({"A_B": 1, "C": True}) == "A_B=1\nC=true\n"
+    with pytest.raises(ValueError, match="not a libkineto option"):
+        ipc.config_text({"A": "1\nPROFILE_START_ITERATION=0"})
+    with pytest.raises(ValueError, match="not a libkineto option"):
+        ipc.config_text({"a=b": 1})
+
+
+def test_the_directory_is_private_and_the_environment_names_it(short):
+    env = ipc.kineto_env(os.path.join(short, "k"))
+    d = env["KINETO_IPC_SOCKET_DIR"]
+    assert env["KINETO_USE_DAEMON"] == "1" and env[ipc.DIR_ENV] == d
+    assert os.stat(d).st_mode & 0o777 == 0o700
+    with open(env["KINETO_CONFIG"]) as f:
+        assert f.read() == "ON_DEMAND_CONFIG_UPDATE_INTERVAL_SECS=1\n"
+    open_dir = os.path.join(short, "open")
+    os.mkdir(open_dir)
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(PermissionError, match="open to other users"):
+        ipc.prepare_dir(open_dir)
+    with pytest.raises(ValueError, match="too long for libkineto's sockets"):
+        ipc.prepare_dir("/tmp/" + "x" * 60)
+
+
+def test_the_daemon_never_answers_a_first_request_and_hands_a_config_once(kdir):
+    daemon, client = Daemon(kdir), Client(kdir)
+    try:
+        ipc.post_config(kdir, 4242, "PROFILE_START_ITERATION=5\n")
+        client.ask(4242)
+        daemon.serve_once()
+        assert client.answer() is None  # a new client's first request: no reply at all
+        client.ask(4242)
+        daemon.serve_once()
+        assert client.answer() == "PROFILE_START_ITERATION=5\n"
+        assert os.path.exists(ipc.request_path(kdir, 4242, "sent"))
+        assert not os.path.exists(ipc.request_path(kdir, 4242))
+        client.ask(4242)
+        daemon.serve_once()
+        assert client.answer() == ""  # nothing more to do
+        client.ask(777)  # another process behind the same client address: nothing for it
+        daemon.serve_once()
+        assert client.answer() == ""
+    finally:
+        client.close()
+        daemon.sock.close()
+
+
+def test_a_request_that_waited_too_long_gets_no_reply_and_its_config_waits(kdir):
+    daemon, client = Daemon(kdir), Client(kdir)
+    try:
+        client.ask(1)
+        daemon.serve_once()  # (the first request)
+        ipc.post_config(kdir, 1, "X=1\n")
+        client.ask(1)
+        time.sleep(0.15)  # the client stopped waiting after about 90 ms
+        daemon.serve_once()
+        assert client.answer() is None
+        assert os.path.exists(ipc.request_path(kdir, 1))  # still queued
+        client.ask(1)
+        daemon.serve_once()
+        assert client.answer() == "X=1\n"
+    finally:
+        client.close()
+        daemon.sock.close()
+
+
+def test_garbage_and_registrations_are_handled(kdir):
+    daemon, client = Daemon(kdir), Client(kdir)
+    try:
+        client.sock.sendto(b"garbage", client.daemon)
+        daemon.serve_once()
+        client.sock.sendto(ipc.encode("ctxt", struct.pack("=iiq", 0, 5, 0)), client.daemon)
+        daemon.serve_once()
+        msg = ipc.decode(client.sock.recv(100))
+        assert msg.kind == "ctxt" and struct.unpack("=i", msg.body) == (1,)
+    finally:
+        client.close()
+        daemon.sock.close()
+
+
+def _request(kdir: str, tmp_path, pid: int) -> KinetoRequest:
+    d = kdir
+    return KinetoRequest(
+        pid=pid,
+        config="A=1\n",
+        log_file=str(tmp_path / ".kineto.0.rank3.json"),
+        directory=d,
+        metadata='"distributedInfo": {"rank": 3}, "rank": 3',
+        timeout_s=5,
+    )
+
+
+def test_the_agent_writes_the_trace_with_its_metadata_once_libkineto_renamed_it(tmp_path, kdir):
+    req = _request(kdir, tmp_path, os.getpid())
+    out = written_path(req.log_file, req.pid)
+    assert out.endswith(f".kineto.0.rank3_{os.getpid()}.json")
+    ticks = []
+
+    def sleep(_s: float) -> None:
+        ticks.append(1)
+        if len(ticks) == 3:
+            with open(out, "w") as f:
+                json.dump({"schemaVersion": 1, "traceEvents": [{"ph": "X", "name": "a"}]}, f)
+
+    raw = str(tmp_path / "rank3.pt.trace.json")
+    assert await_trace(req, raw, sleep=sleep, serve=len) is None
+    with open(raw) as f:
+        doc = json.load(f)
+    assert doc["rank"] == 3 and doc["distributedInfo"] == {"rank": 3}
+    assert doc["traceEvents"] == [{"ph": "X", "name": "a"}]
+    assert not os.path.exists(out) and ipc.withdraw_config(req.directory, req.pid) is False
+
+
+def test_a_trace_that_will_not_come_says_why_and_leaves_nothing(tmp_path, kdir):
+    req = _request(kdir, tmp_path, os.getpid())
+    tmp = written_path(req.log_file, req.pid) + ".tmp"
+    open(tmp, "w").close()  # libkineto's, left by a cancelled session
+    with open(cancel_path(req.log_file), "w") as f:
+        f.write("a torch.profiler of the process's own started")
+    why = await_trace(req, str(tmp_path / "raw.json"), sleep=lambda s: None, serve=len)
+    assert why is not None and why["where"] == "summary"
+    assert "kineto: a torch.profiler of the process's own started" in why["message"]
+    assert not os.path.exists(tmp) and not os.path.exists(cancel_path(req.log_file))
+    assert not os.path.exists(ipc.request_path(req.directory, req.pid))  # withdrawn
+
+    gone = _request(kdir, tmp_path, 2**22 + 12345)  # no such process
+    why = await_trace(gone, str(tmp_path / "raw.json"), sleep=lambda s: None, serve=len)
+    assert why is not None and "exited before libkineto wrote the trace" in why["message"]
+    assert "config never sent" in why["message"]
+
+    clock = iter(range(0, 100, 10))
+    late = _request(kdir, tmp_path, os.getpid())
+    why = await_trace(
+        late, str(tmp_path / "raw.json"), clock=lambda: next(clock), sleep=id, serve=len
+    )
+    assert why is not None and "no trace from libkineto within 5 s" in why["message"]
+
+
+def _summary(steps: list[int]) -> bytes:
+    return encode_summary(
+        RankSummary(
+            rank=0,
+            window=2,
+            steps=(8, 10),
+            partial=False,
+            device="cpu",
+            kernels=[KernelRow("aten::mm", 5.0, 1, 0)],
+            step_us=[(s, 10.0) for s in steps],
+        )
+    )
+
+
+def test_the_recorded_steps_are_the_markers_in_the_trace():
+    blob = _summary([8, 9, 10])
+    assert settle_steps(blob, (8, 10)) == (blob, None)
+    fixed, why = settle_steps(_summary([10]), (8, 10))
+    s = decode_summary(fixed)
+    assert s.steps == (10, 10) and s.partial
+    assert why is not None and why["where"] == "kineto"
+    assert "recorded steps 10-10 of the planned 8-10" in why["message"]
+    assert "after the window's first step" in why["message"]
+    none, why = settle_steps(_summary([]), (8, 10))
+    assert why is not None and "no step of the planned 8-10" in why["message"]
+    assert decode_summary(none).partial
+
+
+def test_a_gpu_rank_s_config_asks_for_cuda_activities(tmp_path):
+    from coordinator.core.config import ProfilerConfig
+    from worker_ext.rank.kineto_rank import window_options
+
+    cfg = ProfilerConfig.from_dict(
+        {
+            "enable": True,
+            "ranks": "all",
+            "engine": "kineto",
+            "save_path": str(tmp_path),
+            "record_shapes": True,
+        }  # fmt: skip
+    )
+    gpu = ipc.config_text(window_options(cfg, "cuda", "/r/x.json", 41, 12)).splitlines()
+    cpu = ipc.config_text(window_options(cfg, "cpu", "/r/x.json", 41, 12)).splitlines()
+    kinds = {line.split("=", 1)[0]: line.split("=", 1)[1] for line in gpu}
+    assert {"kernel", "cuda_runtime", "gpu_memcpy", "cpu_op"} <= set(
+        kinds["ACTIVITY_TYPES"].split(",")
+    )
+    assert kinds["PROFILE_START_ITERATION"] == "41" and kinds["ACTIVITIES_ITERATIONS"] == "12"
+    assert kinds["PROFILE_REPORT_INPUT_SHAPES"] == "true"
+    cpu_kinds = dict(line.split("=", 1) for line in cpu)["ACTIVITY_TYPES"].split(",")
+    assert "kernel" not in cpu_kinds and "cpu_op" in cpu_kinds

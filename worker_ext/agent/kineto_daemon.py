@@ -1,0 +1,203 @@
+"""The daemon libkineto asks for on-demand configs, played for one node's processes.
+
+A process of its own (``python -m worker_ext.agent.kineto_daemon <dir> <parent pid>``), so
+that no summary the agent parses holds the GIL while a client waits: libkineto waits only about
+90 ms for a reply. ``ensure_daemon`` starts one per agent process; of the daemons of one
+directory (several agents of one host, as in a test cluster) the one holding
+``<dir>/daemon.lock`` serves and the others wait to take over. Each leaves when its parent has.
+
+The late-reply trap: a reply the client no longer waits for stays queued in its socket, and from
+then on it reads every reply one poll late. So the daemon never answers a client's first
+request, never sends a reply to a request that arrived more than ``LATE_S`` ago (the kernel's
+arrival time, ``SO_TIMESTAMPNS``), and leaves the next request unanswered after any reply that
+went out late all the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+from coordinator.protocol.atomic_file import write_atomic
+from worker_ext.agent.kineto_ipc import (
+    CLIENT_PREFIX,
+    SOCKET_NAME,
+    context_reply,
+    decode,
+    parse_request,
+    prepare_dir,
+    reply,
+    request_path,
+)
+
+LATE_S = 0.05
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+SWEEP_S = 60.0
+
+
+class Daemon:
+    """The serving side, on a bound socket (``serve_once`` per datagram)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        path = os.path.join(directory, SOCKET_NAME)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a daemon before us left it; we hold the lock now
+        self.sock.bind(path)
+        self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        self.sock.settimeout(0.5)
+        self.seen: dict[str, float] = {}  # client address -> last request
+        self.skip_next: set[str] = set()
+        self.sent = 0
+        self._swept = time.monotonic()
+        self.log = None
+        if os.environ.get("RAY_PROFILER_KINETO_LOG"):  # every request and answer, to debug
+            self.log = open(os.path.join(directory, "daemon.log"), "a", buffering=1)  # noqa: SIM115
+
+    def _note(self, text: str) -> None:
+        if self.log is not None:
+            self.log.write(f"{time.time():.3f} {text}\n")
+
+    def serve_once(self) -> None:
+        """Take one datagram (or time out) and answer it as above."""
+        try:
+            data, anc, _, addr = self.sock.recvmsg(1 << 16, socket.CMSG_SPACE(16))
+        except TimeoutError:
+            self._sweep()
+            return
+        arrived = _arrival(anc)
+        if not isinstance(addr, str) or not addr:
+            return
+        try:
+            msg = decode(data)
+        except ValueError:
+            return
+        first = addr not in self.seen
+        self.seen[addr] = time.monotonic()
+        if msg.kind == "ctxt":
+            self._send(addr, context_reply(1), arrived)
+            return
+        if msg.kind != "req" or first:
+            return
+        if addr in self.skip_next:
+            self.skip_next.discard(addr)
+            return
+        try:
+            req = parse_request(msg.body)
+        except ValueError:
+            return
+        age = time.time() - arrived if arrived is not None else 0.0
+        self._note(f"req pid={req.pids[0]} type={req.types} age={age * 1e3:.1f}ms")
+        if age > LATE_S:
+            return  # the client has stopped waiting; its config waits for the next poll
+        self._answer(addr, req.pids[0], arrived)
+
+    def _answer(self, addr: str, pid: int, arrived: float | None) -> None:
+        path = request_path(self.directory, pid)
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = f.read()
+        except FileNotFoundError:
+            config = ""
+        sent = self._send(addr, reply(config), arrived)
+        self._note(f"answer pid={pid} bytes={len(config)} sent={sent}")
+        if not sent or not config:
+            return
+        with contextlib.suppress(OSError):
+            write_atomic(request_path(self.directory, pid, "sent"), config.encode("utf-8"))
+            os.unlink(path)
+        self.sent += 1
+
+    def _send(self, addr: str, data: bytes, arrived: float | None) -> bool:
+        try:
+            self.sock.sendto(data, addr)
+        except OSError:
+            return False  # the client is gone
+        if arrived is not None and time.time() - arrived > LATE_S:
+            self.skip_next.add(addr)  # it went out late: its next poll reads this one
+        return True
+
+    def _sweep(self) -> None:
+        """Remove the sockets clients left behind (libkineto never removes its own): those
+        not heard from for ``SWEEP_S`` while this daemon served."""
+        now = time.monotonic()
+        if now - self._swept < SWEEP_S:
+            return
+        self._swept = now
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.directory):
+                addr = os.path.join(self.directory, name)
+                if name.startswith(CLIENT_PREFIX) and now - self.seen.get(addr, 0.0) > SWEEP_S:
+                    with contextlib.suppress(OSError):
+                        os.unlink(addr)
+                        self.seen.pop(addr, None)
+
+
+def _arrival(ancillary: list[tuple[int, int, bytes]]) -> float | None:
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+            sec, nsec = struct.unpack_from("=qq", data)  # a struct timespec
+            return float(sec) + float(nsec) / 1e9
+    return None
+
+
+def run(directory: str, parent: int) -> None:
+    """Serve ``directory`` while ``parent`` lives: wait for the lock, then answer."""
+    prepare_dir(directory)
+    with open(os.path.join(directory, "daemon.lock"), "a+b") as lock:
+        while os.getppid() == parent:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            return
+        daemon = Daemon(directory)
+        while os.getppid() == parent:
+            daemon.serve_once()
+
+
+_STARTED: dict[str, subprocess.Popen[bytes]] = {}
+_LOCK = threading.Lock()
+
+
+def ensure_daemon(directory: str) -> int:
+    """This process's daemon for ``directory``, started if it is not running; its pid."""
+    with _LOCK:
+        proc = _STARTED.get(directory)
+        if proc is not None and proc.poll() is None:
+            return proc.pid
+        prepare_dir(directory)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, directory, str(os.getpid())],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,  # never a caller's pipe: it would stay open with us
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        _STARTED[directory] = proc
+        return proc.pid
+
+
+def stop_daemons() -> None:
+    """Stop the daemons this process started (tests; an agent's daemons leave with it)."""
+    with _LOCK:
+        procs = list(_STARTED.values())
+        _STARTED.clear()
+    for proc in procs:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], int(sys.argv[2]))

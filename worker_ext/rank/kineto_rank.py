@@ -1,0 +1,328 @@
+"""``engine: kineto``: a rank whose windows libkineto records on its own threads, on the config
+the node agent hands it as its daemon (``worker_ext.agent.kineto_traces``).
+
+The training thread's part of a window is small: at its start, a ``TraceJob`` carrying the
+config goes to the agent; on each recorded step a ``ProfilerStep#N`` range (the reader's step
+markers, on the global step); at its end, the rest of libkineto's iterations counted at once
+(``_kineto_step``), so that libkineto stops where the window ends. No ``stop()``, no export, no
+free: libkineto collects and writes the trace on its own threads, and the agent reads it.
+
+libkineto counts iterations by the optimizer step hook torch registers with
+``KINETO_USE_DAEMON`` (``KinetoStepTracker``): its count is the tracker's less one, plus the
+iterations this rank counted itself. A config for iteration ``S`` starts recording at the
+optimizer step that brings the count to ``S``; so the window's config asks for the count at the
+end of the step before its first, from where the count stands when the window is started and
+how many optimizer steps a global step has taken lately. libkineto takes an iteration config
+only after the process's first optimizer step: before it, the config waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from torch.autograd import profiler as autograd_profiler
+
+from coordinator.core.config import ProfilerConfig
+from coordinator.core.schedule import Window
+from coordinator.protocol.atomic_file import write_atomic
+from coordinator.protocol.replies import ClosedWindow
+from worker_ext.agent.kineto_ipc import DIR_ENV, config_text, request_path
+from worker_ext.agent.kineto_traces import KinetoRequest, cancel_path, written_path
+from worker_ext.agent.trace_jobs import TraceJob
+from worker_ext.rank.rank_profiler import RankProfiler
+from worker_ext.rank.torch_session import TraceTarget, other_profiler_reason, trace_job
+
+log = logging.getLogger(__name__)
+CPU_ACTIVITIES = "cpu_op,user_annotation,cpu_instant_event,python_function"
+CUDA_ACTIVITIES = (
+    ",gpu_user_annotation,gpu_memcpy,gpu_memset,kernel,external_correlation,cuda_runtime,"
+    "cuda_driver,overhead"
+)
+
+
+def window_options(
+    config: ProfilerConfig, device: str, log_file: str, start: int, iterations: int
+) -> dict[str, object]:
+    """libkineto's config for a window: where, from which iteration and for how many, what to
+    record (CUDA activities on a GPU rank: CUPTI does the rest inside libkineto)."""
+    return {
+        "ACTIVITIES_LOG_FILE": log_file,
+        "PROFILE_START_ITERATION": start,
+        "ACTIVITIES_ITERATIONS": iterations,
+        "ACTIVITIES_WARMUP_ITERATIONS": 0,
+        "ACTIVITY_TYPES": CPU_ACTIVITIES + (CUDA_ACTIVITIES if device == "cuda" else ""),
+        "PROFILE_REPORT_INPUT_SHAPES": config.record_shapes,
+        "PROFILE_PROFILE_MEMORY": config.profile_memory,
+        "PROFILE_WITH_STACK": config.with_stack,
+        "PROFILE_WITH_FLOPS": config.with_flops,
+        "PROFILE_WITH_MODULES": config.with_modules,
+    }
+
+
+def profiler_class(config: ProfilerConfig) -> type[RankProfiler]:
+    """The rank profiler for the config's engine."""
+    return KinetoRankProfiler if config.engine == "kineto" else RankProfiler
+
+
+def environment_problem() -> str | None:
+    """Why libkineto's on-demand tracing is off in this process, or None."""
+    if os.environ.get("KINETO_USE_DAEMON") != "1" or not os.environ.get("KINETO_IPC_SOCKET_DIR"):
+        return (
+            "engine 'kineto' needs KINETO_USE_DAEMON=1 and KINETO_IPC_SOCKET_DIR in the rank's "
+            "environment before torch is imported: start it with "
+            "runtime_env={'env_vars': worker_ext.kineto_env()}"
+        )
+    return None
+
+
+_SESSIONS = [0]  # torch.profiler sessions started in this process (``watch_sessions``)
+
+
+def watch_sessions() -> None:
+    """Count every torch.profiler session this process starts from now on: torch calls its
+    module's ``_run_on_profiler_start`` at each start (``torch.profiler.profile``, the autograd
+    profiler, ITT). One starting during a kineto window, or before libkineto wrote it, drops
+    libkineto's trace; the count says so even when it starts and stops between two steps."""
+    original = getattr(autograd_profiler, "_run_on_profiler_start", None)
+    if original is None or getattr(original, "_ray_profiler_counts", False):
+        return
+
+    def counted() -> None:
+        _SESSIONS[0] += 1
+        original()
+
+    counted._ray_profiler_counts = True  # type: ignore[attr-defined]
+    autograd_profiler._run_on_profiler_start = counted
+
+
+def kineto_directory() -> str:
+    """The daemon directory this process's libkineto talks to."""
+    return os.environ.get(DIR_ENV) or os.environ["KINETO_IPC_SOCKET_DIR"]
+
+
+def libkineto_count(injected: int) -> int:
+    """libkineto's iteration count: the optimizer-step tracker's less one, plus ``injected``."""
+    return int(autograd_profiler.KinetoStepTracker.current_step()) - 1 + injected
+
+
+@dataclasses.dataclass
+class _Run:
+    """The open window's libkineto side."""
+
+    job: TraceJob
+    log_file: str
+    start: int | None = None  # the iteration its config names, once handed to the agent
+    iterations: int = 0
+    marker: Any = None  # the open ProfilerStep#N range
+    submitted: bool = False
+
+
+class KinetoRankProfiler(RankProfiler):
+    """A ``RankProfiler`` whose windows libkineto records (see the module docstring)."""
+
+    injected = 0  # iterations this rank counted itself (libkineto's count runs ahead by them)
+    per_step = 1  # optimizer steps per global step, as last seen
+    _seen: tuple[int, int] | None = None  # (global step done, the tracker's count then)
+    _measured = False  # per_step seen on two steps, not assumed
+    _writing: dict[int, str] | None = None  # ended windows whose trace libkineto still writes
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        watch_sessions()
+        self._sessions = _SESSIONS[0]
+        super().__init__(*args, **kwargs)
+        if self.selected and self.fault is None and environment_problem() is None:
+            self.hand_off.serve_kineto(kineto_directory())
+
+    def _warm_up(self) -> None:
+        """Nothing to warm up (libkineto starts itself); refuse a process without the daemon."""
+        problem = environment_problem()
+        if problem:
+            raise RuntimeError(problem)
+
+    def _start(self, window: Window, step: int) -> None:
+        if self._window is not None and self._window.index == window.index:
+            return
+        self._stop_if_open()
+        if step > window.last:
+            raise ValueError(f"start_window at step {step} after window {window.index} ended")
+        self._warm_up()
+        busy = other_profiler_reason(self)
+        if busy:
+            self.windows_skipped += 1
+            self.last_skip_reason = f"window {window.index} skipped: {busy}"
+            return
+        assert self.run_directory is not None
+        target = TraceTarget(
+            self.rank, self.device, self.run_directory, self.remote_run_dir, self.role
+        )
+        job = trace_job(self.config, target, window, (window.first, window.last), False, None)
+        job = dataclasses.replace(job, report_to=self.report_to)
+        where = os.path.dirname(job.raw_path)
+        log_file = os.path.join(where, f".kineto.{job.window}.rank{self.rank}.json")
+        run = _Run(job, log_file)
+        self._prof, self._window, self._last_done = run, window, None
+        self._recorded_first = step if step >= window.first else None
+        self._observe(step - 1)
+        self._submit_when_counting(run, window, step)
+        if step >= window.first:
+            self._open_marker(run, step)
+
+    def _submit_when_counting(self, run: _Run, window: Window, step: int) -> None:
+        """Hand the window's config to the agent once libkineto counts iterations."""
+        now = libkineto_count(self.injected)
+        if run.submitted or now < 0 or not self._measured:
+            # Before the first optimizer step libkineto would take it as a duration; before
+            # two steps were seen, how far the count goes in a step is not known.
+            return
+        n = window.last - window.first + 1
+        run.start = now + max(0, window.first - step) * self.per_step
+        run.iterations = 2 * (n + 2) * self.per_step  # the window's end counts the rest at once
+        options = window_options(self.config, self.device, run.log_file, run.start, run.iterations)
+        request = KinetoRequest(
+            pid=os.getpid(),
+            config=config_text(options),
+            log_file=run.log_file,
+            directory=kineto_directory(),
+            metadata=self._metadata(),
+        )
+        run.submitted = True
+        self.hand_off.submit(dataclasses.replace(run.job, kineto=request))
+
+    def _metadata(self) -> str:
+        """The trace's ``distributedInfo`` and ``rank``, as torch writes them."""
+        info: dict[str, Any] = {"backend": "none", "rank": self.rank, "role": self.role}
+        with contextlib.suppress(Exception):
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                info = {
+                    "backend": str(torch.distributed.get_backend()),
+                    "rank": int(torch.distributed.get_rank()),
+                    "world_size": int(torch.distributed.get_world_size()),
+                    "role": self.role,
+                }
+        return f'"distributedInfo": {json.dumps(info)}, "rank": {int(self.rank)}'
+
+    def _step(self, k: int) -> None:
+        self._observe(k)
+        other = _SESSIONS[0] != self._sessions or torch._C._autograd._profiler_enabled()
+        self._sessions = _SESSIONS[0]
+        self._watch_writing(other)
+        run, w = self._prof, self._window
+        if not isinstance(run, _Run) or w is None or k < (self._last_done or -1):
+            return
+        self._last_done = k
+        self._close_marker(run)
+        if other:
+            why = (
+                f"a torch.profiler of the process's own started during the kineto window "
+                f"{w.index}: libkineto runs one session and dropped the window's"
+            )
+            self._cancel(run, why)
+            self._end(partial=True)
+            return
+        self._submit_when_counting(run, w, k + 1)
+        if k >= w.last:
+            self._end(partial=False)
+            return
+        if k + 1 >= w.first:
+            if self._recorded_first is None:
+                self._recorded_first = k + 1
+            self._open_marker(run, k + 1)
+
+    def _observe(self, k: int) -> None:
+        """Global step ``k`` is done: how many optimizer steps a global step takes."""
+        count = int(autograd_profiler.KinetoStepTracker.current_step())
+        if self._seen is not None and k <= self._seen[0]:
+            return  # a stale or repeated step says nothing
+        if self._seen is not None and count > self._seen[1]:
+            self.per_step = max(1, round((count - self._seen[1]) / (k - self._seen[0])))
+            self._measured = True
+        self._seen = (k, count)
+
+    def _watch_writing(self, other_profiler: bool) -> None:
+        """A torch.profiler started before libkineto wrote an ended window's trace drops it:
+        say so to the agent, which stops waiting for it."""
+        writing = self._writing or {}
+        for index, log_file in list(writing.items()):
+            done = os.path.exists(written_path(log_file, os.getpid()))
+            if done or not self.hand_off.is_pending(index):
+                del writing[index]
+            elif other_profiler:
+                del writing[index]
+                why = (
+                    f"a torch.profiler started in this process before libkineto wrote window "
+                    f"{index}'s trace: libkineto runs one session and dropped it"
+                )
+                self._cancel_file(log_file, why)
+
+    def _stop_if_open(self) -> None:
+        if isinstance(self._prof, _Run):
+            self._end(partial=True)
+
+    def _end(self, partial: bool) -> None:
+        """Close the window: libkineto's remaining iterations counted now, so it stops here."""
+        run, w = self._prof, self._window
+        assert isinstance(run, _Run) and w is not None
+        self._close_marker(run)
+        self._prof, self._window = None, None
+        first, last = self._recorded_first, self._last_done
+        self._recorded_first = None
+        steps = (first, last) if first is not None and last is not None and last >= first else None
+        now = libkineto_count(self.injected)
+        if not run.submitted:
+            self._cancel(run, f"window {w.index} ended before libkineto counted an iteration")
+        elif run.start is not None and now < run.start and not self._config_sent(run):
+            self._cancel(run, f"window {w.index} ended before libkineto took its config")
+        else:
+            rest = max(0, (run.start or 0) + run.iterations - now)
+            for _ in range(rest):
+                autograd_profiler._kineto_step()
+            self.injected += rest
+            self._writing = {**(self._writing or {}), w.index: run.log_file}
+        self._closed = ClosedWindow(
+            window=w.index,
+            steps=list(steps) if steps else None,
+            partial=partial,
+            trace_path=run.job.upload_to or run.job.final_path,
+        )
+        if steps is not None and self.fault is None:
+            self.windows_captured += 1
+            self.last_trace_path = run.job.upload_to or run.job.final_path
+
+    def _config_sent(self, run: _Run) -> bool:
+        return os.path.exists(request_path(kineto_directory(), os.getpid(), "sent"))
+
+    def _cancel(self, run: _Run, why: str) -> None:
+        """Tell the agent this window's trace will not come, and why."""
+        self.last_skip_reason = why
+        log.warning("rank %d: %s", self.rank, why)
+        if run.submitted:  # (else the agent never heard of it)
+            self._cancel_file(run.log_file, why)
+
+    def _cancel_file(self, log_file: str, why: str) -> None:
+        self.last_skip_reason = why
+        with contextlib.suppress(OSError):
+            write_atomic(cancel_path(log_file), why.encode("utf-8"))
+
+    def _open_marker(self, run: _Run, step: int) -> None:
+        run.marker = autograd_profiler.record_function(f"ProfilerStep#{step}")
+        run.marker.__enter__()
+
+    def _close_marker(self, run: _Run) -> None:
+        marker, run.marker = run.marker, None
+        if marker is not None:
+            marker.__exit__(None, None, None)
+
+    def _teardown(self) -> None:
+        """After a fault: the open window's trace will not come."""
+        run = self._prof
+        if isinstance(run, _Run):
+            self._close_marker(run)
+            self._cancel(run, f"profiling was disabled on rank {self.rank}: {self.fault}")
+        self._prof = None
+        super()._teardown()
