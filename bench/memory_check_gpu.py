@@ -163,7 +163,7 @@ def main() -> int:
         print("no CUDA device: run this on a GPU machine")
         return 2
     out = args.out or tempfile.mkdtemp(prefix="memory-check-gpu-")
-    os.environ.setdefault("RAY_PROFILER_STACKS_DIR", os.path.join(out, "stacks"))
+    os.environ.setdefault("RAY_PROFILER_NODE_DIR", os.path.join(out, "node"))
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, files in {out}")
     for run in (window, demand, nvml, profile_memory, oom):  # the OOM last: it fills the device
         run(out)

@@ -41,7 +41,7 @@ LEAKER = textwrap.dedent(
 
 @pytest.fixture(autouse=True)
 def private_dirs(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAY_PROFILER_STACKS_DIR", str(tmp_path / "stacks"))
+    monkeypatch.setenv("RAY_PROFILER_NODE_DIR", str(tmp_path / "node"))
 
 
 def child(rate):
@@ -134,9 +134,11 @@ def test_a_snapshot_request_names_only_snapshot_files(target):
         check_snapshot_request({"targets": [target]})
 
 
-def test_a_relative_snapshot_path_lands_in_the_node_s_memory_dir():
+def test_a_relative_snapshot_path_lands_in_the_user_s_private_memory_folder(tmp_path):
     (got,) = check_snapshot_request({"targets": [(5, "demand-001/policy/rank0.memory.pickle")]})
     assert got == (5, str(memory_dir() / "snapshots" / "demand-001/policy/rank0.memory.pickle"))
+    assert memory_dir() == tmp_path / "node" / "memory"
+    assert {os.stat(p).st_mode & 0o777 for p in (memory_dir(), memory_dir().parent)} == {0o700}
 
 
 def test_a_process_with_no_demand_pipe_is_not_asked():
@@ -196,6 +198,7 @@ def test_a_window_snapshot_is_written_beside_the_trace_and_history_stops_after(c
     path = snaps.window_ended(str(tmp_path / "window_0000_steps_1-2" / "policy"))
     assert path == str(tmp_path / "window_0000_steps_1-2" / "policy" / "rank3.memory.pickle")
     assert Path(path).read_bytes() == b"snapshot"
+    assert os.stat(path).st_mode & 0o777 == 0o600  # (not the umask's 0644: issue 53)
     assert cuda.history == [
         ("all", {"context": "all", "stacks": "all", "max_entries": 5000}),
         (None, {}),

@@ -77,8 +77,8 @@ class ProfilerConfig:
     ``save_path``: endpoint, region and the like (credentials are better left to the usual
     environment variables and instance roles; any given here are never shown)."""
     staging_path: str | None = None
-    """Local directory on each node where traces wait for upload when ``save_path`` is a URL;
-    default ``$RAY_PROFILER_STAGING`` on that node, else ``<tmp>/ray-profiler-staging``."""
+    """Local directory on each node where traces wait for upload when ``save_path`` is a URL,
+    private; default ``$RAY_PROFILER_STAGING``, else ``<tmp>/ray-profiler-<uid>/staging``."""
     keep_local: bool = False
     """Keep the staging copy of a trace after it was uploaded."""
     run_name: str | None = None

@@ -7,7 +7,9 @@ that path first. So every component we create is checked before use (``private_d
 directory, not a link, owned by this user, mode 0700. A check that fails is a PermissionError
 that says what to do; nothing is written there.
 
-``$RAY_PROFILER_NODE_DIR`` moves the whole tree (it is checked the same way).
+``$RAY_PROFILER_NODE_DIR`` moves the whole tree; a folder's own variable
+(``$RAY_PROFILER_PLANS_DIR``, ...) moves that folder (``chosen_dir``). Either is checked the same
+way: every component made by us, and the folder itself.
 """
 
 from __future__ import annotations
@@ -58,14 +60,34 @@ def private_dir(
     return path
 
 
-def node_dir(*parts: str) -> Path:
-    """``user_root()/<parts...>``, each component made (0700) and checked (``private_dir``)."""
-    root = user_root()
-    with contextlib.suppress(FileExistsError):
-        root.parent.mkdir(parents=True, mode=0o700)
-    path = private_dir(root)
+def private_tree(path: Path, what: str, env: str) -> Path:
+    """``path`` as ``private_dir`` makes it, and each of its missing parents likewise: every
+    component we create is ours and checked, not only the leaf (a parent made first by another
+    user could swap the leaf for its own)."""
+    missing = []
+    up = path
+    while not os.path.lexists(up) and up != up.parent:
+        missing.append(up)
+        up = up.parent
+    for part in reversed(missing):
+        private_dir(part, what, env)
+    return private_dir(path, what, env)
+
+
+def node_dir(*parts: str, what: str = "the profiler's directory", env: str = NODE_DIR_ENV) -> Path:
+    """``user_root()/<parts...>``, each component made (0700) and checked (``private_dir``);
+    a refusal names ``what`` the folder is, and ``env``, the variable that moves it (the
+    root's: ``$RAY_PROFILER_NODE_DIR``)."""
+    path = private_tree(user_root(), what, NODE_DIR_ENV)
     for part in parts:
         if not part or "/" in part or part in (".", ".."):
             raise ValueError(f"{part!r} is not a folder name")
-        path = private_dir(path / part)
+        path = private_dir(path / part, what, env)
     return path
+
+
+def chosen_dir(env: str, part: str, what: str) -> Path:
+    """The folder ``$env`` names (made and checked as ``private_tree`` does), else
+    ``node_dir(part)``."""
+    chosen = os.environ.get(env)
+    return private_tree(Path(chosen), what, env) if chosen else node_dir(part, what=what, env=env)

@@ -10,28 +10,28 @@ beside the board. The agent waits for the acknowledgements and answers the coord
 node. Nothing on a rank's step path waits or calls Ray.
 
 Both files are msgpack, decoded strictly and size-capped; a file that is not one is refused.
-The directory is private to its user (mode 0700, owned by them, not a link: ``private_dir``),
+The directory is private to its user (mode 0700, owned by them, not a link: ``plans_dir``),
 files are written through a temporary file of a random name made exclusively and read without
 following a link, so another user of the node can neither plant a board nor redirect a write.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
-import stat
-import tempfile
 from pathlib import Path
 from typing import TypeVar
 
 import msgspec
 
 from coordinator.protocol.atomic_file import write_atomic
+from coordinator.protocol.node_dir import chosen_dir
+from coordinator.protocol.node_files import open_own
 
 T = TypeVar("T")
 
+PLANS_ENV = "RAY_PROFILER_PLANS_DIR"
 LOOK_EVERY_S = 0.1
 """A rank looks at its board at most this often (between two steps)."""
 MAX_BOARD_BYTES = 1 << 20
@@ -86,47 +86,22 @@ def is_board_id(value: object) -> bool:
 
 
 def plans_dir() -> Path:
-    """Where this node's boards live: ``$RAY_PROFILER_PLANS_DIR``, else
-    ``<tmp>/ray-profiler-plans-<uid>`` (the agent and the ranks of a node share it)."""
-    chosen = os.environ.get("RAY_PROFILER_PLANS_DIR")
-    default = Path(tempfile.gettempdir()) / f"ray-profiler-plans-{os.getuid()}"
-    return Path(chosen) if chosen else default
-
-
-def private_dir(path: Path) -> Path:
-    """``path``, a directory private to this user: made with mode 0700 when missing.
+    """Where this node's boards live (the agent and the ranks of a node share it), made private
+    and checked (``node_dir.private_dir``): ``$RAY_PROFILER_PLANS_DIR``, else
+    ``<tmp>/ray-profiler-<uid>/plans``.
 
     Raises:
-        PermissionError: it is a link or not a directory, belongs to another user, or is open
-            to others (a board planted there would inject captures into this user's ranks);
-            the message says what to do.
+        PermissionError: it is a link, another user's or open to others (a board planted there
+            would inject captures into this user's ranks); the message says what to do.
     """
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700, parents=True)
-    st = os.lstat(path)
-    why = (
-        "is a link or not a directory"
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode)
-        else f"belongs to uid {st.st_uid}, not this user's ({os.getuid()})"
-        if st.st_uid != os.getuid()
-        else f"has mode {stat.S_IMODE(st.st_mode):04o}, open to others"
-        if st.st_mode & 0o077
-        else None
-    )
-    if why is not None:
-        raise PermissionError(
-            f"the plan boards directory {path} {why}: refused (another user could plant "
-            "captures there); remove it, or set RAY_PROFILER_PLANS_DIR to a directory of "
-            "your own with mode 0700"
-        )
-    return path
+    return chosen_dir(PLANS_ENV, "plans", "the plan boards directory")
 
 
 def board_path(bid: str) -> Path:
-    """The board's file in this node's private plans directory (``private_dir``)."""
+    """The board's file in this node's private plans directory (``plans_dir``)."""
     if not is_board_id(bid):
         raise ValueError(f"{bid!r:.80} is not a board id")
-    return private_dir(plans_dir()) / f"{bid}.plan"
+    return plans_dir() / f"{bid}.plan"
 
 
 def ack_path(bid: str, rank: int) -> Path:
@@ -173,9 +148,9 @@ def write_private(path: Path, blob: bytes) -> None:
 
 
 def read_capped(path: Path) -> bytes:
-    """The file's bytes, never through a link (``OSError``); ValueError when it is larger
-    than a board may be."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    """The file's bytes, never through a link nor from a file of another user's (``OSError``:
+    ``node_files.open_own``); ValueError when it is larger than a board may be."""
+    fd = open_own(path, os.O_RDONLY)
     with os.fdopen(fd, "rb") as f:
         blob = f.read(MAX_BOARD_BYTES + 1)
     if len(blob) > MAX_BOARD_BYTES:

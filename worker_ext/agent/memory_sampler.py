@@ -8,8 +8,10 @@ the process holds on every device. The coordinator sends a ``MemoryWatch`` now a
 processes, how often) and takes back what was sampled since the last one; the samples wait in a
 bounded buffer per process. With no watch for ``STALE_S`` the thread stops by itself.
 
-CUDA memory snapshots the node's ranks wrote are noted beside them (``snapshot_notes``): each
-watch carries the notes new since the last.
+CUDA memory snapshots the node's ranks wrote are noted in the user's private memory folder
+(``memory_dir``: ``<tmp>/ray-profiler-<uid>/memory``), one file a rank process: each watch carries
+the notes new since the last. Notes and demand pipes are opened never through a link and only
+when they are this user's own (``node_files``); a note file anywhere else is never read.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from coordinator.protocol.memory_replies import (
     ProcessSamples,
     SnapshotNote,
 )
-from worker_ext.agent.stack_reader import process_exited, stacks_dir
+from coordinator.protocol.node_dir import node_dir
+from coordinator.protocol.node_files import append_line, open_own, write_pipe
+from worker_ext.agent.stack_reader import process_exited
 
 USS_EVERY = 10
 BUFFER = 3600  # samples kept per process between two watches
@@ -41,9 +45,23 @@ MAX_NOTES = 256  # snapshot notes a watch carries
 
 
 def memory_dir() -> Path:
-    """Where this node's ranks leave their snapshot notes and demand pipes: a folder of the
-    stack dumps' (``stacks_dir``), made private to the user."""
-    return stacks_dir() / "memory"
+    """Where this node's ranks leave their snapshot notes and demand pipes, and on-demand
+    snapshots of a run saved to a URL go: ``node_dir("memory")``, made private to the user
+    and checked (PermissionError says why not)."""
+    return node_dir("memory", what="the memory folder")
+
+
+def foreign_pids(nvml_pids: set[int], watched: set[int], here: set[int]) -> str | None:
+    """Why no watched process shows in NVML's list when its pids are none of this pid
+    namespace's (``here``: those of them that exist here): the agent runs in a container
+    without the host's pid namespace, and NVML answers in host pids. None otherwise."""
+    if not watched or not nvml_pids or nvml_pids & watched or nvml_pids <= here:
+        return None
+    return (
+        f"NVML names {len(nvml_pids)} GPU process(es), none of them a process of this pid "
+        "namespace (NVML gives host pids): the node agent runs in a container without the "
+        "host's pid namespace, so no rank's GPU memory is known (run it with --pid=host)"
+    )
 
 
 class GpuMemory:
@@ -52,6 +70,7 @@ class GpuMemory:
     def __init__(self) -> None:
         self.problem: str | None = None
         self._nvml: Any = None
+        self.pids: set[int] = set()
         self._devices: list[Any] = []
         try:
             try:
@@ -69,8 +88,10 @@ class GpuMemory:
             self.problem = f"no NVML: {type(exc).__name__}: {exc}"[:300]
 
     def by_pid(self) -> dict[int, int]:
-        """Bytes of GPU memory per pid, over every device (empty with no NVML)."""
+        """Bytes of GPU memory per pid, over every device (empty with no NVML); ``pids``: every
+        pid NVML named this time."""
         out: dict[int, int] = {}
+        self.pids = set()
         for dev in self._devices:
             try:
                 procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(dev)
@@ -78,6 +99,7 @@ class GpuMemory:
                 self.problem = f"NVML failed: {type(exc).__name__}: {exc}"[:300]
                 continue
             for p in procs:
+                self.pids.add(p.pid)
                 used = getattr(p, "usedGpuMemory", None)
                 if isinstance(used, int):
                     out[p.pid] = out.get(p.pid, 0) + used
@@ -116,14 +138,23 @@ class MemorySampler:
         self._sampled = 0
         self._ticks = 0
         self._closed = False
+        self._wake = threading.Event()  # set by close: the thread's wait ends at once
+        self._pid_problem: str | None = None  # NVML's pids are not this namespace's
 
-    def close(self) -> None:
-        """Stop sampling (the thread ends after its current sample); a later watch restarts."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop sampling: the thread ends after its current sample (a later watch restarts it).
+
+        Raises:
+            RuntimeError: the thread still runs after ``timeout_s``.
+        """
         with self._lock:
             self._closed = True
+            self._wake.set()
         thread = self._thread
         if thread is not None:
-            thread.join(timeout=10)
+            thread.join(timeout=timeout_s)
+            if thread.is_alive():
+                raise RuntimeError(f"the memory sampler's thread did not stop in {timeout_s:g} s")
 
     def watch(self, w: MemoryWatch) -> AgentMemoryReply:
         """Sample ``w``'s processes from now on (for ``w["watcher"]``: one coordinator's run);
@@ -132,6 +163,7 @@ class MemorySampler:
         now = time.monotonic()
         with self._lock:
             self._closed = False
+            self._wake.clear()
             for name in [n for n, x in self._watchers.items() if now - x.at > STALE_S]:
                 del self._watchers[name]  # a coordinator that stopped asking
             wt = self._watchers.setdefault(w.get("watcher", ""), _Watcher(pids, 1.0, now))
@@ -143,7 +175,7 @@ class MemorySampler:
             out = [self._drain(wt, pid) for pid in sorted(pids)]
             self._forget_unwatched()
             self._start()
-        gpu = self._gpu.problem if self._gpu is not None else None
+        gpu = (self._gpu.problem if self._gpu is not None else None) or self._pid_problem
         return {
             "node": self.node,
             "processes": out,
@@ -200,7 +232,7 @@ class MemorySampler:
             c0 = time.thread_time()
             self.sample_once()
             self._cpu_s += time.thread_time() - c0
-            time.sleep(interval)
+            self._wake.wait(interval)
 
     def sample_once(self) -> None:
         """One sample of every watched process, for each watcher of it (its faults are noted,
@@ -209,6 +241,9 @@ class MemorySampler:
         self._ticks += 1
         with self._lock:
             procs = list(self._procs.items())
+        named = set(self._gpu.pids) if self._gpu is not None else set()
+        here = {p for p in named if not process_exited(p)}
+        self._pid_problem = foreign_pids(named, {p for p, _ in procs}, here)
         for pid, proc in procs:
             sample = self._sample(pid, proc, gpu)
             if sample is None:
@@ -249,9 +284,10 @@ class MemorySampler:
         goes after ``NOTES_KEEP_S``, so that every watcher of it has read it."""
         out: list[Any] = []
         paths: list[Path] = []
-        with contextlib.suppress(OSError):
-            paths = sorted(memory_dir().glob("*.snapshots.jsonl"))
-            for pipe in memory_dir().glob("*.mem"):  # demand pipes of ranks killed outright
+        with contextlib.suppress(OSError):  # (a folder refused: its ranks say why)
+            folder = memory_dir()
+            paths = sorted(folder.glob("*.snapshots.jsonl"))
+            for pipe in folder.glob("*.mem"):  # demand pipes of ranks killed outright
                 if pipe.stem.isdigit() and process_exited(int(pipe.stem)):
                     pipe.unlink()
         for path in paths:
@@ -268,12 +304,14 @@ class MemorySampler:
 
 
 def _notes(path: Path, read: dict[Path, int], pid: int) -> list[Any]:
+    """The notes of ``path`` past what was ``read``; only from a file of this user's, never
+    through a link (OSError)."""
     done = read.get(path, 0)
-    if path.stat().st_size <= done:
-        return []
-    with open(path, "rb") as f:
-        f.seek(done)
-        data = f.read(1 << 20)
+    fd = open_own(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, 1 << 20, done) if os.fstat(fd).st_size > done else b""
+    finally:
+        os.close(fd)
     end = data.rfind(b"\n") + 1
     read[path] = done + end
     out = []
@@ -285,33 +323,34 @@ def _notes(path: Path, read: dict[Path, int], pid: int) -> list[Any]:
     return out
 
 
-def note_snapshot(on: str, path: str | None, error: str | None) -> None:
+def note_snapshot(on: str, path: str | None, error: str | None) -> str | None:
     """In a rank: say that a snapshot was written (or why not), for the node agent to pick up
-    (``MemorySampler`` reads ``<pid>.snapshots.jsonl``); never raises."""
-    with contextlib.suppress(Exception):
-        folder = memory_dir()
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        note = {"on": on, "path": path, "error": error, "at": round(time.time(), 3)}
-        with open(folder / f"{os.getpid()}.snapshots.jsonl", "a") as f:
-            f.write(json.dumps(note) + "\n")
+    (``MemorySampler`` reads ``<pid>.snapshots.jsonl``, 0600, never written through a link);
+    why it could not be said, or None. Never raises."""
+    note = {"on": on, "path": path, "error": error, "at": round(time.time(), 3)}
+    try:
+        append_line(memory_dir() / f"{os.getpid()}.snapshots.jsonl", json.dumps(note))
+    except Exception as exc:
+        return f"snapshot notes cannot be written: {type(exc).__name__}: {exc}"[:500]
+    return None
 
 
 def demand_pipe(pid: int | None = None) -> str:
-    """The named pipe a rank reads on-demand snapshot paths from."""
+    """The named pipe a rank reads on-demand snapshot paths from (PermissionError: the
+    memory folder is refused)."""
     return str(memory_dir() / f"{pid or os.getpid()}.mem")
 
 
 def ask_for_snapshot(pid: int, path: str) -> str | None:
     """In the node agent: ask process ``pid`` for a snapshot to ``path``; why not, or None."""
-    fifo = demand_pipe(pid)
-    if not os.path.exists(fifo):
+    try:
+        fifo = demand_pipe(pid)
+    except OSError as exc:
+        return f"the memory folder cannot be had: {exc}"
+    if not os.path.lexists(fifo):
         return "it has no demand pipe (not a CUDA rank, or 'demand' not in memory_snapshot.on)"
     try:
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        try:
-            os.write(fd, (path + "\n").encode())
-        finally:
-            os.close(fd)
+        write_pipe(fifo, (path + "\n").encode())  # (only a pipe of this user's, no link)
     except OSError as exc:
         return f"its pipe refused: {exc}"
     return None

@@ -26,7 +26,6 @@ from coordinator.protocol.plan_board import (
     decode_ack,
     is_board_id,
     plans_dir,
-    private_dir,
     read_capped,
     write_private,
 )
@@ -140,7 +139,7 @@ def sweep_boards(folder: Path | None = None, now: float | None = None) -> list[s
     the names removed. Never raises; a directory that is not private is left alone."""
     now = time.time() if now is None else now
     try:
-        where = folder or private_dir(plans_dir())
+        where = folder or plans_dir()
         files = {p.name: p for p in where.iterdir()}
     except OSError:
         return []

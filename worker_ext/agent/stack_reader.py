@@ -15,11 +15,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from coordinator.core.stacks import parse_faulthandler, parse_py_spy
+from coordinator.protocol.node_dir import chosen_dir
+from coordinator.protocol.node_files import open_own, write_pipe
 from coordinator.protocol.stack_replies import (
     METHODS,
     FlightRecorderEntry,
@@ -30,6 +31,7 @@ from coordinator.protocol.stack_replies import (
     ThreadStack,
 )
 
+STACKS_ENV = "RAY_PROFILER_STACKS_DIR"
 PY_SPY_ENV = "RAY_PROFILER_PY_SPY"
 """A path to the py-spy binary; ``none`` makes py-spy unavailable (faulthandler only)."""
 # py-spy stops its target while it reads; reads beyond the node's cores only wait for a CPU
@@ -44,10 +46,10 @@ class StackReadError(Exception):
 
 
 def stacks_dir() -> Path:
-    """Where this node's faulthandler dumps go: ``$RAY_PROFILER_STACKS_DIR``, else
-    ``<tmp>/ray-profiler-stacks``."""
-    chosen = os.environ.get("RAY_PROFILER_STACKS_DIR")
-    return Path(chosen) if chosen else Path(tempfile.gettempdir()) / "ray-profiler-stacks"
+    """Where this node's faulthandler dumps and Flight Recorder pipes go, made private and
+    checked (``node_dir.chosen_dir``; PermissionError says why not):
+    ``$RAY_PROFILER_STACKS_DIR``, else ``<tmp>/ray-profiler-<uid>/stacks``."""
+    return chosen_dir(STACKS_ENV, "stacks", "the stack dumps folder")
 
 
 def sweep_dumps(folder: Path | None = None) -> list[str]:
@@ -132,17 +134,33 @@ def read_with_faulthandler(pid: int, dump: StackDump | None, timeout_s: float) -
     if dump is None or dump.get("signal") is None or not dump.get("path"):
         why = (dump.get("note") if dump else None) or "the process has not registered it"
         raise StackReadError(f"faulthandler not available: {why}")
-    path = Path(str(dump["path"]))
-    if path != stacks_dir() / f"{pid}.txt" or not path.is_file():
-        raise StackReadError(f"faulthandler not available: no dump file for pid {pid}")
     signum = dump["signal"]
     if signum not in (signal.SIGUSR1, signal.SIGUSR2):
         raise StackReadError(f"faulthandler not available: signal {signum} is not SIGUSR1/2")
-    start = path.stat().st_size
+    path = Path(str(dump["path"]))
+    try:
+        if path != stacks_dir() / f"{pid}.txt":
+            raise FileNotFoundError(path)
+        fd = open_own(path, os.O_RDONLY)  # (never through a link, nor another user's file)
+    except FileNotFoundError:
+        raise StackReadError(f"faulthandler not available: no dump file for pid {pid}") from None
+    try:
+        text = _appended(fd, pid, signum, timeout_s)
+    finally:
+        os.close(fd)
+    try:
+        return parse_faulthandler(text, dump.get("main_thread"))
+    except ValueError as exc:
+        raise StackReadError(f"faulthandler dump unreadable: {exc}") from None
+
+
+def _appended(fd: int, pid: int, signum: int, timeout_s: float) -> str:
+    """Signal ``pid`` and what its dump file ``fd`` grew by, once it stopped growing."""
+    start = os.fstat(fd).st_size
     os.kill(pid, signum)
     deadline, last, stable_since = time.monotonic() + timeout_s, start, time.monotonic()
     while time.monotonic() < deadline:
-        size = path.stat().st_size
+        size = os.fstat(fd).st_size
         if size != last:
             last, stable_since = size, time.monotonic()
         elif size > start and time.monotonic() - stable_since >= _DUMP_SETTLE_S:
@@ -150,13 +168,7 @@ def read_with_faulthandler(pid: int, dump: StackDump | None, timeout_s: float) -
         time.sleep(0.01)
     if last <= start:
         raise StackReadError(f"faulthandler wrote nothing within {timeout_s:g} s")
-    with open(path, "rb") as f:
-        f.seek(start)
-        text = f.read(last - start).decode("utf-8", "replace")
-    try:
-        return parse_faulthandler(text, dump.get("main_thread"))
-    except ValueError as exc:
-        raise StackReadError(f"faulthandler dump unreadable: {exc}") from None
+    return os.pread(fd, last - start, start).decode("utf-8", "replace")
 
 
 def read_stack(target: StackTarget, native: bool, method: str, timeout_s: float) -> ProcessStack:
@@ -222,16 +234,13 @@ def request_flight_recorder(
         note = dump.get("flight_recorder_note") if dump else None
         why = note or "not available: the rank is not configured"
         return {"path": None, "reason": why}
-    if Path(str(fifo)) != stacks_dir() / f"{pid}.fr":
-        return {"path": None, "reason": f"not available: no Flight Recorder pipe for pid {pid}"}
     target = Path(out_dir) / f"nccl_flight_recorder_pid{pid}_{time.time_ns() // 1_000_000}.pkl"
     try:
+        if Path(str(fifo)) != stacks_dir() / f"{pid}.fr":
+            why = f"not available: no Flight Recorder pipe for pid {pid}"
+            return {"path": None, "reason": why}
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(str(fifo), os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: nobody listens
-        try:
-            os.write(fd, f"{target}\n".encode())
-        finally:
-            os.close(fd)
+        write_pipe(str(fifo), f"{target}\n".encode())  # ENXIO: nobody listens
     except OSError as exc:
         return {"path": None, "reason": f"could not ask: {exc}"}
     deadline = time.monotonic() + timeout_s

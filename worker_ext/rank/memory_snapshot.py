@@ -9,7 +9,11 @@ window, on an out-of-memory error, and on demand. Runs in the rank; CUDA ranks o
   under ``<run dir>/memory/<role>/`` before the error goes on.
 - ``demand``: history from the configure on, and a named pipe ``<memory dir>/<pid>.mem`` that a
   thread reads (blocked without the GIL until asked): each line is a path the node agent wants
-  a snapshot written to (``ray-profiler memory --snapshot``).
+  a snapshot written to (``ray-profiler memory --snapshot``). For a run saved to a URL, that is
+  under ``<memory dir>/snapshots/``, on the rank's node (``memory_sampler.memory_dir``: the
+  user's private folder).
+
+Every snapshot file is written 0600 (it holds the run's tensors' sizes and stacks).
 
 Each snapshot written, or its failure, is noted for the node agent (``note_snapshot``), which
 hands the note to the coordinator (``status()["memory"]["snapshots"]``): an OOM that kills the
@@ -28,6 +32,7 @@ from typing import Any
 
 from coordinator.core.memory_config import MemorySnapshot
 from coordinator.protocol.atomic_file import atomic_path
+from coordinator.protocol.node_files import make_pipe
 from worker_ext.agent.memory_sampler import demand_pipe, memory_dir, note_snapshot
 
 log = logging.getLogger(__name__)
@@ -46,6 +51,9 @@ class MemorySnapshots:
         self.always = bool(self.on & {"oom", "demand"})  # history recorded for the whole run
         self.recording = False
         self.problem: str | None = None
+        if self.on and (problem := _folder_problem()):  # (a CPU rank never touches it)
+            self.problem = problem
+            log.warning("rank %d: %s", self.rank, problem)
         if self.always:
             self._record(True)
             with _lock:
@@ -53,7 +61,7 @@ class MemorySnapshots:
                 if "oom" in self.on:
                     _attach_oom_observer()
                 if "demand" in self.on:
-                    _open_demand_pipe()
+                    self.problem = self.problem or _open_demand_pipe()
 
     @classmethod
     def of(cls, rp: Any) -> MemorySnapshots:
@@ -107,12 +115,22 @@ def _cuda_memory() -> Any:
     return torch.cuda.memory
 
 
-def write_snapshot(path: str, on: str) -> str | None:
-    """The allocator's snapshot to ``path`` (whole or not at all: ``atomic_path``), noted for the
-    node agent; the path, or None when it failed (noted with why). Never raises."""
+def _folder_problem() -> str | None:
+    """Why this rank's snapshot notes and demand pipe cannot be had (the memory folder is
+    refused: another user's, open to others, a link), or None."""
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with atomic_path(path) as tmp:
+        memory_dir()
+    except Exception as exc:
+        return f"memory snapshots not noted: {type(exc).__name__}: {exc}"[:500]
+    return None
+
+
+def write_snapshot(path: str, on: str) -> str | None:
+    """The allocator's snapshot to ``path`` (0600, whole or not at all: ``atomic_path``), noted
+    for the node agent; the path, or None when it failed (noted with why). Never raises."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        with atomic_path(path, mode=0o600) as tmp:
             _cuda_memory()._dump_snapshot(tmp)
     except Exception as exc:
         why = f"{type(exc).__name__}: {exc}"[:500]
@@ -143,17 +161,13 @@ def _attach_oom_observer() -> None:
         note_snapshot("oom", None, f"no OOM observer: {type(exc).__name__}: {exc}"[:300])
 
 
-def _open_demand_pipe() -> None:
+def _open_demand_pipe() -> str | None:
+    """The demand pipe and its reader thread, once per process; why not, or None."""
     if "pipe" in _state:
-        return
+        return None
     try:
-        folder = memory_dir()
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fifo = demand_pipe()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(fifo)
-        os.mkfifo(fifo, 0o600)
-        fd = os.open(fifo, os.O_RDWR)  # read-write: a reader from now on, never an EOF
+        fifo = demand_pipe()  # (in the private memory folder, made and checked)
+        fd = make_pipe(fifo)  # read-write: a reader from now on, never an EOF
         threading.Thread(
             target=_serve, args=(fd,), name="profiler-memory-snapshot", daemon=True
         ).start()
@@ -162,7 +176,11 @@ def _open_demand_pipe() -> None:
 
         atexit.register(_remove_pipe)
     except Exception as exc:
-        note_snapshot("demand", None, f"no demand pipe: {type(exc).__name__}: {exc}"[:300])
+        why = f"no demand pipe: {type(exc).__name__}: {exc}"[:300]
+        log.warning("%s", why)
+        note_snapshot("demand", None, why)
+        return why
+    return None
 
 
 def _serve(fd: int) -> None:

@@ -42,10 +42,10 @@ from worker_ext.rank.torch_session import (
     claim,
     export_trace,
     free_results,
+    local_run_dir,
     other_profiler_reason,
     pick_device,
     release,
-    staging_dir,
     trace_job,
     window_profiler,
 )
@@ -91,9 +91,8 @@ class RankProfiler:
         # Where this rank writes: the run directory, or its staging copy on this node when the
         # run directory is a URL (the node agent uploads each finished trace there).
         self.remote_run_dir = run_directory if run_directory and is_remote(run_directory) else None
-        self.run_directory = (
-            staging_dir(config, self.remote_run_dir) if self.remote_run_dir else run_directory
-        )
+        self.run_directory, refused = local_run_dir(config, run_directory, self.remote_run_dir)
+        refuse_reason = refuse_reason or refused  # (a staging directory refused)
         self.node_id = node_id()
         self.selected = bool(config.enable and config.selects(self.rank, role))
         self.report_to = report_to  # the coordinator the agent pushes summaries to
@@ -114,6 +113,7 @@ class RankProfiler:
         self.device, self.note = pick_device(config)
         self.stack_dump = enable_stack_dump()  # so the node agent can read a stuck rank
         self.snapshots = MemorySnapshots.of(self)  # CUDA memory snapshots (when asked for)
+        self.note = "; ".join(filter(None, [self.note, self.snapshots.problem])) or None
         if not self.selected:
             return
         if refuse_reason:

@@ -3,7 +3,8 @@ Recorder when a run stalls. Runs in a training rank (or a trainer's driver); imp
 until asked about CUDA.
 
 ``enable_stack_dump()`` registers ``faulthandler`` on ``SIGUSR2`` (when nothing else uses that
-signal) to append every thread's stack to ``<dir>/<pid>.txt``. The dump is written by
+signal) to append every thread's stack to ``<dir>/<pid>.txt`` (``<dir>``: ``stacks_dir``,
+private to the user; the file 0600, never opened through a link). The dump is written by
 faulthandler's C handler, so it works while the training thread is blocked in C code, a
 collective included, and takes no GIL. On a CUDA rank with the Flight Recorder on
 (``TORCH_NCCL_TRACE_BUFFER_SIZE`` > 0) it also makes a named pipe ``<dir>/<pid>.fr`` and opens
@@ -26,6 +27,7 @@ import threading
 from typing import IO, Any
 
 from coordinator.protocol.atomic_file import write_atomic
+from coordinator.protocol.node_files import make_pipe, open_own
 from coordinator.protocol.stack_replies import StackDump
 from worker_ext.agent.stack_reader import stacks_dir
 
@@ -58,14 +60,14 @@ def _enable(cuda: bool | None) -> StackDump:
         "flight_recorder_note": None,
     }
     try:
-        folder = stacks_dir()
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = stacks_dir()  # (made private and checked: PermissionError says why not)
         current = signal.getsignal(STACK_SIGNAL)
         if current not in (signal.SIG_DFL, None):
             dump["note"] = f"signal {STACK_SIGNAL.name} is taken by {current!r}"
         else:
             path = folder / f"{pid}.txt"
-            f: IO[str] = open(path, "a")  # noqa: SIM115 - faulthandler writes to it for life
+            fd = open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # never through a link
+            f: IO[str] = os.fdopen(fd, "a")  # faulthandler writes to it for life
             f.write(f"# ray-profiler faulthandler pid={pid}\n")
             f.flush()
             faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
@@ -114,10 +116,7 @@ def _flight_recorder(pid: int, cuda: bool | None) -> tuple[str | None, str | Non
         return None, why
     try:
         fifo = stacks_dir() / f"{pid}.fr"
-        with contextlib.suppress(FileNotFoundError):
-            fifo.unlink()
-        os.mkfifo(fifo, 0o600)
-        fd = os.open(fifo, os.O_RDWR)  # a reader from now on; read-write: never an EOF
+        fd = make_pipe(fifo)  # a reader from now on; read-write: never an EOF
         threading.Thread(
             target=_serve_flight_recorder,
             args=(fd,),
@@ -147,7 +146,7 @@ def write_flight_recorder(path: str) -> None:
         from torch._C import _distributed_c10d
 
         data = _distributed_c10d._dump_fr_trace()  # type: ignore[attr-defined]
-        write_atomic(path, data)
+        write_atomic(path, data, mode=0o600)
     except Exception as exc:
         with contextlib.suppress(OSError), open(f"{path}.error", "w") as f:
             f.write(f"{type(exc).__name__}: {exc}")

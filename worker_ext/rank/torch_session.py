@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from coordinator.core.schedule import Window
 from coordinator.core.storage import join
 from coordinator.core.trace_layout import contained, trace_path, window_dir
 from coordinator.protocol.atomic_file import atomic_path
+from coordinator.protocol.node_dir import node_dir, private_tree
 from worker_ext.agent.trace_jobs import TraceJob
 
 STAGING_ENV = "RAY_PROFILER_STAGING"
@@ -187,15 +188,34 @@ def staging_dir(config: ProfilerConfig, run_url: str) -> str:
     """This node's local copy of a remote run directory: ``<staging>/<run name>``.
 
     ``<staging>`` is ``$RAY_PROFILER_STAGING`` on this node, else the config's
-    ``staging_path``, else ``<tmp>/ray-profiler-staging``.
+    ``staging_path``, else ``<tmp>/ray-profiler-<uid>/staging``; made private to this user
+    and checked as ``node_dir.private_tree`` does (the traces wait there for their upload).
+
+    Raises:
+        PermissionError: the staging directory is a link, another user's or open to others.
     """
-    root = (
-        os.environ.get(STAGING_ENV)
-        or config.staging_path
-        or os.path.join(tempfile.gettempdir(), "ray-profiler-staging")
+    chosen = os.environ.get(STAGING_ENV) or config.staging_path
+    what = "the staging directory"
+    where = (
+        private_tree(Path(chosen), what, STAGING_ENV)
+        if chosen
+        else node_dir("staging", what=what, env=STAGING_ENV)
     )
     name = run_url.rstrip("/").rsplit("/", 1)[-1]
-    return contained(root, name) if os.path.isdir(root) else os.path.join(root, name)
+    return contained(str(where), name)
+
+
+def local_run_dir(
+    config: ProfilerConfig, run_directory: str | None, remote: str | None
+) -> tuple[str | None, str | None]:
+    """Where a rank writes: ``run_directory``, or its staging copy on this node when the run
+    directory is the URL ``remote``; and why not, when the staging directory is refused."""
+    if remote is None:
+        return run_directory, None
+    try:
+        return staging_dir(config, remote), None
+    except (OSError, ValueError) as exc:
+        return None, str(exc)
 
 
 def pick_device(config: ProfilerConfig) -> tuple[str, str | None]:
