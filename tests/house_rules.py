@@ -63,11 +63,12 @@ RULES = (
     ),
     Rule(
         "worker_ext.attach",
-        ("trainers.attach_hook", "worker_ext.agent.kineto_ipc"),
+        ("trainers.attach_hook", "coordinator.core.attach", "worker_ext.agent.kineto_ipc"),
         ("torch",),
-        "Ray's setup hook: the standard library (and, for engine kineto, libkineto's daemon "
-        "environment, which must be set before torch is imported) until the first optimizer "
-        "step, then the attach hook, which attaches the process as a user's loop would",
+        "Ray's setup hook: the standard library and the config reader (and, for engine "
+        "kineto, libkineto's daemon environment, which must be set before torch is imported) "
+        "until the first optimizer step, then the attach hook, which attaches the process as a "
+        "user's loop would",
     ),
     Rule(
         "worker_ext.agent",

@@ -3,10 +3,12 @@ real Unix sockets and files (no torch: the clients here speak libkineto's protoc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import socket
+import stat
 import struct
 import tempfile
 import time
@@ -96,16 +98,62 @@ def test_the_directory_is_private_and_the_environment_names_it(short):
     env = ipc.kineto_env(os.path.join(short, "k"))
     d = env["KINETO_IPC_SOCKET_DIR"]
     assert env["KINETO_USE_DAEMON"] == "1" and env[ipc.DIR_ENV] == d
+    assert env[ipc.RAY_SETUP_HOOK_ENV] == "worker_ext.attach.kineto_setup"
+    assert ipc.RAY_SETUP_HOOK_ENV not in ipc.kineto_env(d, setup_hook=False)
     assert os.stat(d).st_mode & 0o777 == 0o700
     with open(env["KINETO_CONFIG"]) as f:
         assert f.read() == "ON_DEMAND_CONFIG_UPDATE_INTERVAL_SECS=1\n"
     open_dir = os.path.join(short, "open")
     os.mkdir(open_dir)
     os.chmod(open_dir, 0o777)
-    with pytest.raises(PermissionError, match="open to other users"):
+    with pytest.raises(PermissionError, match="open to others"):
         ipc.prepare_dir(open_dir)
     with pytest.raises(ValueError, match="too long for libkineto's sockets"):
         ipc.prepare_dir("/tmp/" + "x" * 60)
+
+
+def test_the_default_directory_is_checked_from_the_user_s_node_directory_down(short, monkeypatch):
+    root = os.path.join(short, "node")
+    monkeypatch.setenv("RAY_PROFILER_NODE_DIR", root)
+    monkeypatch.delenv(ipc.DIR_ENV, raising=False)
+    d = ipc.kineto_dir()
+    assert d == os.path.join(root, "kineto")
+    os.mkdir(root)
+    os.chmod(root, 0o777)  # made first, open to all: whoever can write it can swap kineto/
+    with pytest.raises(PermissionError, match=f"{root} has mode 0777, open to others"):
+        ipc.kineto_env()
+    assert not os.path.exists(d)
+    os.chmod(root, 0o700)
+    assert ipc.kineto_env()["KINETO_IPC_SOCKET_DIR"] == d
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_directory_of_another_user_is_refused(short, monkeypatch):
+    nobody = 65534
+    theirs = os.path.join(short, "theirs")
+    os.mkdir(theirs, 0o700)
+    os.chown(theirs, nobody, nobody)
+    with pytest.raises(PermissionError, match=f"belongs to uid {nobody}"):
+        ipc.prepare_dir(theirs)
+    root = os.path.join(short, "node")
+    os.mkdir(root, 0o700)
+    os.chown(root, nobody, nobody)  # the user's node directory, made by another user
+    monkeypatch.setenv("RAY_PROFILER_NODE_DIR", root)
+    monkeypatch.delenv(ipc.DIR_ENV, raising=False)
+    with pytest.raises(PermissionError, match=f"belongs to uid {nobody}"):
+        ipc.prepare_dir(ipc.kineto_dir())
+
+
+def test_a_process_whose_directory_is_refused_turns_libkineto_s_daemon_mode_off(short):
+    env = {"KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": os.path.join(short, "k")}
+    assert ipc.prepare_process(env) is None  # made, private
+    assert env["KINETO_USE_DAEMON"] == "1" and os.path.isdir(env["KINETO_IPC_SOCKET_DIR"])
+    os.chmod(env["KINETO_IPC_SOCKET_DIR"], 0o777)
+    why = ipc.prepare_process(env)
+    assert why is not None and "open to others" in why
+    assert "KINETO_USE_DAEMON" not in env and env[ipc.PROBLEM_ENV] == why
+    assert ipc.prepare_process({}) is None  # (not a kineto process: nothing to do)
 
 
 def test_the_daemon_never_answers_a_first_request_and_hands_a_config_once(kdir):
@@ -128,7 +176,7 @@ def test_the_daemon_never_answers_a_first_request_and_hands_a_config_once(kdir):
         assert client.answer() == ""
     finally:
         client.close()
-        daemon.sock.close()
+        daemon.close()
 
 
 def test_a_request_that_waited_too_long_gets_no_reply_and_its_config_waits(kdir):
@@ -147,7 +195,7 @@ def test_a_request_that_waited_too_long_gets_no_reply_and_its_config_waits(kdir)
         assert client.answer() == "X=1\n"
     finally:
         client.close()
-        daemon.sock.close()
+        daemon.close()
 
 
 def test_garbage_and_registrations_are_handled(kdir):
@@ -161,7 +209,7 @@ def test_garbage_and_registrations_are_handled(kdir):
         assert msg.kind == "ctxt" and struct.unpack("=i", msg.body) == (1,)
     finally:
         client.close()
-        daemon.sock.close()
+        daemon.close()
 
 
 def _request(kdir: str, tmp_path, pid: int) -> KinetoRequest:
@@ -273,3 +321,134 @@ def test_a_gpu_rank_s_config_asks_for_cuda_activities(tmp_path):
     assert kinds["PROFILE_REPORT_INPUT_SHAPES"] == "true"
     cpu_kinds = dict(line.split("=", 1) for line in cpu)["ACTIVITY_TYPES"].split(",")
     assert "kernel" not in cpu_kinds and "cpu_op" in cpu_kinds
+
+
+def _socket_file(directory: str, name: str) -> str:
+    """A client's socket file left behind: bound, then the client gone (libkineto never
+    removes its own)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    path = os.path.join(directory, name)
+    s.bind(path)
+    s.close()
+    return path
+
+
+def test_the_daemon_sweeps_left_sockets_on_its_clock_while_clients_keep_polling(kdir):
+    daemon, client = Daemon(kdir, sweep_s=1.0), Client(kdir, "dynoconfigclient-live")
+    left = _socket_file(kdir, "dynoconfigclient-gone")
+    other = _socket_file(kdir, "not-a-client")
+    try:
+        start = time.monotonic()
+        while os.path.exists(left) and time.monotonic() - start < 10:
+            client.ask(1)  # never half a second of silence
+            daemon.serve_once()
+            client.answer()
+        assert not os.path.exists(left), "a polled daemon never swept"
+        assert time.monotonic() - start < 3
+        assert os.path.exists(client.addr) and os.path.exists(other)  # heard from; not a client
+    finally:
+        client.close()
+        daemon.close()
+
+
+def test_a_reply_that_went_out_late_makes_the_daemon_skip_the_next_request(kdir, monkeypatch):
+    from worker_ext.agent import kineto_daemon
+
+    daemon, client = Daemon(kdir), Client(kdir)
+    try:
+        client.ask(1)
+        daemon.serve_once()  # (the first request)
+        ipc.post_config(kdir, 1, "X=1\n")
+
+        def slow_reply(config: str) -> bytes:  # the fault: the daemon stalls before sending
+            time.sleep(kineto_daemon.LATE_S + 0.03)
+            return ipc.reply(config)
+
+        monkeypatch.setattr(kineto_daemon, "reply", slow_reply)
+        client.ask(1)
+        daemon.serve_once()
+        assert client.answer() == "X=1\n"  # sent, but late: the client may have stopped waiting
+        monkeypatch.setattr(kineto_daemon, "reply", ipc.reply)
+        client.ask(1)
+        daemon.serve_once()
+        assert client.answer() is None  # skipped: a late reply would be read in its place
+        client.ask(1)
+        daemon.serve_once()
+        assert client.answer() == ""
+    finally:
+        client.close()
+        daemon.close()
+
+
+def test_a_registered_gpu_client_s_first_request_is_answered(kdir):
+    daemon, client = Daemon(kdir), Client(kdir)
+    try:
+        client.sock.sendto(ipc.encode("ctxt", struct.pack("=iiq", 0, 5, 0)), client.daemon)
+        daemon.serve_once()
+        msg = ipc.decode(client.sock.recv(100))
+        assert msg.kind == "ctxt" and struct.unpack("=i", msg.body) == (1,)
+        ipc.post_config(kdir, 5, "Y=2\n")
+        client.ask(5)  # its first request: the registration was its first message
+        daemon.serve_once()
+        assert client.answer() == "Y=2\n"
+    finally:
+        client.close()
+        daemon.close()
+
+
+@pytest.mark.subprocess
+def test_ensure_daemon_serves_once_per_directory_and_stop_daemons_leaves_nothing(kdir):
+    from worker_ext.agent.kineto_daemon import ensure_daemon, stop_daemons
+
+    pid = ensure_daemon(kdir)
+    client = Client(kdir)
+    try:
+        assert ensure_daemon(kdir) == pid  # running: the same one
+        ipc.post_config(kdir, 7, "Z=3\n")
+        got, deadline = None, time.monotonic() + 60
+        while got != "Z=3\n" and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):  # (until it has bound its socket)
+                client.ask(7)
+            got = client.answer()
+        assert got == "Z=3\n"
+        assert os.path.exists(os.path.join(kdir, "daemon.lock"))
+    finally:
+        client.close()
+        os.unlink(client.addr)
+        stop_daemons()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    left = sorted(os.listdir(kdir))
+    assert left == ["client.conf", "requests"], left  # its socket and the lock file: removed
+    assert os.listdir(os.path.join(kdir, "requests")) == ["7.sent"]  # (the agent's to remove)
+    assert ensure_daemon(kdir) != pid  # stopped: a new one
+    stop_daemons()
+
+
+def test_the_agent_removes_what_was_sent_and_forgets_the_process_s_lock(tmp_path, kdir):
+    from worker_ext.agent import kineto_traces
+
+    req = _request(kdir, tmp_path, os.getpid())
+    sent = ipc.request_path(kdir, req.pid, "sent")
+
+    def sleep(_s: float) -> None:  # the daemon sends the config, libkineto writes the trace
+        if os.path.exists(req.log_file + ".done"):
+            return
+        open(req.log_file + ".done", "w").close()
+        with open(sent, "w") as f:
+            f.write(req.config)
+        with open(written_path(req.log_file, req.pid), "w") as f:
+            f.write('{"traceEvents": []}')
+
+    assert await_trace(req, str(tmp_path / "raw.json"), sleep=sleep, serve=len) is None
+    assert os.listdir(os.path.join(kdir, "requests")) == []
+    assert req.pid not in kineto_traces._LOCKS
+
+
+def test_a_window_s_config_is_taken_only_by_its_own_sent_file(kdir):
+    first = ipc.config_text({"ACTIVITIES_LOG_FILE": "/r/.kineto.0.rank0.json", "A": 1})
+    with open(ipc.request_path(kdir, 9, "sent"), "w") as f:
+        f.write(first)
+    assert ipc.config_taken(kdir, 9, "/r/.kineto.0.rank0.json")
+    assert not ipc.config_taken(kdir, 9, "/r/.kineto.1.rank0.json")  # the window before's
+    assert not ipc.config_taken(kdir, 10, "/r/.kineto.0.rank0.json")

@@ -117,7 +117,9 @@ def test_a_process_without_the_daemon_environment_is_refused_with_the_fix(tmp_pa
     assert out["summaries"] == []
 
 
-def test_the_attach_hook_sets_the_daemon_environment_before_torch_is_imported(kdir):
+def test_the_attach_hook_sets_the_daemon_environment_only_where_its_config_reader_says_kineto(
+    kdir,
+):
     probe = (
         "import os, sys\n"
         "if sys.argv[1] == 'torch-first': import torch\n"
@@ -137,8 +139,25 @@ def test_the_attach_hook_sets_the_daemon_environment_before_torch_is_imported(kd
         return lines[0]
 
     conf = os.path.join(kdir, "k", "client.conf")
+    colon = os.path.join(kdir, "a:b.yaml")  # a file path the reader takes for YAML text
+    plain = os.path.join(kdir, "profiler.yaml")
+    for path in (colon, plain):
+        with open(path, "w") as f:
+            f.write("enable: true\nengine: kineto\n")
+    # Where the config reader (read_source) says anything but enable: true and engine: kineto,
+    # nothing is set and nothing made: no polling thread, no socket in the job's workers.
+    for off in (
+        "enable: false\nengine: kineto\n",
+        "enable: true\nnotes:\n  engine: kineto\n",
+        "enable: true\nattach: {engine: kineto}\n",
+        colon,
+        "enable: [\nengine: kineto",
+    ):
+        assert daemon(off) == "DAEMON None None", off
+    assert not os.path.exists(os.path.join(kdir, "k"))
     assert daemon("enable: true\nengine: kineto\n") == f"DAEMON 1 {conf}"
     assert os.path.isfile(conf)
     assert daemon('{"enable": true, "engine": "kineto"}') == f"DAEMON 1 {conf}"
+    assert daemon(plain) == f"DAEMON 1 {conf}"
     assert daemon("enable: true\nengine: torch\n") == "DAEMON None None"
     assert daemon("enable: true\nengine: kineto\n", "torch-first") == "DAEMON None None"

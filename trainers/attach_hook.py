@@ -27,6 +27,7 @@ from coordinator.core.attach import CONFIG_ENV, Attach, Identity, identify, read
 from coordinator.core.config import ProfilerConfig
 from coordinator.protocol.names import DEFAULT_NAME, DEFAULT_NAMESPACE
 from trainers.rank_session import RankSession, with_train_storage
+from worker_ext.attach import nothing
 
 log = logging.getLogger(__name__)
 Step = Callable[[Any], None]
@@ -38,7 +39,7 @@ def first_step(optimizer: Any) -> Step:
     try:
         mapping = read_source(os.environ.get(CONFIG_ENV))
         if not mapping.get("enable") or skyrl_switch(mapping):
-            return _nothing  # (off; or SkyRL's profiler calls drive it: trainers.skyrl_profiler)
+            return nothing  # (off; or SkyRL's profiler calls drive it: trainers.skyrl_profiler)
         cfg = ProfilerConfig.from_dict(with_train_storage(mapping))
     except ValueError as exc:
         return _refused(str(exc), process_where(), DEFAULT_NAME, DEFAULT_NAMESPACE)
@@ -47,18 +48,18 @@ def first_step(optimizer: Any) -> Step:
     if isinstance(who, str):
         if cfg.attach.actor_classes is not None and "attach.actor_classes" in who:
             log.info("profiler: not attached: %s", who)  # (left alone, as asked)
-            return _nothing
+            return nothing
         return _refused(who, process_where(), name, namespace)
     attached = {**process_where(), "source": who.source, "optimizer": type(optimizer).__name__}
     session = RankSession.attach(
         cfg, who.trainer_id, cfg.attach.role, who.rank, who.world_size, name, namespace, attached
     )
     if _is_off(session):
-        return _nothing  # (RankSession said why, once)
+        return nothing  # (RankSession said why, once)
     done = steps_taken(optimizer) or 1  # (resumed from a checkpoint: its count goes on)
     session.start(first_step=done + 1)  # (this first step was spent attaching)
     if _is_off(session):
-        return _nothing
+        return nothing
     log.info("profiler: attached as %s at optimizer step %d, counting %s steps",
              who.describe(), done, attached["optimizer"])  # fmt: skip
     return AttachedRank(session, who, optimizer, done).step
@@ -173,15 +174,11 @@ def _refused(problem: str, where: dict[str, Any], name: str, namespace: str) -> 
         log.debug("profiler: no coordinator %s/%s to tell: %s", namespace, name, exc)
     except Exception as exc:  # (anything else is a fault of ours: said, never raised)
         log.warning("profiler: could not tell coordinator %s/%s: %r", namespace, name, exc)
-    return _nothing
+    return nothing
 
 
 def _is_off(session: RankSession) -> bool:
     return session.disabled_reason is not None
-
-
-def _nothing(optimizer: Any) -> None:
-    return None
 
 
 def process_where(who: Identity | None = None) -> dict[str, Any]:

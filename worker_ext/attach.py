@@ -6,8 +6,9 @@
     })
 
 ``setup`` runs in every worker process of the job before its first task or actor. It imports
-nothing but the standard library and leaves torch alone (Ray sets ``OMP_NUM_THREADS`` for the
-worker after the hook: importing torch here would give each rank more threads). It installs an
+the standard library and the config reader (``coordinator.core.attach``, with PyYAML), and
+leaves torch alone (Ray sets ``OMP_NUM_THREADS`` for the worker after the hook: importing torch
+here would give each rank more threads). It installs an
 import watcher: when the training code imports ``torch.optim``, one optimizer step post-hook is
 registered. A process that never steps an optimizer (a rollout engine, a data loader, a reward
 model) is never touched: no RPC, no thread, no further import.
@@ -25,8 +26,11 @@ With ``attach: {skyrl: true}`` the watcher also waits for SkyRL's profiler modul
 ``dump_profiler_summary`` calls then drive the coordinator (``trainers.skyrl_profiler``), and
 optimizer steps attach nothing.
 
-With ``engine: kineto`` in the config, ``setup`` also puts libkineto's daemon environment
-(``worker_ext.kineto_env()``) in the process, before torch is imported.
+With ``enable: true`` and ``engine: kineto`` in the config (read by the same reader as the
+first optimizer step's, ``coordinator.core.attach.read_source``), ``setup`` also puts
+libkineto's daemon environment (``worker_ext.kineto_env()``) in the process, before torch is
+imported: every worker of the job then polls the node's daemon. ``kineto_setup`` is the hook
+``kineto_env()`` names for ranks started without this one.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ import importlib.abc
 import importlib.machinery
 import logging
 import os
-import re
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -74,25 +77,44 @@ def setup() -> None:
         log.error("profiler: the attach hook could not be set up (%s); not profiled", exc)
 
 
-_KINETO = re.compile(r"""(?m)(^|[{,])\s*["']?engine["']?\s*:\s*["']?kineto\b""")
-
-
 def _kineto_environment() -> None:
-    """``engine: kineto`` in the job's config: turn libkineto's daemon mode on in this process
-    (``worker_ext.kineto_env()``), which only works before torch is imported."""
-    source = os.environ.get("RAY_PROFILER_CONFIG", "")
-    if source and "\n" not in source and os.path.isfile(source):
-        with open(source, encoding="utf-8") as f:
-            source = f.read(1 << 20)
-    if not _KINETO.search(source):
+    """The job's config, read by the attach hook's one reader (``read_source``), says
+    ``enable: true`` and ``engine: kineto``: turn libkineto's daemon mode on in this process
+    (``worker_ext.kineto_env()``), which only works before torch is imported. Every worker of
+    the job then runs libkineto's polling thread; any other config leaves them untouched."""
+    from coordinator.core.attach import CONFIG_ENV, engine_of
+
+    if engine_of(os.environ.get(CONFIG_ENV)) != "kineto":
         return
     if "torch" in sys.modules:
         log.error("profiler: engine kineto, but torch was imported before the setup hook ran")
         return
     from worker_ext.agent.kineto_ipc import kineto_env
 
-    for key, value in kineto_env().items():
+    try:
+        env = kineto_env(setup_hook=False)
+    except (OSError, ValueError) as exc:  # (the rank says so again when it is configured)
+        log.error("profiler: engine kineto is off in this process: %s", exc)
+        return
+    for key, value in env.items():
         os.environ.setdefault(key, value)
+
+
+def kineto_setup() -> None:
+    """Ray's setup hook that ``worker_ext.kineto_env()`` names: make (or check) the daemon
+    directory the process's libkineto variables name, on this node, before torch is imported
+    (libkineto binds there once, at import). A directory refused turns libkineto's daemon mode
+    off in this process, with the reason for the rank to report. Never raises."""
+    from worker_ext.agent.kineto_ipc import prepare_process
+
+    try:
+        if "torch" in sys.modules:
+            log.error("profiler: engine kineto's setup hook ran after torch was imported")
+        why = prepare_process()
+        if why is not None:
+            log.error("profiler: %s", why)
+    except Exception as exc:  # never the worker's problem
+        log.error("profiler: engine kineto's setup hook failed (%s)", exc)
 
 
 def on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -122,10 +144,12 @@ def _first(optimizer: Any) -> None:
 def _off(why: str) -> None:
     global _step
     log.error("profiler: attached profiling is off in this process (%s); training goes on", why)
-    _step = _nothing
+    _step = nothing
 
 
-def _nothing(optimizer: Any) -> None:
+def nothing(optimizer: Any) -> None:
+    """What an optimizer step runs in a process that is not profiled (one function: whether a
+    process is off is ``_step is nothing``)."""
     return None
 
 
@@ -137,7 +161,7 @@ def _forked() -> None:
 
     def forked(optimizer: Any) -> None:
         global _step
-        _step = _nothing
+        _step = nothing
         log.warning(
             "profiler: an optimizer stepped in a process forked from pid %d; a forked child "
             "is not profiled (training goes on)",
@@ -152,8 +176,8 @@ def driven_elsewhere(count: Callable[[Any], None] | None = None) -> None:
     optimizer steps attach nothing; ``count``, when given, is called on each of them."""
     global _step
     with _lock:
-        if _step is None or _step is _nothing:
-            _step = count or _nothing
+        if _step is None or _step is nothing:
+            _step = count or nothing
 
 
 def _register(module: ModuleType) -> None:

@@ -205,6 +205,20 @@ def read_source(value: str | None) -> Mapping[str, Any]:
     return loaded
 
 
+def engine_of(value: str | None) -> str | None:
+    """The capture engine the attach hook's config asks for (``read_source``): its ``engine``
+    when it says ``enable: true``; None when it is off, or unreadable (the first optimizer step
+    refuses it, and says why)."""
+    try:
+        mapping = read_source(value)
+    except ValueError:
+        return None
+    if mapping.get("enable") is not True:
+        return None
+    engine = mapping.get("engine", "torch")
+    return engine if isinstance(engine, str) else None
+
+
 def attached_entry(value: Any) -> AttachedEntry | None:
     """What ``attach_rank``'s ``where["attached"]`` says of the rank, bounded; None when it is
     not a mapping or names no known ``source`` (a caller other than the hook)."""

@@ -4,7 +4,9 @@ A process of its own (``python -m worker_ext.agent.kineto_daemon <dir> <parent p
 that no summary the agent parses holds the GIL while a client waits: libkineto waits only about
 90 ms for a reply. ``ensure_daemon`` starts one per agent process; of the daemons of one
 directory (several agents of one host, as in a test cluster) the one holding
-``<dir>/daemon.lock`` serves and the others wait to take over. Each leaves when its parent has.
+``<dir>/daemon.lock`` serves and the others wait to take over. Each leaves when its parent has
+(or on SIGTERM), removing its socket and then the lock file. While serving it removes, once a
+minute whatever the traffic, the sockets libkineto's clients left behind.
 
 The late-reply trap: a reply the client no longer waits for stays queued in its socket, and from
 then on it reads every reply one poll late. So the daemon never answers a client's first
@@ -18,12 +20,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import BinaryIO
 
 from coordinator.protocol.atomic_file import write_atomic
 from worker_ext.agent.kineto_ipc import (
@@ -45,18 +50,20 @@ SWEEP_S = 60.0
 class Daemon:
     """The serving side, on a bound socket (``serve_once`` per datagram)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, sweep_s: float = SWEEP_S) -> None:
         self.directory = directory
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        path = os.path.join(directory, SOCKET_NAME)
+        self.path = os.path.join(directory, SOCKET_NAME)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a daemon before us left it; we hold the lock now
-        self.sock.bind(path)
+            os.unlink(self.path)  # a daemon before us left it; we hold the lock now
+        self.sock.bind(self.path)
+        self._inode = os.lstat(self.path).st_ino
         self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         self.sock.settimeout(0.5)
         self.seen: dict[str, float] = {}  # client address -> last request
         self.skip_next: set[str] = set()
         self.sent = 0
+        self.sweep_s = sweep_s
         self._swept = time.monotonic()
         self.log = None
         if os.environ.get("RAY_PROFILER_KINETO_LOG"):  # every request and answer, to debug
@@ -66,12 +73,21 @@ class Daemon:
         if self.log is not None:
             self.log.write(f"{time.time():.3f} {text}\n")
 
+    def close(self) -> None:
+        """Stop serving: the socket closed and its file removed (unless another took the name)."""
+        self.sock.close()
+        with contextlib.suppress(OSError):
+            if os.lstat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
+        if self.log is not None:
+            self.log.close()
+
     def serve_once(self) -> None:
-        """Take one datagram (or time out) and answer it as above."""
+        """Take one datagram (or time out) and answer it as above; sweep when it is time."""
+        self._sweep()  # (on the clock: clients that poll without a pause never stop it)
         try:
             data, anc, _, addr = self.sock.recvmsg(1 << 16, socket.CMSG_SPACE(16))
         except TimeoutError:
-            self._sweep()
             return
         arrived = _arrival(anc)
         if not isinstance(addr, str) or not addr:
@@ -127,18 +143,20 @@ class Daemon:
 
     def _sweep(self) -> None:
         """Remove the sockets clients left behind (libkineto never removes its own): those
-        not heard from for ``SWEEP_S`` while this daemon served."""
+        not heard from for ``sweep_s`` while this daemon served (``SWEEP_S``), once per
+        ``sweep_s``."""
         now = time.monotonic()
-        if now - self._swept < SWEEP_S:
+        if now - self._swept < self.sweep_s:
             return
         self._swept = now
         with contextlib.suppress(OSError):
             for name in os.listdir(self.directory):
                 addr = os.path.join(self.directory, name)
-                if name.startswith(CLIENT_PREFIX) and now - self.seen.get(addr, 0.0) > SWEEP_S:
+                if name.startswith(CLIENT_PREFIX) and now - self.seen.get(addr, 0.0) > self.sweep_s:
                     with contextlib.suppress(OSError):
                         os.unlink(addr)
-                        self.seen.pop(addr, None)
+                    self.seen.pop(addr, None)
+                    self.skip_next.discard(addr)
 
 
 def _arrival(ancillary: list[tuple[int, int, bytes]]) -> float | None:
@@ -150,20 +168,48 @@ def _arrival(ancillary: list[tuple[int, int, bytes]]) -> float | None:
 
 
 def run(directory: str, parent: int) -> None:
-    """Serve ``directory`` while ``parent`` lives: wait for the lock, then answer."""
+    """Serve ``directory`` while ``parent`` lives (or until SIGTERM): wait for the lock, then
+    answer; on the way out remove the socket, then the lock file, while holding the lock."""
+    stop = threading.Event()  # SIGTERM ends the loop between two datagrams, never inside one
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def wanted() -> bool:
+        return os.getppid() == parent and not stop.is_set()
+
     prepare_dir(directory)
-    with open(os.path.join(directory, "daemon.lock"), "a+b") as lock:
-        while os.getppid() == parent:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            return
+    lock = _take_lock(os.path.join(directory, "daemon.lock"), wanted)
+    if lock is None:
+        return
+    try:
         daemon = Daemon(directory)
-        while os.getppid() == parent:
-            daemon.serve_once()
+        try:
+            while wanted():
+                daemon.serve_once()
+        finally:
+            daemon.close()
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock.name)
+        lock.close()
+
+
+def _take_lock(path: str, wanted: Callable[[], bool]) -> BinaryIO | None:
+    """``path`` opened and locked, waiting while ``wanted()``; None once it is not. A lock file
+    removed (by the daemon that held it, leaving) or replaced while we waited is opened anew:
+    a lock held on a file no longer at ``path`` locks nothing."""
+    while wanted():
+        f = open(path, "a+b")  # noqa: SIM115 (returned, open, to the caller)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            time.sleep(0.5)
+            continue
+        with contextlib.suppress(OSError):
+            if os.fstat(f.fileno()).st_ino == os.lstat(path).st_ino:
+                return f
+        f.close()
+    return None
 
 
 _STARTED: dict[str, subprocess.Popen[bytes]] = {}

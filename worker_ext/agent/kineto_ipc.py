@@ -4,7 +4,8 @@ A process started with ``KINETO_USE_DAEMON=1`` (before ``import torch``) runs a 
 that asks a daemon for a config every ``ON_DEMAND_CONFIG_UPDATE_INTERVAL_SECS`` over an
 ``AF_UNIX`` datagram socket. ``KINETO_IPC_SOCKET_DIR`` moves both ends from the abstract name
 ``dynolog`` (a real dynolog's) to files in a directory: here ``kineto_dir()``, private to the
-user (``0700``), so the node agent plays the daemon without disturbing a dynolog on the node.
+user (``0700``, and so is every folder above it that we make: ``node_dir``), so the node agent
+plays the daemon without disturbing a dynolog on the node, and no other user can swap it.
 
 A message is a 40-byte header (``size_t size; char type[32]``) and ``size`` bytes. The client
 sends ``req``: ``{int32 type; int32 n; int64 jobid; int32 pids[n]}`` (the process, then its
@@ -12,7 +13,8 @@ ancestors); the reply is ``req`` with the config text (empty: nothing to do). A 
 first register with ``ctxt`` (``{int32 gpu; int32 pid; int64 jobid}``), answered with an int32.
 
 Configs wait in ``<dir>/requests/<pid>.conf`` until that process asks (``post_config``); the
-daemon renames what it sent to ``<pid>.sent``. Imports neither torch nor Ray.
+daemon renames what it sent to ``<pid>.sent``, which the agent removes with the window
+(``withdraw_config``). Imports neither torch nor Ray.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import stat
 import struct
-import tempfile
+from collections.abc import MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from coordinator.protocol.atomic_file import write_atomic
+from coordinator.protocol.node_dir import node_dir, private_dir, private_tree, user_root
 
 HEADER = struct.Struct("=Q32s")
 REQUEST = struct.Struct("=iiq")
@@ -38,6 +41,11 @@ POLL_S = 1
 5 s, and it reads the file only when the process starts)."""
 CLIENT_PREFIX = "dynoconfigclient"  # each client binds <dir>/dynoconfigclient<uuid>
 MAX_DIR = 107 - len(CLIENT_PREFIX) - 36 - 1  # a Unix socket's path has at most 107 bytes
+RAY_SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
+"""Where Ray's worker reads its ``worker_process_setup_hook`` (a job's is put there by
+``ray.init``; an actor's ``runtime_env`` key is ignored, its ``env_vars`` are not)."""
+KINETO_SETUP_HOOK = "worker_ext.attach.kineto_setup"
+PROBLEM_ENV = "RAY_PROFILER_KINETO_PROBLEM"
 
 
 @dataclass(frozen=True)
@@ -102,45 +110,54 @@ def context_reply(count: int) -> bytes:
 
 
 def kineto_dir() -> str:
-    """This user's daemon directory on this node: ``$RAY_PROFILER_KINETO_DIR``, else
-    ``<tmp>/ray-profiler-<uid>/kineto``. The same path on every node of a cluster."""
-    return os.environ.get(DIR_ENV) or os.path.join(
-        tempfile.gettempdir(), f"ray-profiler-{os.getuid()}", "kineto"
-    )
+    """This user's daemon directory on this node, not made or checked: ``$RAY_PROFILER_KINETO_DIR``,
+    else ``kineto`` in the user's node directory (``<tmp>/ray-profiler-<uid>/kineto``). The same
+    path on every node of a cluster."""
+    return os.environ.get(DIR_ENV) or str(user_root() / "kineto")
 
 
-def kineto_env(directory: str | None = None) -> dict[str, str]:
-    """What a rank's environment needs before ``import torch`` for ``engine: kineto``, for
-    ``runtime_env={"env_vars": kineto_env()}``. Writes the clients' config file on this node
-    (the node agent writes it on the others)."""
+def kineto_env(directory: str | None = None, setup_hook: bool = True) -> dict[str, str]:
+    """What a rank's environment needs for ``engine: kineto``, for
+    ``runtime_env={"env_vars": kineto_env()}``; prepares the directory on this node.
+
+    libkineto binds its client socket in the directory once, when torch is imported: on a node
+    where nothing made the directory before, it never asks. So the variables also name Ray's
+    worker setup hook ``worker_ext.attach.kineto_setup`` (Ray runs it in each worker process
+    they reach, before the actor's code imports torch), which prepares the directory on the
+    rank's own node. ``setup_hook=False`` leaves Ray's hook variable out: for a job whose own
+    setup hook calls ``kineto_setup()``."""
     d = prepare_dir(directory or kineto_dir())
-    return {
+    env = {
         "KINETO_USE_DAEMON": "1",
         "KINETO_IPC_SOCKET_DIR": d,
         "KINETO_CONFIG": os.path.join(d, "client.conf"),
         DIR_ENV: d,
     }
+    if setup_hook:
+        env[RAY_SETUP_HOOK_ENV] = KINETO_SETUP_HOOK
+    return env
 
 
 def prepare_dir(directory: str) -> str:
-    """Create ``directory`` (and its requests folder) private to this user, write the clients'
-    config file, and refuse a directory another user owns or others may write to, or one too
-    long for the clients' socket paths (libkineto's clients then never poll)."""
+    """Make (or check) the daemon's ``directory`` and its requests folder, private to this user
+    down from the user's node directory (``node_dir``), and write the clients' config file.
+
+    Raises:
+        PermissionError: a component is a link, another user's, or open to others (another user
+            could swap the directory and serve the ranks' libkineto its own configs).
+        ValueError: too long for the clients' socket paths (libkineto's clients then never
+            poll)."""
     if len(os.fsencode(directory)) > MAX_DIR:
         raise ValueError(
             f"{directory!r} is too long for libkineto's sockets in it: at most {MAX_DIR} bytes "
             f"(set {DIR_ENV} to a shorter directory)"
         )
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    st = os.lstat(directory)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise PermissionError(f"{directory} is not a directory of this user's")
-    if st.st_mode & 0o077:
-        raise PermissionError(
-            f"{directory} is open to other users (mode {stat.S_IMODE(st.st_mode):o}); "
-            "the kineto daemon's directory must be 0700"
-        )
-    os.makedirs(os.path.join(directory, "requests"), mode=0o700, exist_ok=True)
+    what = "libkineto's daemon directory"
+    if directory == str(user_root() / "kineto"):
+        node_dir("kineto", what=what)
+    else:
+        private_tree(Path(directory), what, DIR_ENV)
+    private_dir(Path(directory) / "requests", what, DIR_ENV)
     conf = os.path.join(directory, "client.conf")
     text = f"ON_DEMAND_CONFIG_UPDATE_INTERVAL_SECS={POLL_S}\n"
     with contextlib.suppress(OSError), open(conf, encoding="utf-8") as f:
@@ -148,6 +165,24 @@ def prepare_dir(directory: str) -> str:
             return directory
     write_atomic(conf, text.encode("utf-8"))
     return directory
+
+
+def prepare_process(environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """In a rank's process before ``import torch``: make (or check) the directory its libkineto
+    variables name (``KINETO_IPC_SOCKET_DIR``), so that libkineto's client binds there. A
+    directory refused turns libkineto's daemon mode off in this process (it would ask whoever
+    serves there) and keeps why in ``$RAY_PROFILER_KINETO_PROBLEM``; returns why, else None."""
+    directory = environ.get("KINETO_IPC_SOCKET_DIR")
+    if environ.get("KINETO_USE_DAEMON") != "1" or not directory:
+        return None
+    try:
+        prepare_dir(directory)
+        return None
+    except (OSError, ValueError) as exc:
+        why = f"libkineto's daemon mode is off in this process: {exc}"
+        del environ["KINETO_USE_DAEMON"]
+        environ[PROBLEM_ENV] = why[:1000]
+        return why
 
 
 def request_path(directory: str, pid: int, suffix: str = "conf") -> str:
@@ -164,11 +199,24 @@ def post_config(directory: str, pid: int, config: str) -> str:
 
 
 def withdraw_config(directory: str, pid: int) -> bool:
-    """Take back a config not yet sent; whether there was one."""
+    """Take back a config not yet sent, and forget one sent; whether one was not yet sent."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(request_path(directory, pid, "sent"))
     try:
         os.unlink(request_path(directory, pid))
         return True
     except FileNotFoundError:
+        return False
+
+
+def config_taken(directory: str, pid: int, log_file: str) -> bool:
+    """Whether the daemon sent process ``pid`` the config that writes ``log_file`` (a window's
+    own file: the ``.sent`` of an earlier window says nothing of this one)."""
+    line = f"ACTIVITIES_LOG_FILE={log_file}\n"
+    try:
+        with open(request_path(directory, pid, "sent"), encoding="utf-8") as f:
+            return line in f.read()
+    except OSError:
         return False
 
 

@@ -20,28 +20,42 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from coordinator.protocol.atomic_file import atomic_path
 from coordinator.protocol.replies import Reason
 from coordinator.protocol.summary_codec import decode_summary, encode_summary
 from worker_ext.agent.kineto_daemon import ensure_daemon
-from worker_ext.agent.kineto_ipc import post_config, request_path, withdraw_config
+from worker_ext.agent.kineto_ipc import config_taken, post_config, withdraw_config
 from worker_ext.agent.stack_reader import process_exited
 
 POLL_S = 0.1
 CANCEL_SUFFIX = ".cancel"
 SETTLE_S = 0.5  # after a trace is renamed into place, until libkineto takes a new config
-_LOCKS: dict[int, threading.Lock] = {}
+_LOCKS: dict[int, tuple[threading.Lock, int]] = {}  # pid -> its lock, windows holding or waiting
 _LOCKS_LOCK = threading.Lock()
 
 
-def _pid_lock(pid: int) -> threading.Lock:
+@contextlib.contextmanager
+def _pid_lock(pid: int) -> Iterator[None]:
     """One window of a process at a time: libkineto drops a config that arrives while it still
-    writes the trace before ("Ignored request - profiler busy")."""
+    writes the trace before ("Ignored request - profiler busy"). The lock is forgotten when no
+    window of the process holds or waits for it (pids come and go for as long as the agent
+    lives)."""
     with _LOCKS_LOCK:
-        return _LOCKS.setdefault(pid, threading.Lock())
+        lock, users = _LOCKS.get(pid, (threading.Lock(), 0))
+        _LOCKS[pid] = (lock, users + 1)
+    try:
+        with lock:
+            yield
+    finally:
+        with _LOCKS_LOCK:
+            lock, users = _LOCKS[pid]
+            if users == 1:
+                del _LOCKS[pid]
+            else:
+                _LOCKS[pid] = (lock, users - 1)
 
 
 @dataclass(frozen=True)
@@ -128,7 +142,7 @@ def _why_not_yet(req: KinetoRequest, past_deadline: bool) -> str | None:
     with contextlib.suppress(OSError), open(cancel_path(req.log_file), encoding="utf-8") as f:
         return f.read().strip()[:1000] or "the rank cancelled the window"
     if process_exited(req.pid):
-        sent = os.path.exists(request_path(req.directory, req.pid, "sent"))
+        sent = config_taken(req.directory, req.pid, req.log_file)
         return (
             f"the rank's process {req.pid} exited before libkineto wrote the trace "
             f"(libkineto writes it from that process; config {'sent' if sent else 'never sent'})"

@@ -32,11 +32,11 @@ from coordinator.core.config import ProfilerConfig
 from coordinator.core.schedule import Window
 from coordinator.protocol.atomic_file import write_atomic
 from coordinator.protocol.replies import ClosedWindow
-from worker_ext.agent.kineto_ipc import DIR_ENV, config_text, request_path
+from worker_ext.agent.kineto_ipc import DIR_ENV, PROBLEM_ENV, config_taken, config_text
 from worker_ext.agent.kineto_traces import KinetoRequest, cancel_path, written_path
 from worker_ext.agent.trace_jobs import TraceJob
-from worker_ext.rank.rank_profiler import RankProfiler
-from worker_ext.rank.torch_session import TraceTarget, other_profiler_reason, trace_job
+from worker_ext.rank.rank_profiler import RankProfiler, may_start
+from worker_ext.rank.torch_session import TraceTarget, trace_job
 
 log = logging.getLogger(__name__)
 CPU_ACTIVITIES = "cpu_op,user_annotation,cpu_instant_event,python_function"
@@ -72,6 +72,9 @@ def profiler_class(config: ProfilerConfig) -> type[RankProfiler]:
 
 def environment_problem() -> str | None:
     """Why libkineto's on-demand tracing is off in this process, or None."""
+    refused = os.environ.get(PROBLEM_ENV)
+    if refused:  # (the setup hook found the directory unsafe and turned it off)
+        return f"engine 'kineto': {refused}"
     if os.environ.get("KINETO_USE_DAEMON") != "1" or not os.environ.get("KINETO_IPC_SOCKET_DIR"):
         return (
             "engine 'kineto' needs KINETO_USE_DAEMON=1 and KINETO_IPC_SOCKET_DIR in the rank's "
@@ -146,17 +149,9 @@ class KinetoRankProfiler(RankProfiler):
             raise RuntimeError(problem)
 
     def _start(self, window: Window, step: int) -> None:
-        if self._window is not None and self._window.index == window.index:
+        if not may_start(self, window, step):
             return
-        self._stop_if_open()
-        if step > window.last:
-            raise ValueError(f"start_window at step {step} after window {window.index} ended")
         self._warm_up()
-        busy = other_profiler_reason(self)
-        if busy:
-            self.windows_skipped += 1
-            self.last_skip_reason = f"window {window.index} skipped: {busy}"
-            return
         assert self.run_directory is not None
         target = TraceTarget(
             self.rank, self.device, self.run_directory, self.remote_run_dir, self.role
@@ -295,7 +290,7 @@ class KinetoRankProfiler(RankProfiler):
             self.last_trace_path = run.job.upload_to or run.job.final_path
 
     def _config_sent(self, run: _Run) -> bool:
-        return os.path.exists(request_path(kineto_directory(), os.getpid(), "sent"))
+        return config_taken(kineto_directory(), os.getpid(), run.log_file)
 
     def _cancel(self, run: _Run, why: str) -> None:
         """Tell the agent this window's trace will not come, and why."""

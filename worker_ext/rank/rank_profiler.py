@@ -263,16 +263,7 @@ class RankProfiler:
             release(self)
 
     def _start(self, window: Window, step: int) -> None:
-        if self._window is not None and self._window.index == window.index:
-            return  # told twice (a relay that failed after delivering it): already recording
-        self._stop_if_open()  # a window still open stops before the next one starts
-        if step > window.last:
-            raise ValueError(f"start_window at step {step} after window {window.index} ended")
-        busy = other_profiler_reason(self)
-        if busy:
-            self.windows_skipped += 1
-            self.last_skip_reason = f"window {window.index} skipped: {busy}"
-            log.warning("rank %d: %s", self.rank, self.last_skip_reason)
+        if not may_start(self, window, step):
             return
         prof = window_profiler(
             self.config, self.device, self.rank, window, step, self._on_trace_ready, self.role
@@ -361,3 +352,20 @@ class RankProfiler:
             self._disable("export", exc)
             if is_exit(exc) and self._closing is not None:
                 self._closing.exit = exc
+
+
+def may_start(rp: RankProfiler, window: Window, step: int) -> bool:
+    """Whether ``rp``'s ``window`` opens now (every engine's start asks): not twice, nor
+    while another profiler runs (skipped, and said); a window still open is stopped first."""
+    if rp._window is not None and rp._window.index == window.index:
+        return False  # told twice (a relay that failed after delivering it): recording
+    rp._stop_if_open()  # a window still open stops before the next one starts
+    if step > window.last:
+        raise ValueError(f"start_window at step {step} after window {window.index} ended")
+    busy = other_profiler_reason(rp)
+    if busy:
+        rp.windows_skipped += 1
+        rp.last_skip_reason = f"window {window.index} skipped: {busy}"
+        log.warning("rank %d: %s", rp.rank, rp.last_skip_reason)
+        return False
+    return True
