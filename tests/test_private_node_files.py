@@ -230,7 +230,7 @@ class _NoHistory:
 
 def test_the_agent_never_reads_a_note_that_is_a_link(root, tmp_path):
     forged = tmp_path / "forged.jsonl"
-    forged.write_text(json.dumps({"on": "oom", "path": "/forged", "error": None, "at": 1.0}))
+    forged.write_text(json.dumps({"on": "oom", "path": "/forged", "error": None, "at": 1.0}) + "\n")
     folder = memory_sampler.memory_dir()
     (folder / f"{os.getpid()}.snapshots.jsonl").symlink_to(forged)
     sampler = MemorySampler("node-a")
@@ -260,6 +260,31 @@ def test_the_agent_never_reads_a_note_of_another_user(root):
 
 
 # ---------------------------------------------------------------- stacks
+
+
+def test_a_faulthandler_dump_is_never_opened_through_a_link(root, tmp_path, monkeypatch):
+    from worker_ext.rank import stack_dump
+
+    monkeypatch.setattr(stack_dump, "_state", {})
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (stack_reader.stacks_dir() / f"{os.getpid()}.txt").symlink_to(victim)
+    dump = stack_dump._enable(cuda=False)
+    assert dump["path"] is None and "faulthandler not registered" in str(dump["note"])
+    assert victim.read_text() == "precious"
+
+
+def test_a_faulthandler_dump_is_made_0600_in_the_private_stacks_folder(root, monkeypatch):
+    from worker_ext.rank import stack_dump
+
+    monkeypatch.setattr(stack_dump, "_state", {})
+    dump = stack_dump._enable(cuda=False)
+    try:
+        assert dump["path"] == str(root / "stacks" / f"{os.getpid()}.txt")
+        assert _mode(Path(dump["path"])) == 0o600
+    finally:
+        stack_dump._state["dump"] = dump
+        stack_dump._remove_files()
 
 
 def test_a_faulthandler_dump_that_is_a_link_is_never_read(root, tmp_path):
@@ -353,3 +378,50 @@ def test_a_rank_whose_staging_directory_is_refused_is_disabled_and_says_why(
     assert "the staging directory" in reply["reason"]["message"]
     assert "open to others" in reply["reason"]["message"]
     assert list(staging.iterdir()) == []
+
+
+def test_the_sampler_says_when_nvml_names_only_pids_of_another_namespace(root, monkeypatch):
+    """NVML's answer in a container without the host's pid namespace (the fault, injected):
+    GPU processes under host pids that are no process here."""
+    sampler = MemorySampler("node-a")
+    gpu = memory_sampler.GpuMemory()
+    gpu.problem, gpu._devices = None, [object()]  # (a device, as a GPU node has)
+
+    def by_pid() -> dict[int, int]:
+        gpu.pids = {2**22 + 17, 2**22 + 18}  # above this machine's pid_max: none here
+        return {2**22 + 17: 1 << 30, 2**22 + 18: 1 << 30}
+
+    monkeypatch.setattr(gpu, "by_pid", by_pid)
+    sampler._gpu = gpu
+    watch = {"targets": [{"pid": os.getpid()}], "sample_s": 3600.0}
+    sampler.watch(watch)
+    try:
+        sampler.sample_once()
+        why = sampler.watch(watch)["gpu"]
+        assert why is not None and "pid namespace" in why
+    finally:
+        sampler.close()
+
+
+@pytest.mark.subprocess  # (the rank's node agent is a spawned child here)
+def test_a_rank_says_in_its_note_why_its_memory_folder_is_refused(root, tmp_path, monkeypatch):
+    from worker_ext.rank import memory_snapshot
+    from worker_ext.rank.rank_profiler import RankProfiler
+
+    def as_cuda(cls, rp):  # what a CUDA rank's would be (this machine has no GPU)
+        return memory_snapshot.MemorySnapshots(
+            rp.config.memory_snapshot, "cuda", rp.rank, rp.run_directory, rp.role
+        )
+
+    monkeypatch.setattr(memory_snapshot, "_cuda_memory", lambda: _NoHistory())
+    monkeypatch.setattr(memory_snapshot, "_state", {})
+    monkeypatch.setattr(memory_snapshot.MemorySnapshots, "of", classmethod(as_cuda))
+    root.mkdir(mode=0o700)
+    (root / "memory").mkdir(mode=0o700)
+    (root / "memory").chmod(0o777)
+    cfg = ProfilerConfig(
+        enable=True, save_path=str(tmp_path), memory_snapshot={"on": ["window"]}
+    ).validate()
+    rp = RankProfiler(0, cfg, str(tmp_path / "run"), warm_up=False)
+    note = rp.status()["note"]
+    assert note is not None and "the memory folder" in note and "open to others" in note
