@@ -297,7 +297,7 @@ class MemorySampler:
             with contextlib.suppress(OSError):
                 if int(pid) in wt.seen:
                     out += _notes(path, wt.noted, int(pid))
-                old = time.time() - path.stat().st_mtime > NOTES_KEEP_S
+                old = time.time() - os.lstat(path).st_mtime > NOTES_KEEP_S
                 if old and process_exited(int(pid)):
                     path.unlink()
         return out[-MAX_NOTES:]
