@@ -11,7 +11,7 @@ import pytest
 
 from coordinator.ops.collect import _writer
 from coordinator.protocol.atomic_file import DEFAULT_MODE, atomic_path, write_atomic
-from coordinator.service.record_store import RecordStore
+from coordinator.service.record_store import RECORD_MODE, RecordStore
 from coordinator.service.stall_watchdog import _dump
 from worker_ext.agent.trace_jobs import _atomic
 
@@ -38,6 +38,7 @@ def _record(path: str) -> None:
 
 
 WRITERS = {"stall": _stall_file, "trace job": _trace_job, "collect": _collected, "record": _record}
+MODES = {"record": RECORD_MODE}  # (the others: as ``open`` makes a file)
 
 
 @pytest.mark.parametrize("writer", WRITERS)
@@ -53,7 +54,7 @@ def test_a_writer_never_follows_a_link_planted_at_a_name_it_could_use(tmp_path, 
     WRITERS[writer](str(final))
     assert victim.read_bytes() == b"precious"
     assert not final.is_symlink() and final.read_bytes() not in (b"", b"precious")
-    assert stat.S_IMODE(final.stat().st_mode) == DEFAULT_MODE
+    assert stat.S_IMODE(final.stat().st_mode) == MODES.get(writer, DEFAULT_MODE)
     left = {p.name for p in final.parent.iterdir()} - {final.name}
     assert all(os.path.islink(final.parent / n) for n in left)  # (only the planted links)
 
@@ -67,3 +68,31 @@ def test_a_write_that_fails_leaves_the_old_file_and_no_temporary_one(tmp_path):
         raise RuntimeError("the exporter failed")
     assert final.read_bytes() == b"old" and os.listdir(tmp_path) == ["board"]
     assert stat.S_IMODE(final.stat().st_mode) == 0o600
+
+
+def test_record_files_are_this_user_s_alone_and_on_disk_before_they_are_named(
+    tmp_path, monkeypatch
+):
+    """Issue 53 items 7 and 12: a record file is 0600 (it was 0644), and it is flushed to disk
+    before the rename and its directory after it (a power loss leaves no empty window file)."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    os.umask(old := os.umask(0))  # (as permissive as a umask goes: the mode is not its)
+    try:
+        RecordStore(str(tmp_path / "record")).put("windows/000003.msgpack", b"w")
+    finally:
+        os.umask(old)
+    final = tmp_path / "record" / "windows" / "000003.msgpack"
+    assert stat.S_IMODE(final.stat().st_mode) == 0o600 == RECORD_MODE
+    assert len(synced) == 2 and ".000003.msgpack." in synced[0]
+    assert synced[1] == str(final.parent)
+    # others' whole-file writes (traces, boards) are not flushed: remade, or worthless later
+    synced.clear()
+    write_atomic(str(tmp_path / "board"), b"b")
+    assert synced == []

@@ -24,12 +24,22 @@ both.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 from coordinator.core.aggregate import restored_aggregate, saved_aggregate
 from coordinator.core.marks import WindowProfile
+from coordinator.core.record_fields import (
+    MAX_TRAINERS,
+    Keys,
+    Name,
+    Node,
+    Path,
+    Ranks,
+    RunName,
+    Traces,
+)
 from coordinator.core.records import WindowRecord
 from coordinator.core.run import Run
 from coordinator.core.saved import (
@@ -47,12 +57,15 @@ from coordinator.core.state_codec import (
     RunState,
     TrainersFile,
 )
-from coordinator.protocol.replies import AutoTrigger, RegressionEntry, WindowTrace
+from coordinator.protocol.replies import AutoTrigger, RegressionEntry
 from coordinator.protocol.stack_replies import StallEntry
 
 VERSION = 1
-MAX_FILE_BYTES = 512 * 1024 * 1024
-"""The largest record file read (a window of 10,000 ranks is a few MB)."""
+MAX_FILE_BYTES = 64 * 1024 * 1024
+"""The largest record file read: a window of 10,000 ranks is about 8 MB, and reading one costs
+about 5x its size (``tests/test_record_trust.py`` measures it); a hostile file of the costliest
+shape tried (millions of ranks' keys, a 31 MB file read in about 5 s) costs about 15x, so this
+cap bounds a read at about 1 GB. Every field's limits: ``record_fields``."""
 Kind = Literal[
     "run", "window", "marks", "phases", "stall", "state", "ranks", "trainers", "coordinator",
     "progress",
@@ -70,38 +83,40 @@ class _Tag(msgspec.Struct):
     version: int
 
 
-Key = tuple[str, int]
+T = TypeVar("T")
+PerTrainer = Annotated[dict[Name, T], msgspec.Meta(max_length=MAX_TRAINERS)]
+"""A map trainer id -> a ``T`` (at most ``MAX_TRAINERS``)."""
 
 
 class WindowFile(msgspec.Struct, tag="window", tag_field="kind"):
     """A settled window (``WindowRecord``), written once."""
 
     version: int
-    run: str
+    run: RunName
     window: WindowSpan
     planned: WindowSpan | None
-    participants: set[Key]
-    acked: set[Key]
+    participants: Keys
+    acked: Keys
     steps: tuple[int, int] | None
     partial: bool
     closed: bool
-    trace_dirs: dict[str, str]
-    aggregates: dict[str, AggregateFile]
-    summaries_pending: set[Key]
-    traces: list[tuple[str, int, WindowTrace]]
-    traces_pending: set[Key]
+    trace_dirs: PerTrainer[Path]
+    aggregates: PerTrainer[AggregateFile]
+    summaries_pending: Keys
+    traces: Traces
+    traces_pending: Keys
     threshold: float
     unopened: str | None
     stopped_at: int | None
     cut: str | None
     trigger: AutoTrigger | None
-    marks: dict[str, RegressionEntry]
-    profiles: dict[str, WindowProfile]
+    marks: PerTrainer[RegressionEntry]
+    profiles: PerTrainer[WindowProfile]
     counted_slower: bool
-    roles: dict[str, str]
-    primary: str | None
+    roles: PerTrainer[Name]
+    primary: Name | None
     changes: int
-    optimizer_steps: dict[str, tuple[int, int]] = {}  # (a file written before it: none)
+    optimizer_steps: PerTrainer[tuple[int, int]] = {}  # (a file written before it: none)
     opened_at: float | None = None  # wall clock: the memory chart's band (older files: none)
     closed_at: float | None = None
 
@@ -110,19 +125,19 @@ class MarksFile(msgspec.Struct, tag="marks", tag_field="kind"):
     """A recorded window's marks as they are now (they change when a later window confirms)."""
 
     version: int
-    run: str
+    run: RunName
     window: int
-    marks: dict[str, RegressionEntry]
+    marks: PerTrainer[RegressionEntry]
     counted_slower: bool
 
 
 class TrainerFile(msgspec.Struct):
     """A trainer as ``status()`` lists it (its actor handles are not recorded)."""
 
-    trainer_id: str
-    role: str
-    ranks: list[int]
-    run_dir: str | None
+    trainer_id: Name
+    role: Name
+    ranks: Ranks
+    run_dir: Path | None
 
 
 PhaseRecord = tuple[int, float, dict[str, float]]
@@ -133,7 +148,7 @@ class PhaseChunk(msgspec.Struct, tag="phases", tag_field="kind"):
     coordinator kept no longer when this chunk was made (none unless the record fell behind)."""
 
     version: int
-    run: str
+    run: RunName
     n: int
     records: list[PhaseRecord]
     lost: int = 0
@@ -143,7 +158,7 @@ class StallFile(msgspec.Struct, tag="stall", tag_field="kind"):
     """A stall and the grouped stacks taken during it (``status()["stalls"]``)."""
 
     version: int
-    run: str
+    run: RunName
     stall: StallEntry
 
 
@@ -152,9 +167,9 @@ class RunFile(msgspec.Struct, tag="run", tag_field="kind"):
     steps (its step counter)."""
 
     version: int
-    name: str
+    name: RunName
     config: dict[str, Any]
-    run_dir: str | None
+    run_dir: Path | None
     lifecycle: str
     created_at: float
     started_at: float | None
@@ -162,8 +177,8 @@ class RunFile(msgspec.Struct, tag="run", tag_field="kind"):
     ended_reason: str | None
     baseline: int | None
     global_step: int | None
-    stepping_trainer: str | None
-    trainers: list[TrainerFile]
+    stepping_trainer: Name | None
+    trainers: Annotated[list[TrainerFile], msgspec.Meta(max_length=MAX_TRAINERS)]
     counters: dict[str, int]
     rank_counts: dict[str, int]
     skipped_windows: int
@@ -175,7 +190,7 @@ class RunFile(msgspec.Struct, tag="run", tag_field="kind"):
     steps_recorded: int
     stalls: list[int]
     written_at: float
-    nodes: dict[str, str] = {}
+    nodes: Annotated[dict[Node, Node], msgspec.Meta(max_length=1 << 20)] = {}
     """The name of each node its windows' traces were written on, by Ray node id (a merged
     timeline made from the record names its ranks' nodes as the live one does; a file written
     before it: none)."""

@@ -1,12 +1,15 @@
 """Where a run's record is: a directory or an fsspec URL, its files read and written whole.
 
 A local file is written beside its final name and renamed into place, so a reader never sees
-half a file; an object store's put is whole by itself. No Ray: the CLI reads records with it.
+half a file, and it is on disk before it is renamed (``atomic_file``'s ``durable``: a power
+loss does not leave an empty window file); an object store's put is whole by itself. Local
+files are ``RECORD_MODE``: readable by this user alone. No Ray: the CLI reads records with it.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any
 
 from coordinator.core import storage
@@ -17,6 +20,9 @@ SAVE_PATH_ENV = "RAY_PROFILER_SAVE_PATH"
 coordinator says (its ``save_path``)."""
 RECORD_DIR = "record"
 """The record's directory in a run's directory: ``{save_path}/{run}/record/``."""
+RECORD_MODE = 0o600
+"""A local record file's mode: the run's config, kernels and stalls are this user's alone
+(share a record with ``chmod``, or through the web view and its token)."""
 
 
 class RecordStore:
@@ -45,20 +51,19 @@ class RecordStore:
             fs.pipe_file(path, blob)
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_atomic(path, blob)
+        write_atomic(path, blob, RECORD_MODE, durable=True)
 
     def get(self, rel: str, limit: int) -> bytes | None:
         """``rel``'s bytes, or None when there is no such file; ValueError over ``limit``."""
         fs, path = self._where(rel)
+        if fs is None:
+            return _read_local(path, limit, f"{self.url}/{rel}")
         try:
-            size = os.path.getsize(path) if fs is None else int(fs.size(path))
+            size = int(fs.size(path))
         except FileNotFoundError:
             return None
         if size > limit:
             raise ValueError(f"{self.url}/{rel}: {size} bytes, over the {limit} read")
-        if fs is None:
-            with open(path, "rb") as f:
-                return f.read()
         return bytes(fs.cat_file(path))
 
     def delete(self, rel: str) -> None:
@@ -87,6 +92,28 @@ class RecordStore:
         except (FileNotFoundError, NotADirectoryError):
             return []
         return sorted(n for n in found if not n.startswith("."))
+
+
+def _read_local(path: str, limit: int, where: str) -> bytes | None:
+    """A local record file's bytes (None when it is not there): a regular file, not a link, of
+    at most ``limit`` bytes; ValueError for one over it, or one that grew while it was read
+    (ours are renamed into place whole). Read with one buffer of its size (``read(limit)``
+    would take ``limit`` bytes of memory first, whatever the file's size)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # (ELOOP: a link where a record file should be)
+        raise ValueError(f"{where}: cannot be read as a record file ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{where}: not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{where}: {st.st_size} bytes, over the {limit} read")
+        if len(blob := f.read(st.st_size + 1)) > st.st_size:
+            raise ValueError(f"{where}: it grew while it was read (not a whole record file)")
+    return blob
 
 
 def record_url(run_dir: str) -> str:

@@ -1,0 +1,50 @@
+"""The checked field types of a run's record: what a record file may hold, declared once.
+
+A record is data, never a path or a name to trust: whoever can write ``save_path`` can write
+it. So the decoder (``record_codec``) checks each field as the config and the RPCs check the
+same values when they come in: trainer ids and roles match ``validate.TRAINER_ID`` (a role
+names a directory), ranks are below ``MAX_WORLD``, every string and every collection has a
+length limit. A file that breaks one is refused whole, with the field named. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, TypedDict
+
+import msgspec
+
+from coordinator.core.validate import MAX_TEXT, MAX_WORLD, TRAINER_ID
+
+MAX_PATH = 4096
+"""The longest path or URL (Linux's ``PATH_MAX``)."""
+MAX_NODE = 128
+"""The longest node id or node name (Ray's ids are 56 hex digits)."""
+MAX_TRAINERS = 1024
+"""The most trainers (roles) a window or a run holds."""
+MAX_KEYS = 1 << 22
+"""The most ranks of all trainers a window lists (4M: ``MAX_WORLD`` ranks of four trainers)."""
+
+Name = Annotated[str, msgspec.Meta(pattern=TRAINER_ID.pattern)]
+"""A trainer id or a role: 1-64 letters, digits, '.', '_' or '-' (never a path)."""
+RunName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD)]
+Path = Annotated[str, msgspec.Meta(max_length=MAX_PATH)]
+Node = Annotated[str, msgspec.Meta(max_length=MAX_NODE)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+Key = tuple[Name, Rank]
+"""A rank of a trainer: ``(trainer_id, rank)``."""
+Keys = Annotated[set[Key], msgspec.Meta(max_length=MAX_KEYS)]
+Ranks = Annotated[list[Rank], msgspec.Meta(max_length=MAX_WORLD)]
+
+
+class TraceFile(TypedDict):
+    """``replies.WindowTrace`` as a record holds it: the same keys, each checked."""
+
+    path: Path | None
+    local_path: Path | None
+    node: Node | None
+    error: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Text],
+                     msgspec.Meta(max_length=8)] | None  # fmt: skip
+
+
+Traces = Annotated[list[tuple[Name, Rank, TraceFile]], msgspec.Meta(max_length=MAX_KEYS)]
