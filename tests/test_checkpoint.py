@@ -4,6 +4,7 @@ the save's turn, encoded off the event loop), rank records in chunks, actor hand
 serializes them, and a load puts everything back. No pickle."""
 
 import asyncio
+import time
 
 import ray
 
@@ -17,6 +18,29 @@ from coordinator.service import state_store
 from coordinator.service.kv_store import KV_NAMESPACE
 
 EXTRA = {"throttled": False, "restarts": 0}
+
+
+@ray.remote(num_cpus=0)
+class Echo:
+    def ping(self, x):
+        return x
+
+
+@ray.remote(num_cpus=0)
+class AsyncEcho:
+    async def ping(self, x):
+        return x
+
+
+def saved_with(name: str, handles: dict):
+    """A run whose trainer ``t`` has ``handles``, saved as coordinator ``name``."""
+    saver = state_store.StateSaver("tests", name)
+    run = new_run(ProfilerConfig(max_windows=4), set())
+    run.state.register(TrainerRecord("t", "policy", sorted(handles), handles, "/x"), None, bool)
+    run.plan.start(5)
+    saver.save_runs(run, [], EXTRA)
+    assert saver.flush()
+    return saver, run
 
 
 def run_with_windows(settled: int):
@@ -152,18 +176,8 @@ async def test_an_open_window_is_saved_as_it_was_at_the_save(ray_session):
 
 
 def test_trainers_come_back_with_handles_that_still_call_their_actors(ray_session):
-    @ray.remote(num_cpus=0)
-    class Echo:
-        def ping(self, x):
-            return x
-
     actor = Echo.remote()
-    saver = state_store.StateSaver("tests", "ckpt-handles")
-    run = new_run(ProfilerConfig(max_windows=4), set())
-    run.state.register(TrainerRecord("t", "policy", [0], {0: actor}, "/x"), None, bool)
-    run.plan.start(5)
-    saver.save_runs(run, [], EXTRA)
-    saver.flush()
+    _, run = saved_with("ckpt-handles", {0: actor})
     try:
         (back,), _ = loaded("ckpt-handles")
         handle = back.state.trainers["t"].handles[0]
@@ -187,3 +201,183 @@ def test_nothing_in_the_coordinator_pickles_its_state():
             if banned == "__dict__.update(" and path.name == "aggregate.py":
                 continue  # (a snapshot's shallow copy; not a decode)
             assert banned not in text, f"{path.relative_to(root)}: {banned}"
+
+
+def _state_of(saver, run):
+    from coordinator.core import record_codec as codec
+
+    blob = state_store.run_store(saver.namespace, saver.name, run.name).get("state.msgpack", 1e9)
+    return codec.decode(blob) if blob else None
+
+
+def _refusing(saver, monkeypatch, refused: set[str]):
+    """The state's writer with a full queue for the files named in ``refused`` (a fault
+    injected: the real queue refuses only when 4,096 files wait)."""
+    real = saver.writes.queue
+
+    def queue(store, rel, blob, on_written=None):
+        return False if rel in refused else real(store, rel, blob, on_written)
+
+    monkeypatch.setattr(saver.writes, "queue", queue)
+
+
+def test_a_full_queue_never_marks_unsaved_work_saved_and_it_is_written_later(
+    ray_session, monkeypatch
+):
+    saver = state_store.StateSaver("tests", "ckpt-full")
+    run = run_with_windows(settled=1)  # window 0 settled, window 1 open
+    refused = {"windows/000000.msgpack", "trainers.msgpack"}
+    _refusing(saver, monkeypatch, refused)
+    saver.save_runs(run, [], EXTRA)
+    assert saver.flush()
+    assert stored(saver, "/windows/") == [f"runs/{run.name}/windows/000001.msgpack"]
+    assert stored(saver, "trainers") == []
+    assert _state_of(saver, run).windows == [1]  # (what is not stored is not named)
+    assert (run.name, 0) not in saver.saved_windows
+    assert "over their bound" in saver.entry()["error"]
+    refused.clear()  # room again: the next save, with nothing new, writes what was refused
+    saver.save_runs(run, [], EXTRA)
+    assert saver.flush()
+    assert stored(saver, "/windows/") == [
+        f"runs/{run.name}/windows/{i:06d}.msgpack" for i in (0, 1)
+    ]
+    assert _state_of(saver, run).windows == [0, 1] and saver.entry()["error"] is None
+    (back,), _ = loaded("ckpt-full")
+    assert list(back.state.windows) == [0, 1] and sorted(back.state.trainers) == ["t"]
+    assert back.state.windows[0].settled
+    state_store.delete("tests", "ckpt-full")
+
+
+def test_a_window_whose_write_fails_is_named_by_the_state_only_once_it_is_written(
+    ray_session, monkeypatch
+):
+    """The writer retries a failed file while it writes those behind it: the state written
+    meanwhile does not name the window, and is written again, naming it, once it lands."""
+    from coordinator.core import record_codec as codec
+    from coordinator.service.kv_store import KVStore
+
+    saver = state_store.StateSaver("tests", "ckpt-late")
+    run = run_with_windows(settled=1)
+    real, fails, states = KVStore.put, [1], []
+
+    def put(self, rel, blob):
+        if rel == "windows/000000.msgpack" and fails[0]:
+            fails[0] -= 1
+            raise OSError("injected: the GCS did not answer")
+        if rel == "state.msgpack":
+            states.append(codec.decode(blob).windows)
+        real(self, rel, blob)
+
+    monkeypatch.setattr(KVStore, "put", put)
+    saver.writes._busy = True  # (the writer's thread holds off: the save only queues)
+    saver.save_runs(run, [], EXTRA)
+    saver.writes._busy = False
+    saver.writes.kick()  # the window fails and waits for its retry; the files behind it go
+    deadline = time.monotonic() + 30
+    while saver.writes.stats()["pending"] != 1 or saver.writes._busy:
+        assert time.monotonic() < deadline, saver.writes.stats()
+        time.sleep(0.01)
+    assert fails == [0] and states == [[1]]
+    assert (run.name, 0) not in saver.saved_windows
+    assert saver.flush(30.0)  # the retry lands: the state is written again, naming it
+    assert states[-1] == [0, 1], states
+    assert (run.name, 0) in saver.saved_windows  # (settled, and now written)
+    (back,), _ = loaded("ckpt-late")
+    assert list(back.state.windows) == [0, 1]
+    state_store.delete("tests", "ckpt-late")
+
+
+def test_clearing_a_coordinator_s_state_leaves_every_other_name_s(ray_session):
+    """A coordinator created anew clears its state: ``x`` never takes ``x-2``'s with it, and no
+    two (namespace, name) pairs share a key (``a/b`` + ``c`` is not ``a`` + ``b/c``)."""
+    pairs = [("tests", "x"), ("tests", "x-2"), ("tests/x", "y"), ("a/b", "c"), ("a", "b/c")]
+    for ns, name in pairs:
+        state_store.root(ns, name).put("coordinator.msgpack", f"{ns}|{name}".encode())
+    try:
+        for ns, name in pairs:
+            got = state_store.root(ns, name).get("coordinator.msgpack", 100)
+            assert got == f"{ns}|{name}".encode(), (ns, name, got)
+        state_store.delete("tests", "x")
+        state_store.delete("a", "b/c")
+        left = [p for p in pairs if state_store.root(*p).exists("coordinator.msgpack")]
+        assert left == [("tests", "x-2"), ("tests/x", "y"), ("a/b", "c")]
+        assert state_store.root("a/b", "c").get("coordinator.msgpack", 100) == b"a/b|c"
+    finally:
+        for ns, name in pairs:
+            state_store.delete(ns, name)
+
+
+def test_restored_handles_are_strong_whether_their_actors_are_named_or_not(ray_session):
+    """The trainers' actors are found again by id in Ray's actor table (by name for a named
+    one): the handles keep calling after every other handle of this process is dropped (a weak
+    one would let Ray end the actors then)."""
+    import gc
+
+    actors = {0: Echo.remote(), 1: AsyncEcho.remote(), 2: Echo.options(name="ckpt-echo").remote()}
+    _, run = saved_with("ckpt-strong", dict(actors))
+    ids = {r: a._actor_id.hex() for r, a in actors.items()}
+    try:
+        (back,), _ = loaded("ckpt-strong")
+        del actors, run
+        gc.collect()
+        handles = back.state.trainers["t"].handles
+        assert {r: h._actor_id.hex() for r, h in handles.items()} == ids
+        for k in range(10):  # (over 2 s: Ray ends an actor with no strong handle in ms)
+            assert ray.get([h.ping.remote(k) for h in handles.values()], timeout=30) == [k] * 3
+            time.sleep(0.2)
+    finally:  # (the actors end with the last handle)
+        state_store.delete("tests", "ckpt-strong")
+
+
+def test_a_record_in_save_path_never_applies_live_state_files(ray_session, tmp_path):
+    """``state.msgpack`` and ``trainers.msgpack`` are read from Ray's key-value store only: the
+    same files in a directory anyone may write (a ``save_path`` record) are not applied, and
+    no actor is looked up for them."""
+    from coordinator.service.record_reader import open_record
+    from coordinator.service.record_store import RecordStore
+
+    actor = Echo.remote()
+    _, run = saved_with("ckpt-copied", {0: actor})
+    kv = state_store.run_store("tests", "ckpt-copied", run.name)
+    copy = RecordStore(str(tmp_path / "record"))
+    for rel in ("run.msgpack", "state.msgpack", "trainers.msgpack", "ranks/000000.msgpack"):
+        copy.put(rel, kv.get(rel, 1 << 30))
+    try:
+        assert open_record(kv, live=True).run.state.trainers["t"].handles  # (the KV's: applied)
+        got = open_record(str(tmp_path / "record"))
+        assert got.run.state.trainers["t"].handles == {} and not got.run.plan.started
+        assert got.run.state.ranks == {}
+    finally:
+        ray.kill(actor)
+        state_store.delete("tests", "ckpt-copied")
+
+
+def test_an_actor_id_that_is_not_one_or_not_alive_leaves_that_rank_lost_with_why(ray_session):
+    """Each stored id is checked before Ray sees it (16 bytes of hex) and looked up in Ray's
+    actor table: a 3-byte id, or an actor that died, costs that rank only, said in the
+    reader's problems and the rank's reason; the other ranks' handles come back."""
+    import msgspec
+
+    alive, dead = Echo.remote(), Echo.remote()
+    _, run = saved_with("ckpt-ids", {0: alive, 1: dead, 2: alive})
+    ray.kill(dead)
+    store = state_store.run_store("tests", "ckpt-ids", run.name)
+    stored = msgspec.msgpack.decode(store.get("trainers.msgpack", 1 << 30))
+    stored["trainers"][0]["handles"][2] = "010203"  # (a 3-byte actor id)
+    store.put("trainers.msgpack", msgspec.msgpack.encode(stored))
+    try:
+        deadline = time.monotonic() + 60
+        while ray._private.state.state.actor_table(dead._actor_id.hex())["State"] != "DEAD":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        (rec,), _ = state_store.load_runs("tests", "ckpt-ids")
+        st = rec.run.state
+        assert list(st.trainers["t"].handles) == [0]
+        assert ray.get(st.trainers["t"].handles[0].ping.remote(3)) == 3
+        assert [st.ranks[("t", r)].state for r in range(3)] == ["ok", "lost", "lost"]
+        assert "DEAD" in st.ranks[("t", 1)].reason["message"]
+        assert "not an actor id" in st.ranks[("t", 2)].reason["message"]
+        assert len(rec.problems) == 2 and all("trainers.msgpack" in p for p in rec.problems)
+    finally:
+        ray.kill(alive)
+        state_store.delete("tests", "ckpt-ids")

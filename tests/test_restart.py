@@ -171,3 +171,47 @@ def test_steps_outside_windows_save_only_the_step_counters(
     assert ray.get(coord.step.remote("t", 29))["ignored"] == "duplicate"
     assert ray.get(coord.step.remote("t", 30))["applied"]
     assert ray.get(coord.stop.remote("t"))["applied"]
+
+
+def _trainers_key(st):
+    from coordinator.service import state_store
+
+    store = state_store.run_store(st["namespace"], st["name"], st["run"]["name"])
+    return store, "trainers.msgpack"
+
+
+def test_a_stored_handle_ray_would_choke_on_is_a_problem_in_status_never_a_crash_loop(
+    ray_session, ray_actors, toy_workers, tmp_path
+):
+    """``trainers.msgpack`` as the old format kept a rank's handle (Ray's own serialized bytes),
+    here with an actor id of 3 bytes: Ray's decoder aborts the process that reads it, and a
+    coordinator restored from it would crash at every restart. Now the stored bytes never
+    reach Ray: the coordinator comes back once and says what it could not restore in
+    ``status()``."""
+    import msgspec
+    from ray.core.generated import core_worker_pb2
+
+    ray = ray_session
+    hooks = attach(ray_actors, toy_workers(2), tmp_path, wait=1000, warmup=1, active=1, repeat=0)
+    coord = hooks.coordinator
+    assert ray.get(coord.start.remote("t", 0))["applied"]
+    st = ray.get(coord.status.remote())
+    store, rel = _trainers_key(st)
+    deadline = time.monotonic() + 60
+    while not store.exists(rel):  # (the registration's save)
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    stored = msgspec.msgpack.decode(store.get(rel, 1 << 30))
+    bad = core_worker_pb2.ActorHandle(actor_id=b"\x01\x02\x03").SerializeToString()
+    for t in stored["trainers"]:
+        t["handles"] = {r: msgspec.msgpack.encode([bad, False]) for r in t["handles"]}
+    store.put(rel, msgspec.msgpack.encode(stored))
+    kill_hard(ray, coord)
+    st = ray.get(coord.status.remote(ranks="all"))
+    assert st["restarts"] == 1
+    problems = st["checkpoint"]["restore_problems"]
+    assert any("trainers.msgpack" in p and "Expected `str`, got `bytes`" in p for p in problems), (
+        problems
+    )
+    assert ray.get(coord.ping.remote(), timeout=30) is not None  # (alive, not restarting)
+    assert ray.get(coord.status.remote())["restarts"] == 1

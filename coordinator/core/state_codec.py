@@ -8,8 +8,9 @@ stands, so that a coordinator Ray restarts goes on from the same step:
   ever written to Ray's key-value store, never to ``save_path``), the window plan, the slowdown
   detector, the captures still to open, the counters;
 - ``ranks/NNNNNN.msgpack`` (``RanksChunk``): the rank records, ``RANK_CHUNK`` a file;
-- ``trainers.msgpack`` (``TrainersFile``): the trainers' registrations, their actor handles as
-  Ray serializes them (``handles``: bytes made and read by ``raylink.handles``).
+- ``trainers.msgpack`` (``TrainersFile``): the trainers' registrations, each rank's actor by
+  its id (``handles``: hex, made and looked up again by ``raylink.handles``; never Ray's
+  serialized handle, whose decoder trusts its bytes).
 
 Every field is named where it is converted: nothing is read from an object by reflection.
 Pure: no Ray, no torch, no I/O.
@@ -137,12 +138,13 @@ class RanksChunkOut(msgspec.Struct, tag="ranks", tag_field="kind"):
 
 
 class LiveTrainer(msgspec.Struct):
-    """A ``TrainerRecord``, with its actor handles as Ray serializes them."""
+    """A ``TrainerRecord``, with its ranks' actors by id."""
 
     trainer_id: str
     role: str
     ranks: list[int]
-    handles: dict[int, bytes]
+    handles: dict[int, str]
+    """rank -> its actor's id (hex)."""
     run_dir: str | None
     driver: dict[str, Any] | None
     spmd: bool
@@ -181,35 +183,36 @@ class ProgressFile(msgspec.Struct, tag="progress", tag_field="kind"):
 # ------------------------------------------------------------------ run state
 
 
-def _span(w: Window) -> WindowSpan:
+def to_span(w: Window) -> WindowSpan:
+    """A window as its files keep it (here and in the run's record)."""
     return WindowSpan(w.index, w.warmup_start, w.first, w.last, w.kind)
 
 
-def _window(s: WindowSpan) -> Window:
+def from_span(s: WindowSpan) -> Window:
     return Window(s.index, s.warmup_start, s.first, s.last, s.kind)
 
 
 def plan_file(plan: WindowPlan) -> PlanFile:
     return PlanFile(
         last_step=plan.last_step,
-        current=_span(plan.current) if plan.current else None,
+        current=to_span(plan.current) if plan.current else None,
         next_index=plan.next_index,
         skipped_windows=plan.skipped_windows,
-        cursor=_span(plan.cursor) if plan.cursor else None,
+        cursor=to_span(plan.cursor) if plan.cursor else None,
         started=plan.started,
-        captures=[_span(w) for w in plan.captures],
-        promised={i: _span(w) for i, w in plan.promised.items()},
+        captures=[to_span(w) for w in plan.captures],
+        promised={i: to_span(w) for i, w in plan.promised.items()},
         gaps=set(plan.gaps),
     )
 
 
 def restore_plan(plan: WindowPlan, f: PlanFile) -> None:
     plan.last_step, plan.next_index = f.last_step, f.next_index
-    plan.current = _window(f.current) if f.current else None
+    plan.current = from_span(f.current) if f.current else None
     plan.skipped_windows = f.skipped_windows
-    plan.restore_cursor(_window(f.cursor) if f.cursor else None, f.started)
-    plan.captures = [_window(s) for s in f.captures]
-    plan.promised = {i: _window(s) for i, s in f.promised.items()}
+    plan.restore_cursor(from_span(f.cursor) if f.cursor else None, f.started)
+    plan.captures = [from_span(s) for s in f.captures]
+    plan.promised = {i: from_span(s) for i, s in f.promised.items()}
     plan.gaps = set(f.gaps)
 
 
@@ -250,7 +253,7 @@ def run_state(run: Run, rank_chunks: int, config: dict[str, Any] | None = None) 
 
 def _capture_file(c: PlannedCapture) -> CaptureFile:
     missed = [(tid, rank, why) for (tid, rank), why in c.missed.items()]
-    return CaptureFile(_span(c.window), list(c.keys), missed)
+    return CaptureFile(to_span(c.window), list(c.keys), missed)
 
 
 def apply_state(run: Run, f: RunState) -> None:
@@ -268,7 +271,7 @@ def apply_state(run: Run, f: RunState) -> None:
         restore_detector(run.detector, f.detector)
     run.capture_ranks = {i: [(t, r) for t, r in keys] for i, keys in f.capture_ranks.items()}
     run.spmd_captures = {
-        i: PlannedCapture(_window(c.window), [(t, r) for t, r in c.keys],
+        i: PlannedCapture(from_span(c.window), [(t, r) for t, r in c.keys],
                           {(t, r): why for t, r, why in c.missed})
         for i, c in f.spmd_captures.items()
     }  # fmt: skip
@@ -295,8 +298,8 @@ def rank_record(f: RankFile) -> RankRecord:
     )  # fmt: skip
 
 
-def trainer_file(t: TrainerRecord, dump_handle: Callable[[Any], bytes]) -> LiveTrainer:
-    """``t`` with its handles as ``dump_handle`` makes them (Ray's serialization)."""
+def trainer_file(t: TrainerRecord, dump_handle: Callable[[Any], str]) -> LiveTrainer:
+    """``t`` with its handles as ``dump_handle`` names them (their actors' ids)."""
     return LiveTrainer(
         trainer_id=t.trainer_id, role=t.role, ranks=list(t.ranks),
         handles={r: dump_handle(h) for r, h in t.handles.items()}, run_dir=t.run_dir,
@@ -305,10 +308,13 @@ def trainer_file(t: TrainerRecord, dump_handle: Callable[[Any], bytes]) -> LiveT
     )  # fmt: skip
 
 
-def trainer_record(f: LiveTrainer, load_handle: Callable[[bytes], Any]) -> TrainerRecord:
+def trainer_record(f: LiveTrainer, handles: dict[str, Any]) -> TrainerRecord:
+    """``f`` with the handles found for its actors' ids (``handles``: id -> handle); a rank
+    whose actor has none found has no handle."""
     return TrainerRecord(
         trainer_id=f.trainer_id, role=f.role, ranks=list(f.ranks),
-        handles={r: load_handle(b) for r, b in f.handles.items()}, run_dir=f.run_dir,
+        handles={r: handles[i] for r, i in f.handles.items() if i in handles},
+        run_dir=f.run_dir,
         driver=f.driver, spmd=f.spmd, world=f.world, attaches=dict(f.attaches),
         epochs={(g, first): index for g, first, index in f.epochs},
     )  # fmt: skip

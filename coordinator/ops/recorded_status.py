@@ -61,7 +61,7 @@ def recorded_status(rec: Recorded, ranks: str = "summary") -> StatusReply:
         "previous_runs": [],
         "restarts": 0,
         "last_restart": None,
-        "checkpoint": {"bytes": 0, "seconds": 0.0, "at": None, "error": None},
+        "checkpoint": dict(bytes=0, seconds=0.0, at=None, error=None, restore_problems=[]),
         "record": record_entry(rec),
         "memory": None,  # (memory samples live in the coordinator: not in the record)
         "auto_capture": {

@@ -432,12 +432,14 @@ class ProcessEntry(TypedDict):
 
 
 class CheckpointEntry(TypedDict):
-    """The last checkpoint written: its size, how long it took, when, or why it failed."""
+    """The last checkpoint written: its size, how long it took, when, or why it failed; what
+    the last restart could not read back of it."""
 
     bytes: int
     seconds: float
     at: float | None
     error: str | None
+    restore_problems: list[str]  # one line each (empty: none, or never restarted)
 
 
 class RecordEntry(TypedDict):

@@ -9,15 +9,26 @@ the detached coordinator it serves: ``save_path`` (fsspec) is the back end that 
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 KV_NAMESPACE = "ray_profiler"
 
 
-class KVStore:
-    """The files under ``prefix`` (``{namespace}/{name}``, or a run's ``.../runs/{run}``) in
-    Ray's internal key-value store."""
+def key_part(part: str) -> str:
+    """``part`` as one component of a key: ``/`` (and ``%``, the escape) percent-encoded, so
+    that no two lists of parts make the same prefix (namespace ``a/b`` with name ``c`` is not
+    namespace ``a`` with name ``b/c``)."""
+    return quote(part, safe="")
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix.rstrip("/")
+
+class KVStore:
+    """The files under ``parts`` (``namespace, name``, or a run's ``..., "runs", run``) in
+    Ray's internal key-value store: each part one component of the keys (``key_part``)."""
+
+    def __init__(self, *parts: str) -> None:
+        if not parts:
+            raise ValueError("a KV store needs at least one part")
+        self.prefix = "/".join(key_part(p) for p in parts)
         self.url = f"kv://{KV_NAMESPACE}/{self.prefix}"
         self.options: dict[str, str] = {}
 
@@ -61,7 +72,8 @@ class KVStore:
         return sorted(n for n in found if n and "/" not in n)
 
     def clear(self) -> None:
-        """Forget every file under the prefix (a coordinator created anew starts clean)."""
+        """Forget every file under the prefix (a coordinator created anew starts clean); only
+        under it: coordinator ``x``'s files are not ``x-2``'s (the ``/`` ends the prefix)."""
         from ray.experimental import internal_kv
 
         start = self.prefix.encode() + b"/"

@@ -90,11 +90,15 @@ class Source(Protocol):
     def names(self, sub: str) -> list[str]: ...
 
 
-def open_record(url: str | Source, storage_options: dict[str, Any] | None = None) -> Recorded:
+def open_record(
+    url: str | Source, storage_options: dict[str, Any] | None = None, live: bool = False
+) -> Recorded:
     """Read the record at ``url`` (see ``locate``; or a store); ValueError for one that cannot
     be read. A window or chunk file that cannot be read is left out and named in ``problems``.
-    Where the run's live parts are (``state.msgpack``: Ray's key-value store), the run is
-    rebuilt from them whole: its plan, counters, every window it kept, ranks and trainers.
+    ``live``: the store is Ray's key-value store, where the run's live parts are
+    (``state.msgpack``): the run is rebuilt from them whole, its plan, counters, every window it
+    kept, ranks and trainers. They are read from there only: a record in ``save_path`` is data
+    anyone who can write there made, and the trainers' actors are looked up in Ray's table.
 
     The run's file is not trusted for how many files to look for: each directory is listed
     once, only the files it names that are there are read, and those it names that are not
@@ -107,16 +111,16 @@ def open_record(url: str | Source, storage_options: dict[str, Any] | None = None
     if not isinstance(head, codec.RunFile):
         raise ValueError(f"{store.url}/run.msgpack: a {type(head).__name__}, not the run's file")
     problems: list[str] = []
-    live = (
+    parts = (
         _part(store, "state.msgpack", sc.RunState, problems)
-        if store.exists("state.msgpack")
+        if live and store.exists("state.msgpack")
         else None
     )
-    run = _run(head, problems if live is None else [])
-    if live is not None:  # (Ray's key-value store: the run made whole again)
-        sc.apply_state(run, live)
-        _live_parts(store, run, live.rank_chunks, problems)
-    for index in _present(store, "windows", live.windows if live else head.windows, problems):
+    run = _run(head, problems if parts is None else [])
+    if parts is not None:  # (Ray's key-value store: the run made whole again)
+        sc.apply_state(run, parts)
+        _live_parts(store, run, parts.rank_chunks, problems)
+    for index in _present(store, "windows", parts.windows if parts else head.windows, problems):
         w = _part(store, f"windows/{index:06d}.msgpack", codec.WindowFile, problems)
         if w is not None:
             run.state.windows[index] = codec.window_record(w)
@@ -182,19 +186,37 @@ def _live_parts(store: Source, run: Run, chunks: int, problems: list[str]) -> No
         if chunk is None:
             return
         ranks.update({(f.trainer_id, f.rank): sc.rank_record(f) for f in chunk.ranks})
-    trainers = {}
+    trainers: dict[str, TrainerRecord] = {}
+    lost: dict[tuple[str, int], str] = {}
     if store.exists("trainers.msgpack"):
         got = _part(store, "trainers.msgpack", sc.TrainersFile, problems)
         if got is None:
             return
-        from coordinator.raylink.handles import load_handle
-
-        try:
-            trainers = {t.trainer_id: sc.trainer_record(t, load_handle) for t in got.trainers}
-        except Exception as exc:  # (a handle Ray cannot read back)
-            problems.append(f"{store.url}/trainers.msgpack: {type(exc).__name__}: {exc}")
-            return
+        trainers, lost = _trainers(got, problems)
     run.state.ranks, run.state.trainers = ranks, trainers
+    for key, message in lost.items():
+        if key in ranks:  # (no call goes to a rank that is not ``ok``: it has no handle)
+            run.state.rank_failed(key, "lost", {"where": "coordinator", "type": "LookupError",
+                                                "message": message})  # fmt: skip
+
+
+def _trainers(
+    got: sc.TrainersFile, problems: list[str]
+) -> tuple[dict[str, TrainerRecord], dict[tuple[str, int], str]]:
+    """The trainers, each rank's actor looked up in Ray's actor table by its stored id; the
+    ranks whose actor is not found alive, with why (also said in ``problems``)."""
+    from coordinator.raylink.handles import load_handles
+
+    found, why = load_handles(i for t in got.trainers for i in t.handles.values())
+    lost: dict[tuple[str, int], str] = {}
+    for t in got.trainers:
+        for rank, ident in t.handles.items():
+            if ident not in found:
+                lost[(t.trainer_id, rank)] = message = (
+                    f"its actor {ident[:40]} was not found again: {why.get(ident, '?')}"
+                )
+                problems.append(f"trainers.msgpack: rank {rank} of {t.trainer_id!r}: {message}")
+    return {t.trainer_id: sc.trainer_record(t, found) for t in got.trainers}, lost
 
 
 def _read(store: Source, rel: str) -> codec.RecordFile | None:

@@ -170,7 +170,7 @@ class CoordinatorShell:
         if not restarted:
             state_store.delete(self.namespace, self.name)
             return
-        loaded = state_store.load_runs(self.namespace, self.name)
+        loaded = self.checkpoint.load()
         self.restarts = (loaded[1] if loaded else {}).get("restarts", 0) + 1
         self.last_restart_at = time.time()
         if not loaded or not loaded[0]:

@@ -14,12 +14,17 @@ Layout under ``{namespace}/{name}/`` (``kv_store.KV_NAMESPACE``):
 - ``runs/{run}/ranks/{n:06d}.msgpack``: its rank records, ``RANK_CHUNK`` a file, written only
   when one may have changed, one chunk converted per turn of the event loop (at once, with
   its registration, when a trainer registered: they must match on a load);
-- ``runs/{run}/trainers.msgpack``: its trainers with their actor handles, when one registers.
+- ``runs/{run}/trainers.msgpack``: its trainers with their ranks' actor ids, when one
+  registers (a restart finds each actor again in Ray's actor table: ``raylink.handles``).
+
+Each part of a key (namespace, name, run) is one component of it (``kv_store.key_part``):
+coordinator ``x``'s keys are never ``x-2``'s, nor namespace ``a/b`` with name ``c`` those of
+namespace ``a`` with name ``b/c``.
 
 What a save converts on the event loop is bounded: a window is copied in the save's turn
 (``WindowRecord.snapshot``) and encoded on the writer's thread; rank records go a chunk a
 turn. Writes happen on the writer's thread, in the order queued, the windows before the state
-that names them.
+that names them; the state names a window only once its file is written (``StateSaver``).
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from coordinator.core import record_codec as codec
 from coordinator.core import state_codec as sc
@@ -49,12 +57,12 @@ WindowKey = tuple[str, int]  # (run name, window index)
 
 def root(namespace: str, name: str) -> KVStore:
     """The coordinator's files in Ray's KV."""
-    return KVStore(f"{namespace}/{name}")
+    return KVStore(namespace, name)
 
 
 def run_store(namespace: str, name: str, run: str) -> KVStore:
     """One run's files in Ray's KV."""
-    return KVStore(f"{namespace}/{name}/runs/{run}")
+    return KVStore(namespace, name, "runs", run)
 
 
 def _encoded(item: codec.RecordFile) -> Callable[[], bytes]:
@@ -74,19 +82,33 @@ def _gone() -> None:
 @dataclass
 class StateSaver:
     """Writes one coordinator's state incrementally (see the module docstring). ``stats`` is
-    what ``status()["checkpoint"]`` shows."""
+    what ``status()["checkpoint"]`` shows.
+
+    Work is marked saved only once it is written, as the record's writer does: a write the
+    queue refuses (full) marks nothing and is queued again at the next save; a settled window
+    is "saved" (never written again) once its file is written; the state and run files name a
+    window only once its file is written (at their own write, on the writer's thread), and are
+    queued again when a window they left out is written later."""
 
     namespace: str
     name: str
     writes: RecordWrites = field(default_factory=RecordWrites)
     saved_windows: set[WindowKey] = field(default_factory=set)
     """Settled windows written (never again)."""
+    written: set[WindowKey] = field(default_factory=set)
+    """Windows written, in some version: those the state may name."""
     window_parts: set[WindowKey] = field(default_factory=set)
     """Every window stored, or queued to be."""
     saved_ranks: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """run -> (ranks_version, registrations) last converted."""
+    """run -> (ranks_version, registrations) last queued."""
     rank_chunks: dict[str, int] = field(default_factory=dict)
     """run -> the rank chunks stored."""
+    restore_problems: list[str] = field(default_factory=list)
+    """What the last restart's load could not read back (``status()["checkpoint"]``)."""
+    _settling: set[WindowKey] = field(default_factory=set)  # settled, queued, not yet written
+    _stale: set[str] = field(default_factory=set)  # runs whose state must be queued again
+    _heads: dict[str, tuple[sc.RunState, codec.RunFile]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # (the sets the writer marks)
     _ranks_due: dict[str, Run] = field(default_factory=dict)
     _ranks_task: asyncio.Task[None] | None = None
     stats: dict[str, Any] = field(
@@ -94,9 +116,9 @@ class StateSaver:
     )
     _error: str | None = None
     _looked: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    """run -> what ``_looks`` saw of it at the last save that queued its state."""
     _configs: dict[str, tuple[Any, dict[str, Any], dict[str, Any]]] = field(default_factory=dict)
     """run -> (its config, whole, redacted): converted once."""
-    """run -> what ``_looks`` saw of it at the last save."""
 
     def save_runs(self, current: Run, previous: list[Run], extra: dict[str, Any]) -> None:
         """Queue the writes of the runs as they are now: their windows that can still change
@@ -107,9 +129,12 @@ class StateSaver:
         try:
             keep = {(run.name, i) for run in runs for i in run.state.windows}
             for key in sorted(self.window_parts - keep):
-                self._queue(run_store(self.namespace, self.name, key[0]),
-                            f"windows/{key[1]:06d}.msgpack", _gone)  # fmt: skip
-            self.window_parts, self.saved_windows = keep, self.saved_windows & keep
+                store = run_store(self.namespace, self.name, key[0])
+                if self._queue(store, f"windows/{key[1]:06d}.msgpack", _gone):
+                    self.window_parts.discard(key)
+            with self._lock:
+                for marks in (self.saved_windows, self.written, self._settling):
+                    marks.intersection_update(keep)
             for run in runs:
                 self._save_run(run, run is current)
             for dropped in [r for r in self.saved_ranks if r not in {x.name for x in runs}]:
@@ -125,19 +150,23 @@ class StateSaver:
 
     def _save_run(self, run: Run, current: bool) -> None:
         """Queue what changed of ``run``. A run that ended changes little: its state is written
-        again only when a window of it is, or what ``_looks`` reads of it changed."""
+        again only when a window of it is, or what ``_looks`` reads of it changed. What was
+        refused is marked as not done (the next save does it)."""
         store, st = run_store(self.namespace, self.name, run.name), run.state
         looks = _looks(run)
-        changed = current or self._looked.get(run.name) != looks
-        self._looked[run.name] = looks
+        changed = current or self._looked.get(run.name) != looks or run.name in self._stale
+        done = True
         for i, rec in st.windows.items():
             key = (run.name, i)
-            if key in self.saved_windows:
+            if key in self.saved_windows or key in self._settling:
                 continue
-            if rec.settled:
-                self.saved_windows.add(key)
-            name = f"windows/{i:06d}.msgpack"
-            self._queue(store, name, functools.partial(_window_blob, run.name, rec.snapshot()))
+            settled = rec.settled
+            blob = functools.partial(_window_blob, run.name, rec.snapshot())
+            written = self._window_written(key, settled)
+            if self._queue(store, f"windows/{i:06d}.msgpack", blob, written):
+                self.window_parts.add(key)
+                if settled:
+                    self._settling.add(key)
             changed = True
         was = self.saved_ranks.get(run.name, (-1, -1))
         # (an SPMD rank joining its trainer changes the trainer's part as a registration does)
@@ -145,18 +174,41 @@ class StateSaver:
         self.saved_ranks[run.name] = now
         if was[1] != now[1]:  # its rank records go with it, now: they must match on a load
             self._ranks_due.pop(run.name, None)
-            run_steps(self._ranks_steps(run))
+            done = run_steps(self._ranks_steps(run))
             trainers = [sc.trainer_file(t, dump_handle) for t in st.trainers.values()]
             f = sc.TrainersFile(sc.STATE_VERSION, run.name, trainers)
-            self._queue(store, "trainers.msgpack", _encoded(f))
+            done = self._queue(store, "trainers.msgpack", _encoded(f)) and done
         elif was[0] != now[0]:  # (in later turns)
             self._ranks_due[run.name] = run
         if changed or was != now:
-            self._queue_state(run)
+            done = self._queue_state(run) and done
+        if done:
+            self._looked[run.name] = looks
+        else:  # (all of it again at the next save)
+            self._looked.pop(run.name, None)
+            self.saved_ranks[run.name] = (-1, -1)
 
-    def _queue_state(self, run: Run) -> None:
-        """``run``'s state and run file, after whatever is queued for it already."""
-        store, st = run_store(self.namespace, self.name, run.name), run.state
+    def _window_written(self, key: WindowKey, settled: bool) -> Callable[[], None]:
+        """What the writer's thread calls once window ``key``'s file is written: the state may
+        name it; a settled one is saved; the run's state is queued again if it left it out."""
+
+        def done() -> None:
+            with self._lock:
+                new = key not in self.written
+                self.written.add(key)
+                if settled:
+                    self._settling.discard(key)
+                    self.saved_windows.add(key)
+                heads = self._heads.get(key[0])
+                if new and heads is not None and key[1] in heads[0].windows:
+                    self._queue_heads(key[0], heads)
+
+        return done
+
+    def _queue_state(self, run: Run) -> bool:
+        """``run``'s state and run file, after whatever is queued for it already; whether both
+        were queued."""
+        st = run.state
         kept = self._configs.get(run.name)
         if kept is None or kept[0] is not run.config:  # (a run's config is converted once)
             kept = self._configs[run.name] = (
@@ -164,8 +216,23 @@ class StateSaver:
             )  # fmt: skip
         state = sc.run_state(run, self.rank_chunks.get(run.name, 0), kept[1])
         head = codec.run_file(run, list(st.windows), 0, 0, [], time.time(), config=kept[2])
-        self._queue(store, "state.msgpack", _encoded(state))
-        self._queue(store, "run.msgpack", _encoded(head))
+        with self._lock:  # (never an older state queued over it by the writer's thread)
+            self._heads[run.name] = (state, head)
+            return self._queue_heads(run.name, (state, head))
+
+    def _queue_heads(self, run: str, heads: tuple[sc.RunState, codec.RunFile]) -> bool:
+        """Queue ``heads`` (the state, the run file), each naming only the windows written
+        when it is encoded; a refusal makes the next save queue them again. Under the lock."""
+        store = run_store(self.namespace, self.name, run)
+        ok = [
+            self._queue(store, rel, functools.partial(_named, self, run, f))
+            for rel, f in (("state.msgpack", heads[0]), ("run.msgpack", heads[1]))
+        ]
+        if all(ok):
+            self._stale.discard(run)
+        else:
+            self._stale.add(run)
+        return all(ok)
 
     def _drop_run(self, run: str) -> None:
         """A run no longer kept: its files go."""
@@ -178,12 +245,21 @@ class StateSaver:
         self._looked.pop(run, None)
         self._configs.pop(run, None)
         self._ranks_due.pop(run, None)
+        with self._lock:
+            self._heads.pop(run, None)
+            self._stale.discard(run)
 
     def _queue(
-        self, store: KVStore, rel: str, blob: Callable[[], bytes | None], counted: bool = True
-    ) -> None:
-        """Queue a write; ``counted``: its bytes go to ``stats["bytes"]`` once encoded (the
-        step counters' writes are not: idle steps leave the figures as they are)."""
+        self,
+        store: KVStore,
+        rel: str,
+        blob: Callable[[], bytes | None],
+        on_written: Callable[[], None] | None = None,
+        counted: bool = True,
+    ) -> bool:
+        """Queue a write; whether it was (a refusal is the save's error, until the next save).
+        ``counted``: its bytes go to ``stats["bytes"]`` once encoded (the step counters' writes
+        are not: idle steps leave the figures as they are)."""
 
         def encoded() -> bytes | None:
             data = blob()
@@ -191,8 +267,11 @@ class StateSaver:
                 self.stats["bytes"] += len(data)
             return data
 
-        if not self.writes.queue(store, rel, encoded):
-            raise RuntimeError(f"{store.url}/{rel}: the state's writes are over their bound")
+        if self.writes.queue(store, rel, encoded, on_written):
+            return True
+        self._error = f"{store.url}/{rel}: the state's writes are over their bound (again later)"
+        self.stats["error"] = self._error
+        return False
 
     # ------------------------------------------------------------ rank records
 
@@ -213,18 +292,21 @@ class StateSaver:
         while self._ranks_due:
             run = self._ranks_due.pop(next(iter(self._ranks_due)))
             try:
-                await run_steps_yielding(self._ranks_steps(run))
+                if not await run_steps_yielding(self._ranks_steps(run)):
+                    self.saved_ranks[run.name] = (-1, -1)  # (refused: again at the next save)
             except Exception as exc:
                 self._failed(exc)
 
     def _write_ranks_now(self) -> None:
         while self._ranks_due:
             run = self._ranks_due.pop(next(iter(self._ranks_due)))
-            run_steps(self._ranks_steps(run))
+            if not run_steps(self._ranks_steps(run)):
+                self.saved_ranks[run.name] = (-1, -1)
 
-    def _ranks_steps(self, run: Run) -> Steps[None]:
+    def _ranks_steps(self, run: Run) -> Steps[bool]:
         """Convert ``run``'s rank records a chunk per step, then queue their writes, the
-        chunks no longer needed removed, and the state that counts them."""
+        chunks no longer needed removed, and the state that counts them; whether all of it
+        was queued (the count changes only then)."""
         st, store = run.state, run_store(self.namespace, self.name, run.name)
         keys, chunks = list(st.ranks), []
         for n, i in enumerate(range(0, len(keys), sc.RANK_CHUNK)):
@@ -233,22 +315,33 @@ class StateSaver:
             chunks.append(codec.encode(sc.RanksChunkOut(sc.STATE_VERSION, run.name, n, rows)))
             yield
         before = self.rank_chunks.get(run.name, 0)
-        for n, blob in enumerate(chunks):
+        queued = [
             self._queue(store, f"ranks/{n:06d}.msgpack", functools.partial(bytes, blob))
+            for n, blob in enumerate(chunks)
+        ]
+        if not all(queued):
+            return False
         for n in range(len(chunks), before):
             self._queue(store, f"ranks/{n:06d}.msgpack", _gone)
         self.rank_chunks[run.name] = len(chunks)
-        self._queue_state(run)
+        return self._queue_state(run)
 
     # ------------------------------------------------------------ the rest
+
+    def load(self) -> tuple[list[Recorded], dict[str, Any]] | None:
+        """``load_runs`` for this coordinator, what it could not read kept for ``entry()``."""
+        self.restore_problems = []
+        return load_runs(self.namespace, self.name, self.restore_problems)
 
     def loaded(self, runs: list[Run]) -> None:
         """The runs ``load_runs`` put back are stored: their settled windows are not written
         again, their rank records only once they change."""
         self.window_parts = {(r.name, i) for r in runs for i in r.state.windows}
-        self.saved_windows = {
-            (r.name, i) for r in runs for i, w in r.state.windows.items() if w.settled
-        }
+        with self._lock:
+            self.written = set(self.window_parts)
+            self.saved_windows = {
+                (r.name, i) for r in runs for i, w in r.state.windows.items() if w.settled
+            }
         for r in runs:
             st = r.state
             regs = st.counters["registrations"] + st.counters["rank_attaches"]
@@ -280,20 +373,34 @@ class StateSaver:
 
     def entry(self) -> dict[str, Any]:
         """``status()["checkpoint"]``: the bytes the saves wrote so far, the last save's
-        seconds on the event loop, when, and the latest error (a write still failing, or a
-        save that could not be made, until the next save)."""
+        seconds on the event loop, when, the latest error (a write still failing, or a save
+        that could not be made, until the next save), and what the last restart could not
+        read back (``restore_problems``)."""
         self._sync_stats()
-        return dict(self.stats)
+        return {**self.stats, "restore_problems": list(self.restore_problems)}
 
 
-def _read_root(namespace: str, name: str, rel: str) -> codec.RecordFile | None:
-    """One of the coordinator's own files, or None (none, or unreadable: logged)."""
+def _named(saver: StateSaver, run: str, f: sc.RunState | codec.RunFile) -> bytes:
+    """``f`` as written: naming only the windows of ``run`` written by now (on the writer's
+    thread, after every write queued before it)."""
+    with saver._lock:
+        windows = [i for i in f.windows if (run, i) in saver.written]
+    return codec.encode(msgspec.structs.replace(f, windows=windows))
+
+
+def _read_root(
+    namespace: str, name: str, rel: str, problems: list[str] | None = None
+) -> codec.RecordFile | None:
+    """One of the coordinator's own files, or None (none, or unreadable: logged, and said in
+    ``problems``)."""
     store = root(namespace, name)
     try:
         blob = store.get(rel, codec.MAX_FILE_BYTES)
         return codec.decode(blob, f"{store.url}/{rel}") if blob else None
-    except Exception:
+    except Exception as exc:
         log.exception("the coordinator's %s cannot be read; going on without it", rel)
+        if problems is not None:
+            problems.append(f"{store.url}/{rel}: {type(exc).__name__}: {exc}"[:500])
         return None
 
 
@@ -304,18 +411,27 @@ def _looks(run: Run) -> tuple[Any, ...]:
             sum(st.counters.values()), len(st.counters), tuple(st.windows))  # fmt: skip
 
 
-def load_runs(namespace: str, name: str) -> tuple[list[Recorded], dict[str, Any]] | None:
+def load_runs(
+    namespace: str, name: str, problems: list[str] | None = None
+) -> tuple[list[Recorded], dict[str, Any]] | None:
     """The runs of the coordinator's state in Ray's KV (current first), each read back by the
-    record's one reader, and the coordinator's own file's fields; None without one."""
-    head = _read_root(namespace, name, COORDINATOR)
+    record's one reader, and the coordinator's own file's fields; None without one. Never
+    raises: what cannot be read is left out, logged and said in ``problems`` (a run's own
+    problems also in its ``Recorded.problems``): a corrupt state must cost the restart what it
+    holds, never the restart (Ray would restart the coordinator into the same fault forever)."""
+    said: list[str] = [] if problems is None else problems
+    head = _read_root(namespace, name, COORDINATOR, said)
     if not isinstance(head, sc.CoordinatorFile):
         return None
     runs = []
     for run in head.runs:
         try:
-            runs.append(open_record(run_store(namespace, name, run)))
-        except (ValueError, OSError) as exc:
+            runs.append(open_record(run_store(namespace, name, run), live=True))
+        except Exception as exc:  # (of any kind: see above)
             log.warning("run %s of the coordinator's state cannot be read: %s", run, exc)
+            said.append(f"run {run[:200]}: {type(exc).__name__}: {exc}"[:500])
+            continue
+        said += [f"run {run}: {p}" for p in runs[-1].problems]
     return runs, {"restarts": head.restarts, "throttled": head.throttled}
 
 
