@@ -52,9 +52,10 @@ docker-engine:
 	  || echo "docker.io could not be installed: tests/test_docker.py will skip"; }
 
 # The whole suite: lint, types, then every test (Ray clusters, subprocesses, S3, the browser,
-# the demo, the Docker image). -rs prints why any test skipped.
+# the demo, the Docker image). -rs prints why any test skipped; a test of what `make venv`
+# installs (SkyRL) fails instead of skipping when it is missing (RAY_PROFILER_EXTRAS_PROMISED).
 test: lint browser docker-engine
-	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -rs --durations=15
+	RAY_AUTH_MODE=disabled RAY_PROFILER_EXTRAS_PROMISED=1 $(PY) -m pytest -q -rs --durations=15
 
 # The Docker image alone: the test base, the image, two nodes, the demo, status, top, collect.
 test-docker: venv docker-engine

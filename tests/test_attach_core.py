@@ -146,3 +146,18 @@ def test_a_window_says_the_optimizer_steps_its_first_rank_gave_and_ignores_nonse
     assert rec.to_dict()["roles"]["skyrl"]["optimizer_steps"] == [7, 10]
     assert with_window(None, rec, "skyrl")["optimizer_steps"] == [7, 10]
     assert "optimizer_steps" not in with_window(None, rec, "other")
+
+
+def test_skyrl_s_summary_is_read_from_its_own_trainer_s_last_window():
+    """``dump_profiler_summary`` on a SkyRL worker answers from the last window its own trainer
+    took part in, not a later one of another trainer (a reference model's, say)."""
+    from trainers.skyrl_profiler import last_window_of
+
+    windows = [
+        {"index": 0, "roles": {"skyrl": {}, "ref": {}}},
+        {"index": 1, "roles": {"skyrl": {}}},
+        {"index": 2, "roles": {"ref": {}}},
+    ]
+    assert last_window_of(windows, "skyrl") == 1
+    assert last_window_of(windows, "ref") == 2
+    assert last_window_of(windows, "critic") is None and last_window_of([], "skyrl") is None

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.memory import EXACT, MAX_BUCKETS, MemoryBook, RankMemory, W, leak_growth
+from coordinator.core.memory_view import culprit_lines, marks
 
 MiB = 1 << 20
 BASE = 2_000_000_000
@@ -136,6 +137,22 @@ def test_every_rank_growing_names_no_culprit():
     book, roles = _book(2, 0)
     assert book.culprits(roles) == set()
     assert all(rm.growth is not None for rm in book.ranks.values())
+
+
+def test_a_culprit_is_judged_within_its_own_role():
+    """Every rank of one role grows (its workload: no culprit there), one rank of another grows
+    while the rest of that role stay flat (the culprit). Judged over both roles at once, the
+    three growing ranks outnumber the two flat ones and no rank would be named."""
+    book, roles = MemoryBook(), {}
+    for trainer, role, rates in (("gen", "rollout", (MiB, MiB)), ("pol", "policy", (MiB, 0, 0))):
+        for r, rate in enumerate(rates):
+            samples = [(float(t), BASE + rate * t, None, None) for t in range(400)]
+            book.add((trainer, r), 100 + len(roles), samples, None)
+            roles[(trainer, r)] = role
+    book.evaluate(399.0, 300.0, 4 * MiB / 60)
+    assert book.culprits(roles) == {("pol", 0)}
+    lines = culprit_lines(marks(book, roles), roles)
+    assert len(lines) == 1 and lines[0].startswith("policy rank 0 grows")
 
 
 def test_two_of_eight_growing_are_both_culprits_and_five_of_eight_none():

@@ -153,9 +153,9 @@ def rank_pairs(ray: Any, coordinator: Any, trainer_id: str, rank: int) -> dict[s
          if r["trainer_id"] == trainer_id and r["rank"] == rank),
         0,
     )  # fmt: skip
-    if not status["windows"]:
+    last = last_window_of(status["windows"], trainer_id)
+    if last is None:
         return {"window_count": count, "pairs": []}
-    last = status["windows"][-1]["index"]
     ray.get(coordinator.wait_window.remote(last, timeout_s=DUMP_TIMEOUT_S),
             timeout=DUMP_TIMEOUT_S + 10)  # fmt: skip
     table = ray.get(coordinator.kernel_summary.remote(
@@ -163,3 +163,10 @@ def rank_pairs(ray: Any, coordinator: Any, trainer_id: str, rank: int) -> dict[s
     per_rank = table.get("per_rank") or {}
     pairs = [(name, float(by[rank])) for name, by in per_rank.items() if rank in by]
     return {"window_count": count, "pairs": pairs}
+
+
+def last_window_of(windows: list[dict[str, Any]], trainer_id: str) -> int | None:
+    """The index of the last of ``windows`` (``status()["windows"]``) that ``trainer_id`` took
+    part in (another trainer's later window is not its own), or None."""
+    own = [w["index"] for w in windows if trainer_id in (w.get("roles") or {})]
+    return own[-1] if own else None

@@ -47,7 +47,6 @@ from coordinator.core.saved import (
     SavedError,
     WindowSpan,
 )
-from coordinator.core.schedule import Window
 from coordinator.core.state import rank_counts
 from coordinator.core.state_codec import (
     CoordinatorFile,
@@ -56,6 +55,8 @@ from coordinator.core.state_codec import (
     RanksChunkOut,
     RunState,
     TrainersFile,
+    from_span,
+    to_span,
 )
 from coordinator.protocol.replies import AutoTrigger, RegressionEntry
 from coordinator.protocol.stack_replies import StallEntry
@@ -240,8 +241,8 @@ def window_file(run: str, rec: WindowRecord, detail: bool = True) -> WindowFile:
     return WindowFile(
         version=VERSION,
         run=run,
-        window=_span(rec.window),
-        planned=_span(rec.planned) if rec.planned is not None else None,
+        window=to_span(rec.window),
+        planned=to_span(rec.planned) if rec.planned is not None else None,
         participants=set(rec.participants),
         acked=set(rec.acked),
         steps=rec.steps,
@@ -277,8 +278,8 @@ def window_record(f: WindowFile) -> WindowRecord:
     except SavedError as exc:
         raise RecordError(str(exc)) from None
     return WindowRecord(
-        window=_window(f.window),
-        planned=_window(f.planned) if f.planned is not None else None,
+        window=from_span(f.window),
+        planned=from_span(f.planned) if f.planned is not None else None,
         participants=set(f.participants),
         acked=set(f.acked),
         steps=f.steps,
@@ -304,14 +305,6 @@ def window_record(f: WindowFile) -> WindowRecord:
         opened_at=f.opened_at,
         closed_at=f.closed_at,
     )
-
-
-def _span(w: Window) -> WindowSpan:
-    return WindowSpan(w.index, w.warmup_start, w.first, w.last, w.kind)
-
-
-def _window(s: WindowSpan) -> Window:
-    return Window(s.index, s.warmup_start, s.first, s.last, s.kind)
 
 
 # ------------------------------------------------------------------ the run
