@@ -8,6 +8,8 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import uuid
 
@@ -16,6 +18,7 @@ import pytest
 from worker_ext import kineto_env
 
 pytestmark = pytest.mark.ray
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -77,3 +80,27 @@ def test_two_ranks_on_kineto_record_the_planned_steps_into_the_cross_rank_table(
         assert status["config"]["engine"] == "kineto"
     finally:
         ray.kill(coord)
+
+
+@pytest.mark.subprocess
+def test_the_documented_runtime_env_works_on_a_cold_second_node():
+    """Ranks on a second node whose ``<tmp>`` has no daemon directory when they import torch:
+    the setup hook ``kineto_env()`` names makes it first, and both windows come whole."""
+    got = subprocess.run(
+        [sys.executable, "-m", "tests.scripts.kineto_cold_node"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "RAY_AUTH_MODE": "disabled"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [x for x in got.stdout.splitlines() if x.startswith("RESULT ")]
+    assert got.returncode == 0 and lines, got.stderr[-4000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert out["cold"] and out["dir_mode"] == "0o700", out
+    *windows, placed = out["windows"]
+    assert placed == {"nodes": [out["node2"]]}, out
+    for w, steps in zip(windows, [[16, 18], [31, 33]], strict=True):
+        assert w["done"] and w["ranks"] == [0, 1] and w["bad"] == {}, w
+        assert w["steps"] == steps and not w["partial"], w
+        assert w["addmm"] == [2, 2 * 3 * 2], w  # 2 ranks, 3 steps, 2 Linear
