@@ -381,3 +381,59 @@ def test_an_actor_id_that_is_not_one_or_not_alive_leaves_that_rank_lost_with_why
     finally:
         ray.kill(alive)
         state_store.delete("tests", "ckpt-ids")
+
+
+class _Opens:
+    """Unpickled, it opens ``path`` for writing: proof that code ran."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _planted_class(path):
+    class Planted:
+        __module__ = "coordinator.planted"  # (a module of ours: Ray's class loader unpickles it)
+        opened = _Opens(path)
+
+        def ping(self):
+            return 1
+
+    return Planted
+
+
+@ray.remote(num_cpus=0, max_calls=1)
+def _restore_in_a_fresh_process(name):
+    from coordinator.raylink.handle_stubs import install_handle_stubs
+
+    install_handle_stubs()  # (as the coordinator does)
+    recs, _ = state_store.load_runs("tests", name)
+    return [p for rec in recs for p in rec.problems]
+
+
+def test_a_stored_handle_naming_a_module_of_ours_runs_no_code(ray_session, tmp_path):
+    """The old ``trainers.msgpack`` kept Ray's own serialized handle; one naming a class under
+    ``coordinator.`` made the coordinator's process load that class through Ray's class loader,
+    which unpickles it from Ray's key-value store, and so ran what it held. Those bytes are now
+    refused as data, in a fresh process as a restarted coordinator's: a problem, no code run."""
+    import msgspec
+
+    marker = tmp_path / "code-ran"
+    planted = ray.remote(num_cpus=0)(_planted_class(str(marker))).remote()
+    assert ray.get(planted.ping.remote()) == 1
+    marker.unlink()  # (made when the planted actor's own process loaded its class)
+    _, run = saved_with("ckpt-planted", {0: planted})
+    store = state_store.run_store("tests", "ckpt-planted", run.name)
+    stored = msgspec.msgpack.decode(store.get("trainers.msgpack", 1 << 30))
+    old = msgspec.msgpack.encode([bytes(planted._serialization_helper()[0]), False])
+    stored["trainers"][0]["handles"] = {0: old}
+    store.put("trainers.msgpack", msgspec.msgpack.encode(stored))
+    try:
+        problems = ray.get(_restore_in_a_fresh_process.remote("ckpt-planted"), timeout=120)
+        assert not marker.exists()  # (the old reader ran the planted code here)
+        assert any("trainers.msgpack" in p and "Expected `str`" in p for p in problems), problems
+    finally:
+        ray.kill(planted)
+        state_store.delete("tests", "ckpt-planted")
