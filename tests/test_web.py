@@ -20,6 +20,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from typing import Any
 
 import pytest
 
@@ -36,9 +37,14 @@ HOSTS = auth.allowed_hosts("127.0.0.1", 8270)
 # ------------------------------------------------------------------ pure
 
 
-def test_reads_are_open_on_loopback_and_changes_always_need_the_bearer_token():
+def test_the_pages_shells_are_open_and_changes_always_need_the_bearer_token():
     ok = "127.0.0.1:8270"
+    assert auth.is_open("/") and auth.is_open("/static/app.js") and auth.is_open("/perfetto/x")
+    assert not auth.is_open("/api/status") and not auth.is_open("/api/windows/0/traces.tar.gz")
     assert auth.check("GET", ok, None, None, TOKEN, HOSTS, True) is None
+    # on loopback too, a read of the run's data needs the token (issue 53)
+    assert auth.check("GET", ok, None, None, TOKEN, HOSTS, False).status == 401
+    assert auth.check("GET", ok, f"Bearer {TOKEN}", None, TOKEN, HOSTS, False) is None
     no = auth.check("POST", ok, None, None, TOKEN, HOSTS, True)
     assert no is not None and no.status == 401 and "Bearer" in no.reason
     wrong = auth.check("POST", ok, "Bearer nope", None, TOKEN, HOSTS, True)
@@ -177,8 +183,11 @@ class ServerThread:
         self.thread.join(30)
 
     def http(self, method, path, body=None, token=None, headers=None):
-        """(status, parsed JSON or raw bytes) of one request."""
+        """(status, parsed JSON or raw bytes) of one request; a read sends the token unless
+        ``token`` is "" (every read of the run's data needs it, on loopback too)."""
         hdrs = dict(headers or {})
+        if token is None and method in ("GET", "HEAD"):
+            token = TOKEN
         if token:
             hdrs["Authorization"] = f"Bearer {token}"
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
@@ -363,6 +372,14 @@ def chromium_browser():
             browser.close()
 
 
+def sign_in(page, url: str, token: str = TOKEN) -> None:
+    """Sign ``page``'s context in through the address ``serve`` prints: the token in its
+    fragment (never sent to the server), posted by the sign-in page, kept as a cookie."""
+    page.goto(f"{url}/login#token={token}")
+    page.wait_for_url(url + "/", timeout=30_000)
+    assert "token" not in page.url
+
+
 def screenshot(page, tmp_path, name: str) -> None:
     """A full-page screenshot in ``tmp_path``; also in ``$RAY_PROFILER_DOCS_IMG`` when set
     (``docs/img/screenshot.py`` remakes the docs' images from these real runs)."""
@@ -384,6 +401,7 @@ def wait_js(page, expression: str, timeout_s: float) -> None:
 def test_the_pages_in_a_real_browser(served, tmp_path):
     with chromium_browser() as browser:
         page = browser.new_page(viewport={"width": 1400, "height": 2200})
+        sign_in(page, served.url)
         errors: list[str] = []
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: errors.append(str(e)))
@@ -451,6 +469,7 @@ def test_the_pages_in_a_real_browser(served, tmp_path):
 def test_the_run_page_fits_a_1280_pixel_screen_and_links_each_window_s_timeline(served):
     with chromium_browser() as browser:
         page = browser.new_page(viewport={"width": 1280, "height": 900})
+        sign_in(page, served.url)
         page.goto(served.url + "/")
         page.wait_for_selector("a[href='#/window/1']", timeout=30_000)
         # An RL run's windows on object storage: a long URL per window, two roles each
@@ -500,17 +519,12 @@ def test_ray_profiler_serve_as_a_user_starts_it(served, ray_session):
         assert first.startswith(f"ray-profiler serve: http://127.0.0.1:{port}/"), first
         token = token_line.strip().rsplit(" ", 1)[-1]
         assert len(token) >= 32
+        sign_in_line = proc.stdout.readline()  # the token in a fragment: never sent in a request
+        assert sign_in_line.strip() == f"sign in: http://127.0.0.1:{port}/login#token={token}"
         url = f"http://127.0.0.1:{port}/api/status"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(url, timeout=30) as r:
-                    st = json.loads(r.read())
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.3)
+        st = _when_up(url, proc, {"Authorization": f"Bearer {token}"})
         assert st["name"] == served.name and len(st["windows"]) == 2
+        assert _open(url)[0] == 401  # on loopback too, a read of the run needs the token
         req = urllib.request.Request(
             f"http://127.0.0.1:{port}/api/captures", data=b'{"active": 1}', method="POST"
         )
@@ -561,24 +575,34 @@ def tar_files(blob: bytes) -> dict[str, bytes]:
     return out
 
 
-def _serve_record(record: str) -> tuple[subprocess.Popen, str]:
-    """``ray-profiler serve --from RECORD`` in a process of its own whose Ray address leads
-    nowhere (the cluster is gone), and its URL once it answers."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_ADDRESS": "127.0.0.1:1"}
-    cmd = [sys.executable, "-m", "coordinator", "serve", "--from", record, "--port", str(port)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+def _when_up(url: str, proc: subprocess.Popen, headers: dict | None = None) -> Any:
+    """The JSON of a GET of ``url`` once the server ``proc`` answers (60 s at most)."""
     deadline = time.monotonic() + 60
     while True:
         try:
-            with urllib.request.urlopen(url + "/api/viewer", timeout=30):
-                return proc, url
+            req = urllib.request.Request(url, headers=headers or {})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read())
         except (urllib.error.URLError, ConnectionError):
             if time.monotonic() > deadline or proc.poll() is not None:
                 proc.kill()
-                raise AssertionError("ray-profiler serve --from did not start") from None
+                raise AssertionError(f"the server did not answer {url}") from None
             time.sleep(0.3)
+
+
+def _serve_record(record: str) -> tuple[subprocess.Popen, str, str]:
+    """``ray-profiler serve --from RECORD`` in a process of its own whose Ray address leads
+    nowhere (the cluster is gone): its URL once it answers, and the token it printed."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_ADDRESS": "127.0.0.1:1"}
+    env.pop(auth.TOKEN_ENV, None)
+    cmd = [sys.executable, "-m", "coordinator", "serve", "--from", record, "--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    proc.stdout.readline()
+    token = proc.stdout.readline().strip().rsplit(" ", 1)[-1]
+    _when_up(url + "/api/viewer", proc, {"Authorization": f"Bearer {token}"})
+    return proc, url, token
 
 
 @pytest.mark.subprocess
@@ -586,12 +610,13 @@ def test_a_finished_run_s_window_opens_in_perfetto_with_no_cluster(served, tmp_p
     import ray
 
     entry = ray.get(served.coord.flush_record.remote(30.0))
-    proc, url = _serve_record(entry["dir"])
+    proc, url, token = _serve_record(entry["dir"])
     try:
-        status, _, viewer, _ = _open(url + "/api/viewer")
+        status, _, viewer, _ = _open(url + "/api/viewer", {"Authorization": f"Bearer {token}"})
         assert status == 200 and json.loads(viewer)["perfetto"] == "/perfetto/"
         with chromium_browser() as browser:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
+            sign_in(page, url, token)
             page.goto(url + "/")
             page.wait_for_selector("a[href='#/window/1']", timeout=30_000)
             row = page.locator("tr", has=page.locator("a[href='#/window/1']"))
@@ -628,14 +653,15 @@ def test_a_trace_missing_from_save_path_is_named_and_the_others_served(served, t
         res = collect_window(h, 1, str(tmp_path / "w1"))
         assert sorted(res["files"]) == [0] and list(res["missing"]) == [1]
         assert "not in save_path" in res["missing"][1] and gone[0] in res["missing"][1]
-        req = urllib.request.Request(web.url + "/api/windows/1/traces.tar.gz")
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        req = urllib.request.Request(web.url + "/api/windows/1/traces.tar.gz", headers=bearer)
         with urllib.request.urlopen(req, timeout=120) as r:
             files, said = tar_files(r.read()), json.loads(r.headers[MISSING_HEADER])
         assert list(said) == ["window 1 rank 1"] and "not in save_path" in said["window 1 rank 1"]
         assert len(files) == 2 and b"window 1 rank 1: its trace is not in" in next(
             v for k, v in files.items() if k.endswith("MISSING.txt")
         )
-        req = urllib.request.Request(web.url + "/api/windows/1/timeline.json.gz")
+        req = urllib.request.Request(web.url + "/api/windows/1/timeline.json.gz", headers=bearer)
         with urllib.request.urlopen(req, timeout=120) as r:
             merged, said = (
                 json.loads(gzip.decompress(r.read())),
@@ -716,6 +742,7 @@ def test_the_served_perfetto_shows_one_process_per_rank_of_a_real_window(served,
         context.on("requestfailed", lambda r: outside.append((r.url, r.failure or ""))
                    if not r.url.startswith(served.url) else None)  # fmt: skip
         page = context.new_page()
+        sign_in(page, served.url)
         page.goto(served.url + "/")
         page.wait_for_selector("a[href='#/window/1']", timeout=30_000)
         row = page.locator("tr", has=page.locator("a[href='#/window/1']"))
@@ -757,6 +784,7 @@ def test_the_served_perfetto_shows_one_process_per_rank_of_a_real_window(served,
 def test_the_run_page_charts_the_step_time_with_its_windows_and_its_stall(served, tmp_path):
     with chromium_browser() as browser:
         page = browser.new_page(viewport={"width": 1280, "height": 900})
+        sign_in(page, served.url)
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(served.url + "/")
@@ -817,6 +845,7 @@ def test_the_window_page_strips_every_rank_s_steps_and_pages_many_ranks(served):
     assert [s for s, _ in ks["rank_steps"]["0"]] == [6, 7]
     with chromium_browser() as browser:
         page = browser.new_page(viewport={"width": 1280, "height": 900})
+        sign_in(page, served.url)
         page.goto(served.url + "/#/window/1")
         wait_js(page, "document.getElementById('step-strip')?.$strip !== undefined", 30)
         strip = page.evaluate("document.getElementById('step-strip').$strip")
@@ -904,6 +933,7 @@ def test_a_run_s_record_is_served_read_only_with_the_live_answers(served, tmp_pa
         assert len(os.listdir(kept)) == 2
         with chromium_browser() as browser:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
+            sign_in(page, web.url)
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(web.url + "/")

@@ -1,6 +1,7 @@
 """The web server's token and its expensive reads (issue 46, items 3 and 4): the token is never
 taken from an address, the login form sets the cookie (a read-only server's too), and past
-``EXPENSIVE_AT_ONCE`` merged timelines or tarballs at once the next one is answered 429."""
+``EXPENSIVE_AT_ONCE`` merged timelines or tarballs at once the next one is answered 429.
+Issue 53 item 1: on loopback too, every read of the run's data needs the token."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from coordinator.ops.web.server import EXPENSIVE_AT_ONCE, WebServer
 from tests.s3_server import free_port
 
 TOKEN = "t0ken-for-the-tests"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
 
 
 class _ReadOnly:
@@ -60,8 +62,40 @@ async def test_an_expensive_read_past_the_limit_is_answered_429(path):
     client, server = await _client()
     try:
         server.expensive.running = EXPENSIVE_AT_ONCE  # (as many as allowed are being built)
-        r = await client.get(f"/api/windows/0/{path}")
+        r = await client.get(f"/api/windows/0/{path}", headers=BEARER)
         assert (r.status, r.headers["Retry-After"]) == (429, "5")
         assert f"at most {EXPENSIVE_AT_ONCE} at once" in (await r.json())["error"]
+    finally:
+        await client.close()
+
+
+API_READS = [
+    "/api/viewer", "/api/status", "/api/windows/0/kernels", "/api/windows/0/stragglers",
+    "/api/windows/0/traces.tar.gz", "/api/windows/0/timeline.json.gz", "/api/diff?a=0&b=1",
+    "/api/phases", "/api/chart", "/api/memory",
+]  # fmt: skip
+
+
+async def test_on_loopback_too_every_read_of_the_run_needs_the_token():
+    """Any local user can reach a loopback port: without the token, no read of the run's
+    data (nor a slot of the expensive reads) is had; only the pages' shells are open."""
+    client, server = await _client()
+    try:
+        server.expensive.running = EXPENSIVE_AT_ONCE
+        routes = {r.resource.canonical for r in server.app().router.routes() if r.method == "GET"}
+        api = {p for p in routes if p.startswith("/api/")}
+        assert {p.split("?")[0].replace("/0/", "/{window}/") for p in API_READS} == api
+        for path in API_READS:
+            r = await client.get(path)
+            assert r.status == 401, path
+            assert "needs the token" in (await r.json())["error"]
+            assert (await client.get(path, cookies={auth.COOKIE: "x"})).status == 403
+        for path in ("/", "/login", "/static/app.js", "/static/login.js"):
+            assert (await client.get(path)).status == 200, path
+        # and with the cookie the login form set, a read goes on (here: to the busy slots)
+        login = await client.post("/login", data={"token": TOKEN}, allow_redirects=False)
+        assert login.status == 303
+        r = await client.get("/api/windows/0/traces.tar.gz")
+        assert r.status == 429
     finally:
         await client.close()

@@ -80,19 +80,8 @@ class Node:
         check: bool = True,
     ) -> subprocess.CompletedProcess[str]:
         """``python -c code`` as ``user`` in the repository, with this node's ``tmp``."""
-        argv = [
-            "setpriv",
-            f"--reuid={user.uid}",
-            f"--regid={user.gid}",
-            "--clear-groups",
-            "--inh-caps=-all",
-            "--bounding-set=-all",
-            sys.executable,
-            "-c",
-            code,
-        ]
         out = subprocess.run(
-            argv,
+            self.argv(user, code),
             cwd=ROOT,
             env=self.env(user, **(env or {})),
             capture_output=True,
@@ -104,6 +93,25 @@ class Node:
                 f"as {user.name}: exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
             )
         return out
+
+    def argv(self, user: User, code: str) -> list[str]:
+        """The command line of ``python -c code`` as ``user``, with no capabilities."""
+        drop = [f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups"]
+        drop += ["--inh-caps=-all", "--bounding-set=-all"]
+        return ["setpriv", *drop, sys.executable, "-c", code]
+
+    def start(
+        self, user: User, code: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        """``python -c code`` as ``user``, running on (a server): its stdout is a pipe; the
+        caller stops it."""
+        return subprocess.Popen(
+            self.argv(user, code),
+            cwd=ROOT,
+            env=self.env(user, **(env or {})),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
 
 @contextmanager

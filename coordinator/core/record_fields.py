@@ -17,8 +17,8 @@ from coordinator.core.validate import MAX_TEXT, MAX_WORLD, TRAINER_ID
 
 MAX_PATH = 4096
 """The longest path or URL (Linux's ``PATH_MAX``)."""
-MAX_NODE = 128
-"""The longest node id or node name (Ray's ids are 56 hex digits)."""
+MAX_NODE = 256
+"""The longest node id or node name (Ray's ids are 56 hex digits; a host name, 253)."""
 MAX_TRAINERS = 1024
 """The most trainers (roles) a window or a run holds."""
 MAX_KEYS = 1 << 22
@@ -26,7 +26,8 @@ MAX_KEYS = 1 << 22
 
 Name = Annotated[str, msgspec.Meta(pattern=TRAINER_ID.pattern)]
 """A trainer id or a role: 1-64 letters, digits, '.', '_' or '-' (never a path)."""
-RunName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+RunName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,159}$")]
+"""A run's name: the config's (1-128 characters), with ``.N`` when it was taken."""
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD)]
 Path = Annotated[str, msgspec.Meta(max_length=MAX_PATH)]
 Node = Annotated[str, msgspec.Meta(max_length=MAX_NODE)]
@@ -43,7 +44,7 @@ class TraceFile(TypedDict):
     path: Path | None
     local_path: Path | None
     node: Node | None
-    error: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Text],
+    error: Annotated[dict[Annotated[str, msgspec.Meta(max_length=1000)], Text],
                      msgspec.Meta(max_length=8)] | None  # fmt: skip
 
 

@@ -8,16 +8,20 @@ one file per rank (each trace names its rank), and may itself be an fsspec URL.
 
 A run's record (``RecordedCoordinator``, ``--from``) serves a finished run the same way, with no
 cluster: its traces are read where the record says they are in ``save_path`` (a directory or
-a bucket), and one that is not there is named with its window and rank.
+a bucket), and one that is not there is named with its window and rank. A record is data:
+a trace is read only from under the record's own run directory (``record_paths``), never
+through a link that leaves it; a path it names elsewhere is a missing trace, said why.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import IO, Any, TypedDict
 
+from coordinator.core.record_paths import in_run, run_dir_of
 from coordinator.core.storage import REDACTED, filesystem, is_remote, join, local_path
 from coordinator.protocol.atomic_file import atomic_path
 
@@ -85,7 +89,7 @@ def collect_window(
     for rank, t in sorted(traces.items()):
         try:
             if src.recorded:
-                name, written = _copy_file(stored_trace(t, options), dest, options)
+                name, written = _copy_file(stored_trace(t, options, src), dest, options, src)
             else:
                 name, written = _collect_one(t, dest, options)
         except TraceMissing as exc:
@@ -145,6 +149,8 @@ class WindowSource:
     options: dict[str, Any]  # the run's storage options, without its credentials
     recorded: bool = False  # a run's record: every trace read here from save_path
     nodes: dict[str, str] = field(default_factory=dict)  # (a record's) node id -> its name
+    run_dir: str = ""  # (a record's) its run directory, where it is read from: traces in it
+    recorded_run_dir: str | None = None  # (a record's) the run directory it says it was in
 
 
 def window_entry(coordinator: Any, window: int, run: str | None, wait_s: float) -> WindowSource:
@@ -193,34 +199,81 @@ def _recorded_entry(h: Any, window: int, run: str | None) -> WindowSource:
         kept = [i for i, r in rec.run.state.windows.items() if r.closed]
         raise ValueError(f"no closed window {window} in run {name}: {kept}")
     entry = dict(w.to_dict(complete=True))
-    return WindowSource(entry, name, _options(config), recorded=True, nodes=dict(rec.file.nodes))
+    return WindowSource(entry, name, _options(config), recorded=True, nodes=dict(rec.file.nodes),
+                        run_dir=run_dir_of(rec.url), recorded_run_dir=rec.run.run_dir)  # fmt: skip
 
 
-def stored_trace(t: dict[str, Any], options: dict[str, Any]) -> str:
-    """Where a recorded rank's trace is now: its upload, else the file it was written as, the
-    first that is there; ``TraceMissing`` naming both when neither is (never uploaded,
-    deleted)."""
-    tried: list[str] = list(dict.fromkeys(str(p) for p in (t["path"], t["local_path"]) if p))
-    if not tried:
+def stored_trace(t: dict[str, Any], options: dict[str, Any], src: WindowSource) -> str:
+    """Where a recorded rank's trace is now, under the record's run directory (``in_run``):
+    its upload, else the file it was written as, the first that is there; ``TraceMissing``
+    naming both when neither is (never uploaded, deleted, or named outside the run)."""
+    named = list(dict.fromkeys(str(p) for p in (t["path"], t["local_path"]) if p))
+    if not named:
         raise TraceMissing(f"no trace: {(t['error'] or {}).get('message', 'nothing was written')}")
+    tried = [p for p in (in_run(n, src.run_dir, src.recorded_run_dir) for n in named) if p]
+    if not tried:
+        raise TraceMissing(
+            f"the record names its trace {' and '.join(named)!r:.300}, outside the run's "
+            f"directory {src.run_dir}: not read (a record is data, never a path to trust)"
+        )
     why = "not there"
-    for src in tried:
+    for found in tried:
         try:
-            fs, path = filesystem(src, options)
+            if not is_remote(found):
+                return _inside(found, src.run_dir)
+            fs, path = filesystem(found, options)
             if fs.exists(path):
-                return src
+                return found
+        except FileNotFoundError:
+            continue
         except Exception as exc:  # (a bucket that cannot be reached: said, the rest go on)
             why = f"cannot be looked at: {type(exc).__name__}: {exc}"[:300]
     raise TraceMissing(f"its trace is not in save_path ({why}): {' nor '.join(tried)}")
 
 
-def _copy_file(src: str, dest: str, options: dict[str, Any]) -> tuple[str, int]:
-    """Copy the trace at ``src`` (a path or a URL) into ``dest``; its path and bytes there."""
+def _inside(path: str, run_dir: str) -> str:
+    """``path`` with its links resolved, when that is a file in ``run_dir``; FileNotFoundError
+    when there is none, ``TraceMissing`` when a link leads out of it."""
+    real, root = os.path.realpath(path), os.path.realpath(local_path(run_dir))
+    if not os.path.isfile(real):
+        raise FileNotFoundError(path)
+    if not real.startswith(root.rstrip("/") + "/"):
+        raise TraceMissing(f"{path} is a link out of the run's directory {run_dir}: not read")
+    return real
+
+
+def _open_inside(path: str, run_dir: str) -> IO[bytes]:
+    """The regular file ``path``, opened, checked after the open (so no link swapped in
+    meanwhile is followed out of ``run_dir``); ``TraceMissing`` when it is not in it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    f = os.fdopen(fd, "rb")
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+        root = os.path.realpath(local_path(run_dir)).rstrip("/") + "/"
+        if not opened.startswith(root) or not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TraceMissing(f"{path} is not a file in the run's directory {run_dir}: not read")
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _copy_file(
+    src: str, dest: str, options: dict[str, Any], record: WindowSource | None = None
+) -> tuple[str, int]:
+    """Copy the trace at ``src`` (a path or a URL) into ``dest``; its path and bytes there
+    (``record``: a record's local trace, opened only inside its run directory)."""
     target = join(dest, src.rstrip("/").rsplit("/", 1)[-1])
     try:
-        fs, path = filesystem(src, options)
-        with fs.open(path, "rb") as fin, _writer(target, options) as fout:
+        if record is not None and not is_remote(src):
+            fin = _open_inside(src, record.run_dir)
+        else:
+            fs, path = filesystem(src, options)
+            fin = fs.open(path, "rb")
+        with fin, _writer(target, options) as fout:
             return target, _copy(lambda n: fin.read(n), fout)
+    except TraceMissing:
+        raise
     except Exception as exc:
         raise TraceMissing(f"cannot copy {src}: {type(exc).__name__}: {exc}") from None
 

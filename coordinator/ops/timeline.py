@@ -212,7 +212,7 @@ def _plan(
             path, uploaded = trace_source(t)
             if src.recorded:
                 try:
-                    path, uploaded = stored_trace(t, options), True
+                    path, uploaded = stored_trace(t, options, src), True
                 except TraceMissing as exc:
                     missing[_name(label)] = str(exc)
                     continue

@@ -42,15 +42,17 @@ def main() -> None:
         demo += ["--steps", "16", "--save-path", f"{tmp}/profiles"]
         subprocess.run(demo, env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         cli = [PY, "-m", "coordinator", "--address", address, "serve", "--port", str(web)]
-        server = subprocess.Popen(cli, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+        token = "screenshot-" + os.urandom(8).hex()  # (every read of the run needs it)
+        server = subprocess.Popen(cli, env={**env, "RAY_PROFILER_TOKEN": token}, cwd=ROOT,
+                                  stdout=subprocess.DEVNULL)  # fmt: skip
         url = f"http://127.0.0.1:{web}"
         for _ in range(120):
             try:
-                urllib.request.urlopen(url + "/api/status", timeout=5)
+                urllib.request.urlopen(url + "/login", timeout=5)
                 break
             except OSError:
                 time.sleep(0.5)
-        shoot(url, os.path.join(ROOT, "docs", "img", "window.png"))
+        shoot(url, token, os.path.join(ROOT, "docs", "img", "window.png"))
         tests = [PY, "-m", "pytest", "-q", "tests/test_web.py", "-k"]
         tests += ["charts_the_step_time or perfetto_shows_one_process or strips_every"]
         img = {"RAY_PROFILER_DOCS_IMG": os.path.join(ROOT, "docs", "img")}
@@ -65,12 +67,14 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def shoot(url: str, out: str) -> None:
+def shoot(url: str, token: str, out: str) -> None:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(f"{url}/login#token={token}")  # (the sign-in address serve prints)
+        page.wait_for_url(url + "/")
         page.goto(url + "/#/window/1")
         page.wait_for_selector("text=Rank x top kernel", timeout=60_000)
         page.wait_for_timeout(500)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -90,16 +91,21 @@ def web_view(name: str, window: int) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    token = secrets.token_urlsafe(16)  # (every read of the run needs it, on loopback too)
     serve = subprocess.Popen(
         [sys.executable, "-m", "coordinator", "--name", name, "serve", "--port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "RAY_PROFILER_TOKEN": token},
     )  # fmt: skip
     try:
         base, got, deadline = f"http://127.0.0.1:{port}", {}, time.monotonic() + 90
         for path in ("/api/status", f"/api/windows/{window}/kernels?top_k=5"):
             while path not in got:
                 try:
-                    with urllib.request.urlopen(base + path, timeout=30) as r:
+                    req = urllib.request.Request(
+                        base + path, headers={"Authorization": f"Bearer {token}"}
+                    )
+                    with urllib.request.urlopen(req, timeout=30) as r:
                         got[path] = json.loads(r.read())
                 except OSError:
                     assert time.monotonic() < deadline and serve.poll() is None, "no web view"

@@ -3,9 +3,11 @@
 - Changes (captures, cancels: every method but GET and HEAD) need the token, always, in an
   ``Authorization: Bearer <token>`` header; a cookie never authorises a change (so another site
   cannot make a browser change a run).
-- Reads need nothing on a loopback address; on any other address they need the token too, in
-  the header or in the cookie that ``POST /login`` sets (the token in the form's body, never in
-  an address: ``GET /login?token=`` is refused).
+- Reads need the token too, on loopback as on any other address (every local user can reach a
+  loopback port): in the header or in the cookie that ``POST /login`` sets (the token in the
+  form's body, never in an address: ``GET /login?token=`` is refused). Open to anyone: the
+  pages' shells and files that hold no run's data (``OPEN``: ``/``, ``/login``, ``/static/``,
+  Perfetto's UI), so that a browser can load the sign-in form.
 - The ``Host`` header must name the server (its address, or ``localhost`` on loopback), which
   stops a page on another site from reaching a loopback server by DNS rebinding.
 """
@@ -20,6 +22,10 @@ from dataclasses import dataclass
 TOKEN_ENV = "RAY_PROFILER_TOKEN"
 COOKIE = "ray_profiler_token"
 READS = ("GET", "HEAD")
+OPEN = ("/", "/login", "/perfetto")
+OPEN_UNDER = ("/static/", "/perfetto/")
+"""The paths a read of needs no token: no run's data is in them (every ``/api/`` read needs
+it)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,11 @@ def allowed_hosts(host: str, port: int) -> frozenset[str]:
     return frozenset({*names, *(f"{n}:{port}" for n in names)})
 
 
+def is_open(path: str) -> bool:
+    """Whether a read of ``path`` needs no token (``OPEN``)."""
+    return path in OPEN or path.startswith(OPEN_UNDER)
+
+
 def check(
     method: str,
     host_header: str | None,
@@ -60,20 +71,25 @@ def check(
     cookie: str | None,
     token: str,
     hosts: frozenset[str],
-    open_reads: bool,
+    open_read: bool,
 ) -> Refusal | None:
-    """None when the request may go on, else why not (400, 401 or 403)."""
+    """None when the request may go on, else why not (400, 401 or 403); ``open_read``: a
+    read of this path needs no token (``is_open``)."""
     if host_header is None or host_header.lower() not in hosts:
         return Refusal(403, f"unexpected Host header {str(host_header)[:80]!r}")
     read = method in READS
-    if read and open_reads:
+    if read and open_read:
         return None
     given = bearer(authorization)
     if given is None and read:
         given = cookie
     if given is None:
-        what = "changes need" if not read else "this server (not on loopback) needs"
-        return Refusal(401, f"{what} the token: send 'Authorization: Bearer <token>'")
+        what = "changes need" if not read else "this read needs"
+        return Refusal(
+            401,
+            f"{what} the token: send 'Authorization: Bearer <token>', or sign in at /login "
+            "(the address ray-profiler serve printed signs in)",
+        )
     if not hmac.compare_digest(given.encode(), token.encode()):
         return Refusal(403, "wrong token")
     return None

@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator.core.validate import is_int
+from coordinator.core.validate import is_int, role_problem
 
 MAX_BODY_BYTES = 64 * 1024
 CAPTURE_FIELDS = ("active", "warmup", "ranks", "start_step")
@@ -40,6 +40,15 @@ def str_param(query: Mapping[str, str], name: str) -> str | None:
         return None
     if len(raw) > 128:
         raise BadRequest(f"{name} is longer than 128 characters")
+    return raw
+
+
+def role_param(query: Mapping[str, str], name: str = "role") -> str | None:
+    """``query[name]``, a role's name (``validate.role_problem``), or None when absent."""
+    raw = str_param(query, name)
+    why = role_problem(raw) if raw is not None else None
+    if why is not None:
+        raise BadRequest(f"{name}: {why}")
     return raw
 
 

@@ -39,9 +39,11 @@ from coordinator.ops.web.params import (
     int_param,
     kernels_args,
     ranks_param,
+    role_param,
     str_param,
     window_index,
 )
+from coordinator.protocol.atomic_file import write_atomic
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 60.0
@@ -200,7 +202,7 @@ class WebServer:
         self._records = RecordCache()
         self.expensive = ExpensiveReads()
         self.hosts = auth.allowed_hosts(host, port)
-        self.open_reads = auth.is_loopback(host)
+        self.loopback = auth.is_loopback(host)
         self.static = resources.files("coordinator.ops.web") / "static"
         self.perfetto = perfetto.ui_dir()
         index = self.perfetto / "index.html" if self.perfetto else None
@@ -271,7 +273,7 @@ class WebServer:
                 request.cookies.get(auth.COOKIE),
                 self.token,
                 self.hosts,
-                self.open_reads,
+                request.method in auth.READS and auth.is_open(request.path),
             )
         if refusal is not None:
             return reply({"error": refusal.reason}, refusal.status)
@@ -307,8 +309,8 @@ class WebServer:
         )
 
     async def login(self, request: web.Request) -> web.StreamResponse:
-        """``POST /login`` (form field ``token``): the cookie that lets a browser read a
-        non-loopback server."""
+        """``POST /login`` (form field ``token``): the cookie that lets a browser read the
+        run's data."""
         given = str((await request.post()).get("token", ""))
         refusal = auth.check(
             "GET", request.headers.get("Host"), None, given, self.token, self.hosts, False
@@ -434,7 +436,7 @@ class WebServer:
         q = request.query
         kw: dict[str, Any] = {
             "run": str_param(q, "run"),
-            "roles": [role] if (role := str_param(q, "role")) else None,
+            "roles": [role] if (role := role_param(q)) else None,
             "ranks": ranks_param(q, "ranks", TIMELINE_RANKS),
             "min_us": float_param(q, "min_us", 0.0, 0.0, 1e9),
             "max_events": int_param(q, "max_events", DEFAULT_MAX_EVENTS, 1, DEFAULT_MAX_EVENTS),
@@ -446,7 +448,7 @@ class WebServer:
         """Every rank's trace of a window (one role) as one ``.tar.gz``, through ``collect``."""
         window = window_index(request.match_info["window"])
         q = request.query
-        role, run = str_param(q, "role"), str_param(q, "run")
+        role, run = role_param(q), str_param(q, "run")
         fn = functools.partial(_archive, self.link, window, role, run)
         return await self._built(request, fn)
 
@@ -509,10 +511,13 @@ def _archive(
     link: CoordinatorLink, window: int, role: str | None, run: str | None, *, work: str
 ) -> Built:
     """Collect the window's traces into ``work`` and pack them (with ``MISSING.txt`` naming
-    each rank whose trace could not be had); the archive's path, name, and those ranks."""
+    each rank whose trace could not be had); the archive's path, name, and those ranks. The
+    files in ``work`` are named here (``traces``, ``traces.tar.gz``), never after the query
+    or the record; the name the archive is sent as holds the role, a checked name."""
     from coordinator.ops.collect import collect_window
 
-    dest, handle = os.path.join(work, f"window_{window:04d}_{role or 'policy'}"), link.handle()
+    dest, handle = os.path.join(work, "traces"), link.handle()
+    label = f"window_{window:04d}_{role or 'policy'}"
     try:
         res = collect_window(handle, window, dest, run=run, role=role, wait_s=30)
     except ValueError as exc:
@@ -521,12 +526,12 @@ def _archive(
     if not res["files"]:
         raise NotFound(f"no trace of window {window} could be collected: {missing}")
     if missing:
-        with open(os.path.join(dest, "MISSING.txt"), "w") as f:
-            f.writelines(f"{who}: {why}\n" for who, why in missing.items())
-    path = os.path.join(work, os.path.basename(dest) + ".tar.gz")
+        write_atomic(os.path.join(dest, "MISSING.txt"),
+                     "".join(f"{who}: {why}\n" for who, why in missing.items()))  # fmt: skip
+    path = os.path.join(work, "traces.tar.gz")
     with tarfile.open(path, "w:gz") as tar:
-        tar.add(dest, arcname=os.path.basename(dest))
-    return path, os.path.basename(path), missing
+        tar.add(dest, arcname=label)
+    return path, f"{label}.tar.gz", missing
 
 
 def serve(
@@ -548,13 +553,14 @@ def serve(
     what = server.read_only or f"coordinator {namespace}/{name}"
     print(f"ray-profiler serve: http://{shown}:{port}/ ({what})")
     if made:
-        print(f"token (changes need it as 'Authorization: Bearer <token>'): {token}")
+        print(f"token (every read of the run and every change need it): {token}")
+        # (a fragment never reaches a server or a proxy's log; the sign-in page removes it)
+        print(f"sign in: http://{shown}:{port}/login#token={token}")
     else:
-        print(f"token: from ${auth.TOKEN_ENV}")
-    if not server.open_reads:
+        print(f"token: from ${auth.TOKEN_ENV}; sign in at http://{shown}:{port}/login")
+    if not server.loopback:
         print(
-            f"bound to {host}, not loopback: every request needs the token; in a browser open "
-            f"http://{shown}:{port}/login once and type the token into its form"
+            f"bound to {host}, not loopback: anyone who can reach it can ask; the token guards it"
         )
     with contextlib.suppress(KeyboardInterrupt):
         web.run_app(server.app(), host=host, port=port, print=None, access_log=None)

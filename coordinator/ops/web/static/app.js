@@ -50,6 +50,8 @@ async function api(path, opts = {}) {
     opts.body = JSON.stringify(opts.json);
   }
   const r = await fetch(path, { method: opts.method || "GET", headers, body: opts.body });
+  // a read refused for want of the token: sign in (the cookie then carries it)
+  if (r.status === 401 && !opts.method) window.location.assign("/login");
   let body = null;
   try { body = await r.json(); } catch (e) { body = { error: "no JSON in the answer" }; }
   return { ok: r.ok, status: r.status, body };
