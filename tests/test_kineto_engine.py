@@ -117,6 +117,19 @@ def test_a_process_without_the_daemon_environment_is_refused_with_the_fix(tmp_pa
     assert out["summaries"] == []
 
 
+def test_a_process_whose_directory_was_missing_at_import_is_refused_with_the_fix(tmp_path, kdir):
+    # Started outside Ray on a node where nothing made the directory: libkineto never bound.
+    plan = {"steps": 5, "sleep_s": 0.0, "windows": [["kineto", 1, 2, 3]]}
+    cold = os.path.join(kdir, "cold")
+    moved = {"KINETO_IPC_SOCKET_DIR": cold, "RAY_PROFILER_KINETO_DIR": cold}
+    env = {**kineto_env(os.path.join(kdir, "k")), **moved}
+    out = run(tmp_path, kdir, plan, env=env)
+    assert out["states"] == {"kineto": "disabled"}, out
+    message = out["reasons"]["kineto"]["message"]
+    assert f"libkineto has no socket in {cold}" in message and "kineto_env()" in message
+    assert out["summaries"] == [] and not os.path.exists(cold)
+
+
 def test_the_attach_hook_sets_the_daemon_environment_only_where_its_config_reader_says_kineto(
     kdir,
 ):

@@ -185,6 +185,24 @@ def prepare_process(environ: MutableMapping[str, str] = os.environ) -> str | Non
         return why
 
 
+def client_bound(directory: str) -> bool | None:
+    """Whether this process holds a libkineto client socket in ``directory`` (bound when torch
+    was imported, never later), from ``/proc``; None where ``/proc`` cannot tell."""
+    prefix = os.path.join(directory, CLIENT_PREFIX)
+    try:
+        inodes = set()
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # (a descriptor closed meanwhile)
+                link = os.readlink(f"/proc/self/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[len("socket:[") : -1])
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+            rows = (line.split(None, 7) for line in f)
+            return any(len(r) == 8 and r[6] in inodes and r[7].startswith(prefix) for r in rows)
+    except OSError:
+        return None
+
+
 def request_path(directory: str, pid: int, suffix: str = "conf") -> str:
     return os.path.join(directory, "requests", f"{int(pid)}.{suffix}")
 

@@ -32,7 +32,13 @@ from coordinator.core.config import ProfilerConfig
 from coordinator.core.schedule import Window
 from coordinator.protocol.atomic_file import write_atomic
 from coordinator.protocol.replies import ClosedWindow
-from worker_ext.agent.kineto_ipc import DIR_ENV, PROBLEM_ENV, config_taken, config_text
+from worker_ext.agent.kineto_ipc import (
+    DIR_ENV,
+    PROBLEM_ENV,
+    client_bound,
+    config_taken,
+    config_text,
+)
 from worker_ext.agent.kineto_traces import KinetoRequest, cancel_path, written_path
 from worker_ext.agent.trace_jobs import TraceJob
 from worker_ext.rank.rank_profiler import RankProfiler, may_start
@@ -80,6 +86,14 @@ def environment_problem() -> str | None:
             "engine 'kineto' needs KINETO_USE_DAEMON=1 and KINETO_IPC_SOCKET_DIR in the rank's "
             "environment before torch is imported: start it with "
             "runtime_env={'env_vars': worker_ext.kineto_env()}"
+        )
+    directory = os.environ["KINETO_IPC_SOCKET_DIR"]
+    if client_bound(directory) is False:  # (else every window would wait for nothing)
+        return (
+            f"engine 'kineto': libkineto has no socket in {directory}: the directory did not "
+            "exist on this node when torch was imported in this process, and libkineto binds "
+            "only then; start the rank with runtime_env={'env_vars': worker_ext.kineto_env()} "
+            "(its setup hook makes the directory on each node), or make it on this node first"
         )
     return None
 
