@@ -181,3 +181,23 @@ def test_the_count_goes_on_from_an_optimizer_state_a_checkpoint_restored():
         setup=False,
     )
     assert losses(proc) == [3, 4, None, 1, None]
+
+
+def test_a_process_left_alone_at_its_first_step_can_still_be_driven_by_skyrl():
+    # One "nothing" step for both modules: the first step's "off" is what driven_elsewhere
+    # (SkyRL's profiler, built later) may replace with its own count.
+    proc = run(
+        """
+        from worker_ext import attach
+        attach.on_optimizer_step("opt", (), {})  # the first step: enable false, left alone
+        assert attach._step is attach.nothing, attach._step
+        counted = []
+        attach.driven_elsewhere(counted.append)
+        attach.on_optimizer_step("opt", (), {})
+        print("COUNTED", counted)
+        """,
+        config="enable: false\n",
+        setup=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "COUNTED ['opt']" in proc.stdout, proc.stdout
