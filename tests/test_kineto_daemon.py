@@ -343,8 +343,7 @@ def test_the_daemon_sweeps_left_sockets_on_its_clock_while_clients_keep_polling(
             client.ask(1)  # never half a second of silence
             daemon.serve_once()
             client.answer()
-        assert not os.path.exists(left), "a polled daemon never swept"
-        assert time.monotonic() - start < 3
+        assert not os.path.exists(left), "a daemon polled without a pause never swept"
         assert os.path.exists(client.addr) and os.path.exists(other)  # heard from; not a client
     finally:
         client.close()
