@@ -48,7 +48,7 @@ def load_handles(ids: Iterable[str]) -> tuple[dict[str, Any], dict[str, str]]:
     why: dict[str, str] = {}
     for ident in dict.fromkeys(ids):
         if not isinstance(ident, str) or not ACTOR_ID_HEX.match(ident):
-            why[str(ident)[:80]] = "not an actor id (16 bytes of hex)"
+            why[str(ident)] = "not an actor id (16 bytes of hex)"
             continue
         try:
             handles[ident] = _load(ident)
