@@ -77,9 +77,10 @@ def chart_of(log: PhaseLog, steps: int) -> dict:
     return run_chart(step_series(log, 1_000), {"windows": windows, "stalls": [stall]})
 
 
-def serve_static() -> tuple[str, object]:
+def serve_static() -> tuple[str, str, object]:
     """The web view's server on a free loopback port with no coordinator behind it: its static
-    pages and scripts answer, its API 503s."""
+    pages and scripts answer, its API 503s. Its address and its token (a fresh one: every read
+    of the run needs it, on loopback too, so the page signs in first)."""
     from aiohttp import web
 
     from coordinator.ops.web.server import CoordinatorLink, Unavailable, WebServer
@@ -95,7 +96,8 @@ def serve_static() -> tuple[str, object]:
             raise Unavailable("no coordinator in this benchmark")
 
     port = free_port()
-    server = WebServer(NoCoordinator("none", "none"), "token", "127.0.0.1", port)
+    token = "run-chart-" + os.urandom(8).hex()
+    server = WebServer(NoCoordinator("none", "none"), token, "127.0.0.1", port)
     loop = asyncio.new_event_loop()
     ready = threading.Event()
 
@@ -109,10 +111,10 @@ def serve_static() -> tuple[str, object]:
 
     threading.Thread(target=run, daemon=True).start()
     assert ready.wait(30)
-    return f"http://127.0.0.1:{port}", loop
+    return f"http://127.0.0.1:{port}", token, loop
 
 
-def draw_times(url: str, charts: dict[int, dict]) -> dict[int, tuple[float, float]]:
+def draw_times(url: str, token: str, charts: dict[int, dict]) -> dict[int, tuple[float, float]]:
     from playwright.sync_api import sync_playwright
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -120,7 +122,10 @@ def draw_times(url: str, charts: dict[int, dict]) -> dict[int, tuple[float, floa
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.goto(url + "/")
+        # sign in as ``serve``'s printed address does (the token in the fragment, posted by
+        # the sign-in page), else the page's first API read sends it to /login
+        page.goto(f"{url}/login#token={token}")
+        page.wait_for_url(url + "/")
         page.wait_for_function("typeof drawRunChart === 'function'")
         for steps, chart in charts.items():
             bare = [page.evaluate(BARE, chart) for _ in range(7)]
@@ -148,10 +153,10 @@ def main() -> None:
             f"{big / 1e6:.2f} MB / {small / 1e3:.0f} KB |"
         )
         charts[steps] = chart_of(log, steps)
-    url, _ = serve_static()
+    url, token, _ = serve_static()
     print("\n| steps | bare Chart.js line (baseline) | the run chart | ratio | bands |")
     print("|---|---|---|---|---|")
-    for steps, (bare, ours) in draw_times(url, charts).items():
+    for steps, (bare, ours) in draw_times(url, token, charts).items():
         bands = len(charts[steps]["windows"])
         print(f"| {steps:,} | {bare:.0f} ms | {ours:.0f} ms | {ours / bare:.2f}x | {bands:,} |")
 
