@@ -64,8 +64,11 @@ def test_on_another_address_every_read_needs_the_token_in_the_header_or_the_cook
     host = "10.1.2.3:8270"
     assert auth.check("GET", host, None, None, TOKEN, hosts, False).status == 401
     assert auth.check("GET", host, f"Bearer {TOKEN}", None, TOKEN, hosts, False) is None
-    assert auth.check("GET", host, None, TOKEN, TOKEN, hosts, False) is None
-    assert auth.check("GET", host, None, "x", TOKEN, hosts, False).status == 403
+    assert auth.check("GET", host, None, auth.cookie_value(TOKEN), TOKEN, hosts, False) is None
+    assert auth.check("GET", host, None, TOKEN, TOKEN, hosts, False).status == 401
+    # a cookie of another token: sign in again (401, which the page follows to /login)
+    assert auth.check("GET", host, None, "x", TOKEN, hosts, False).status == 401
+    assert auth.check("GET", host, "Bearer x", None, TOKEN, hosts, False).status == 403
     assert auth.check("GET", "127.0.0.1:8270", None, TOKEN, TOKEN, hosts, False).status == 403
     assert auth.bearer("Basic abc") is None and auth.bearer("bearer  t ") == "t"
 

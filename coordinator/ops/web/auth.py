@@ -5,7 +5,14 @@
   cannot make a browser change a run).
 - Reads need the token too, on loopback as on any other address (every local user can reach a
   loopback port): in the header or in the cookie that ``POST /login`` sets (the token in the
-  form's body, never in an address: ``GET /login?token=`` is refused). Open to anyone: the
+  form's body, never in an address: ``GET /login?token=`` is refused). The cookie is named
+  for the server's port (``cookie_name``): a browser keeps one host's cookies for all its
+  ports, so signing in to a second server on the host leaves the first one's cookie alone. The
+  browser still sends every cookie of the host to each of its ports, another local user's
+  server included: the cookie holds ``cookie_value(token)`` (an HMAC of the token), never the
+  token, so what leaks that way reads this server's run and changes nothing. A cookie of
+  another token is answered 401 (sign in again), as a missing token is; a wrong token in the
+  header 403. Open to anyone: the
   pages' shells and files that hold no run's data (``OPEN``: ``/``, ``/login``, ``/static/``,
   Perfetto's UI), so that a browser can load the sign-in form.
 - The ``Host`` header must name the server (its address, or ``localhost`` on loopback), which
@@ -14,6 +21,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import secrets
@@ -21,6 +29,7 @@ from dataclasses import dataclass
 
 TOKEN_ENV = "RAY_PROFILER_TOKEN"
 COOKIE = "ray_profiler_token"
+"""The sign-in cookie's name, before its port (``cookie_name``)."""
 READS = ("GET", "HEAD")
 OPEN = ("/", "/login", "/perfetto")
 OPEN_UNDER = ("/static/", "/perfetto/")
@@ -59,6 +68,18 @@ def allowed_hosts(host: str, port: int) -> frozenset[str]:
     return frozenset({*names, *(f"{n}:{port}" for n in names)})
 
 
+def cookie_name(port: int) -> str:
+    """The sign-in cookie of the server on ``port`` (browsers share a host's cookies across its
+    ports, so one name for every server would let each sign-in overwrite the others')."""
+    return f"{COOKIE}_{port}"
+
+
+def cookie_value(token: str) -> str:
+    """What the sign-in cookie holds for ``token``: an HMAC of it (the cookie reaches every
+    port of the host; the token, which also authorises changes, never leaves in it)."""
+    return hmac.new(token.encode(), b"ray-profiler sign-in cookie", hashlib.sha256).hexdigest()
+
+
 def is_open(path: str) -> bool:
     """Whether a read of ``path`` needs no token (``OPEN``)."""
     return path in OPEN or path.startswith(OPEN_UNDER)
@@ -81,8 +102,9 @@ def check(
     if read and open_read:
         return None
     given = bearer(authorization)
-    if given is None and read:
-        given = cookie
+    from_cookie = given is None and read and cookie is not None
+    if from_cookie:
+        given, token = cookie, cookie_value(token)
     if given is None:
         what = "changes need" if not read else "this read needs"
         return Refusal(
@@ -91,6 +113,8 @@ def check(
             "(the address ray-profiler serve printed signs in)",
         )
     if not hmac.compare_digest(given.encode(), token.encode()):
+        if from_cookie:  # (a page signed in to an earlier run of this server: sign in again)
+            return Refusal(401, "the sign-in cookie holds another token: sign in again at /login")
         return Refusal(403, "wrong token")
     return None
 

@@ -202,6 +202,7 @@ class WebServer:
         self._records = RecordCache()
         self.expensive = ExpensiveReads()
         self.hosts = auth.allowed_hosts(host, port)
+        self.cookie = auth.cookie_name(port)
         self.loopback = auth.is_loopback(host)
         self.static = resources.files("coordinator.ops.web") / "static"
         self.perfetto = perfetto.ui_dir()
@@ -270,7 +271,7 @@ class WebServer:
                 request.method,
                 request.headers.get("Host"),
                 request.headers.get("Authorization"),
-                request.cookies.get(auth.COOKIE),
+                request.cookies.get(self.cookie),
                 self.token,
                 self.hosts,
                 request.method in auth.READS and auth.is_open(request.path),
@@ -311,14 +312,20 @@ class WebServer:
     async def login(self, request: web.Request) -> web.StreamResponse:
         """``POST /login`` (form field ``token``): the cookie that lets a browser read the
         run's data."""
-        given = str((await request.post()).get("token", ""))
-        refusal = auth.check(
-            "GET", request.headers.get("Host"), None, given, self.token, self.hosts, False
+        given = str((await request.post()).get("token", "")).strip()
+        refusal = auth.check(  # (as a header: a wrong token here is 403, not "sign in again")
+            "GET",
+            request.headers.get("Host"),
+            f"Bearer {given}",
+            None,
+            self.token,
+            self.hosts,
+            False,
         )
         if refusal is not None:
             return reply({"error": refusal.reason}, refusal.status)
         response = web.Response(status=303, headers={"Location": "/"})
-        response.set_cookie(auth.COOKIE, given, httponly=True, samesite="Strict")
+        response.set_cookie(self.cookie, auth.cookie_value(given), httponly=True, samesite="Strict")
         return response
 
     async def static_file(self, request: web.Request) -> web.StreamResponse:
