@@ -5,7 +5,7 @@
    ``--seconds`` at ``memory.sample_s`` 1.0 (the default) and at 0.2; the sampler thread's CPU
    time (``time.thread_time``) over ranks x seconds.
 2. The coordinator at ``--coordinator-ranks`` (10,000): the CPU of one pull's fold (5 samples a
-   rank) and of one leak evaluation (every 30 s by default), over 600 s of history a rank, one
+   rank) and of one leak evaluation (every pull by default), over 600 s of history a rank, one
    rank in 100 leaking; and the memory the series take (``tracemalloc``).
 3. The training step with sampling on and off: one rank-like process trains (one thread, the
    step of ``rank_profiler_overhead.py``) in blocks of steps while this process plays the agent,
@@ -26,6 +26,7 @@ import textwrap
 import time
 
 from coordinator.core.memory import MemoryBook
+from coordinator.core.memory_config import Memory
 from worker_ext.agent.memory_sampler import MemorySampler
 
 RANK = textwrap.dedent(
@@ -119,7 +120,8 @@ def coordinator_cost(ranks: int) -> tuple[float, float, float, float]:
         folds.append((time.process_time() - c0) * 1e3)
     fold_ms, fold_max = statistics.median(folds), max(folds)
     c0 = time.process_time()
-    book.evaluate(t0 + 659, 600.0, 4 * 2**20 / 60)
+    cfg = Memory()  # the default spans: 600 s, and 90 s for a steep leak
+    book.evaluate(t0 + 659, cfg.leak_span_s, cfg.leak_min_bytes_per_s, cfg.leak_fast())
     evaluate_ms = (time.process_time() - c0) * 1e3
     assert sum(1 for rm in book.ranks.values() if rm.growth) == ranks // 100  # the leakers
     return fold_ms, fold_max, evaluate_ms, held

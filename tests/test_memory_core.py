@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from hypothesis import given
@@ -209,3 +210,140 @@ def test_ten_thousand_flat_ranks_and_one_leak_mark_the_leak_alone():
         )
     book.evaluate(396.0, 300.0, 4 * MiB / 60)
     assert [k for k, rm in book.ranks.items() if rm.growth] == [("t", 4321)]
+
+
+# --- a leak named at the speed it grows (issue 54, item 3) -------------------------------------
+
+
+def run_default(rate_at, seconds, nodes=None, every=5.0, noise=2 * MiB, seed=0):
+    """``rate_at(t)``: bytes over the base at second ``t``, sampled each second as the default
+    config does, the marks made as the coordinator makes them: at every pull (``every``), the
+    long span for every rank a twentieth of it apart; each pull's mark, ``(t, growth)``."""
+    cfg = ProfilerConfig().memory
+    assert (cfg.sample_s, cfg.leak_span_s) == (1.0, 600.0)  # the defaults this is about
+    book, rng, out = MemoryBook(), random.Random(seed), []
+    book.nodes.update(nodes or {})
+    for t in range(int(seconds)):
+        v = BASE + rate_at(float(t)) + rng.uniform(-noise, noise)
+        book.add(("t", 0), 1, [(float(t), int(v), None, None)], None, "node-a")
+        if t % every == 0:
+            whole = t % (cfg.leak_span_s / 20) == 0
+            span, floor, fast = cfg.leak_span_s, cfg.leak_min_bytes_per_s, cfg.leak_fast()
+            book.evaluate(float(t), span, floor, fast, whole)
+            out.append((float(t), book.ranks[("t", 0)].growth))
+    return out
+
+
+def leak(per_min, start):
+    return lambda t: per_min * MiB / 60 * max(0.0, t - start)
+
+
+def test_a_steep_leak_is_marked_within_two_minutes_of_its_start_at_its_rate():
+    """600 MiB a minute (1 MiB a step at 10 steps a second) after 5 flat minutes: marked by the
+    short span within 120 s, at 600 MiB/min within 30%, and still marked 10 minutes on."""
+    marks_ = run_default(leak(600, 300), 300 + 600)
+    first = next((t, g) for t, g in marks_ if g is not None)
+    assert first[0] - 300 <= 120, first
+    assert first[1]["bytes_per_min"] == pytest.approx(600 * MiB, rel=0.15)  # (asked: 30%)
+    assert first[1]["span_s"] == 90.0
+    later = [g for t, g in marks_ if t >= first[0]]
+    assert all(g is not None for g in later)  # never dropped while it goes on
+    assert all(g["bytes_per_min"] == pytest.approx(600 * MiB, rel=0.3) for g in later)
+
+
+@pytest.mark.parametrize("per_min", [4.2, 30])
+def test_a_slow_leak_is_marked_within_the_long_span_and_never_by_the_short(per_min):
+    """4.2 MiB/min (just over the long span's floor: exactly 4 in whole bytes is a hair under
+    it, never marked, before this change too) and 30 MiB/min (under the short span's floor):
+    marked within the long span of their start, as before, and only by it."""
+    marks_ = run_default(leak(per_min, 300), 300 + 600 + 10, noise=0.0)
+    found = [(t, g) for t, g in marks_ if g is not None]
+    assert found and found[0][0] - 300 <= 600 + 30, found[:1]
+    assert {g["span_s"] for _, g in found} == {600.0}
+    assert found[-1][1]["bytes_per_min"] == pytest.approx(per_min * MiB, rel=0.3)
+
+
+@pytest.mark.parametrize(
+    "rss_at",
+    [
+        lambda t: 800 * MiB if t >= 400 else 0,  # a one-off rise that stays
+        lambda t: 10 * MiB * min(max(t - 400, 0), 20),  # 200 MiB over 20 s: a cache filled once
+        lambda t: 0.0,  # steady
+    ],
+    ids=["step", "ramp", "flat"],
+)
+def test_a_one_off_rise_and_a_steady_run_are_never_marked_by_either_span(rss_at):
+    assert [t for t, g in run_default(rss_at, 1500, noise=20 * MiB) if g is not None] == []
+
+
+@pytest.mark.parametrize(("rise", "over_s"), [(800, 1), (400, 10), (800, 20)])
+def test_a_rise_in_noise_a_quarter_its_height_is_never_marked(rise, over_s):
+    """Noise this loud lets a rise pass the short span's four quarters now and then (8 seeds:
+    it did in 1 to 4 of them before the step test); one step fits it better than a line."""
+    for seed in range(8):
+        ramp = leak(rise * 60 / over_s, 400)
+        rss_at = lambda t, ramp=ramp: min(ramp(t), rise * MiB)  # noqa: E731
+        got = run_default(rss_at, 560, noise=rise / 4 * MiB, seed=seed)
+        assert [t for t, g in got if g is not None] == [], seed
+
+
+def node(available):
+    return {"total_bytes": 64 << 30, "available_bytes": available, "at": 0.0, "source": "host"}
+
+
+def test_a_marked_leak_says_the_time_left_on_its_node():
+    """10 GiB available at 600 MiB/min: about 17 minutes; an unknown node: no time said."""
+    marks_ = run_default(leak(600, 0), 200, nodes={"node-a": node(10 << 30)}, noise=0.0)
+    g = marks_[-1][1]
+    assert g["time_left_s"] == pytest.approx((10 << 30) / (600 * MiB / 60), rel=0.05)
+    assert run_default(leak(600, 0), 200, nodes={"node-b": node(1)})[-1][1]["time_left_s"] is None
+
+
+def test_two_leaking_ranks_on_one_node_share_its_time_left_and_a_node_elsewhere_keeps_its_own():
+    book = MemoryBook()
+    book.nodes.update({"a": node(12 << 30), "b": node(12 << 30)})
+    for r, where in enumerate(("a", "a", "b")):
+        samples = [(float(t), BASE + MiB * t, None, None) for t in range(200)]  # 60 MiB/min
+        book.add(("t", r), 100 + r, samples, None, where)
+    for r, where in ((3, "a"), (4, "b")):  # flat
+        book.add(("t", r), 100 + r, [(float(t), BASE, None, None) for t in range(200)], None, where)
+    fast = (90.0, 10 * MiB / 60)
+    book.evaluate(199.0, 600.0, 4 * MiB / 60, fast)
+    left = {k[1]: rm.growth["time_left_s"] if rm.growth else None for k, rm in book.ranks.items()}
+    assert left[0] == left[1] == pytest.approx((12 << 30) / (2 * MiB), rel=0.01)
+    assert left[2] == pytest.approx((12 << 30) / MiB, rel=0.01) and left[3] is None
+    roles = {("t", 2): "ref", ("t", 4): "ref"}  # rank 2 grows alone in its role: the culprit
+    m = marks(book, roles)
+    assert [x["time_left_s"] for x in m] == [left[0], left[1], left[2]]
+    assert culprit_lines(m, roles) == [
+        f"ref rank 2 grows 60.0 MiB/min since {time.strftime('%H:%M:%S', time.localtime(109))}; "
+        "the other ranks of its role stay flat; its node's memory is gone in about 3.4 h at "
+        "this rate"
+    ]
+
+
+def test_the_short_span_is_on_by_default_and_off_where_it_cannot_be_shorter():
+    cfg = ProfilerConfig().memory
+    assert cfg.leak_fast() == (90.0, 100 * MiB / 60) and cfg.leak_every_s() == 4.5
+    as_long = ProfilerConfig.from_dict({"memory": {"leak_span_s": 60}}).memory
+    assert as_long.leak_fast() is None and as_long.leak_every_s() == 3.0
+    sparse = ProfilerConfig.from_dict({"memory": {"sample_s": 12}}).memory
+    assert sparse.leak_fast() is None  # 90 s would hold 7.5 samples, under 8
+    off = ProfilerConfig.from_dict({"memory": {"leak_fast_span_s": 0}}).memory
+    assert off.leak_fast() is None and off.leak_every_s() == 30.0
+    high = {"leak_min_mib_per_min": 500, "leak_fast_min_mib_per_min": 100}
+    assert ProfilerConfig.from_dict({"memory": high}).memory.leak_fast() == (90.0, 500 * MiB / 60)
+
+
+@pytest.mark.parametrize(
+    ("section", "match"),
+    [
+        ({"leak_fast_span_s": -1}, "'memory.leak_fast_span_s' must be a number in 0..604800"),
+        ({"leak_fast_span_s": "60"}, "'memory.leak_fast_span_s' must be a number"),
+        ({"leak_fast_min_mib_per_min": 0}, "'memory.leak_fast_min_mib_per_min' must be"),
+        ({"leak_fast_min_mib_per_min": float("nan")}, "leak_fast_min_mib_per_min"),
+    ],
+)
+def test_a_bad_short_span_is_refused_by_name(section, match):
+    with pytest.raises(ValueError, match=match):
+        ProfilerConfig.from_dict({"memory": section})

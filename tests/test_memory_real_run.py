@@ -64,6 +64,9 @@ def test_the_leaking_rank_alone_is_marked_with_its_rate(ray_session, leaky, tmp_
         growth = by_rank[1]["growth"]
         assert growth is not None, [(r["rank"], r["series"][-5:]) for r in m["ranks"]]
         assert growth["bytes_per_min"] == pytest.approx(RATE * 60, rel=0.3)
+        node = m["nodes"][by_rank[1]["node_id"]]  # the node's memory, read by its agent
+        left = node["available_bytes"] / (growth["bytes_per_min"] / 60)
+        assert growth["time_left_s"] == pytest.approx(left, rel=0.01), (growth, node)
         assert by_rank[1]["culprit"] and not by_rank[0]["culprit"]
         assert m["culprits"] == [m["culprits"][0]] and "rank 1 grows" in m["culprits"][0]
         assert by_rank[1]["peak_rss_bytes"] >= by_rank[1]["rss_bytes"] > by_rank[0]["rss_bytes"]
@@ -77,6 +80,7 @@ def test_the_leaking_rank_alone_is_marked_with_its_rate(ray_session, leaky, tmp_
         assert cli_main(["--name", name, "--namespace", "profiler", "memory"]) == 0
         table = capsys.readouterr().out
         assert "leak: policy rank 1 grows" in table and "<- culprit" in table
+        assert "its node's memory is gone in about" in table and "node memory gone in" in table
         assert cli_main(["--name", name, "--namespace", "profiler", "memory", "--json"]) == 0
         public = json.loads(capsys.readouterr().out)
         public_keys = {"trainer_id", "rank", "rss_bytes", "peak_rss_bytes", "growth"}

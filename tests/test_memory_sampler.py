@@ -108,6 +108,45 @@ def test_a_pid_that_is_not_there_is_gone_at_once():
     assert p["samples"] == [] and "NoSuchProcess" in p["gone"]
 
 
+def test_each_watch_says_the_node_s_memory_as_psutil_reads_it():
+    sampler = MemorySampler("node-a")
+    reply = sampler.watch({"targets": [{"pid": os.getpid()}], "sample_s": 1.0})
+    nm, vm = reply["node_memory"], psutil.virtual_memory()
+    assert nm is not None and nm["source"] == "host" and nm["total_bytes"] == vm.total
+    assert nm["available_bytes"] == pytest.approx(vm.available, abs=512 * MiB)
+    assert abs(nm["at"] - time.time()) < 5
+
+
+def cgroup(root, limit, usage, cache, v1=False):
+    """A cgroup folder's memory files (v2, or v1's names under ``memory/``)."""
+    names = (
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat")
+        if v1
+        else ("memory.max", "memory.current", "memory.stat")
+    )
+    keys = ("total_inactive_file", "total_active_file") if v1 else ("inactive_file", "active_file")
+    for name, text in zip(
+        names, (limit, str(usage), f"anon 1\n{keys[0]} {cache}\n{keys[1]} {cache}\n"), strict=True
+    ):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text + "\n")
+    return str(root)
+
+
+@pytest.mark.parametrize("v1", [False, True])
+def test_a_container_s_cgroup_limit_under_the_host_s_memory_is_what_is_left(tmp_path, v1):
+    """4 GiB limit, 3 GiB used of which 512 MiB page cache: 1.5 GiB left, not the host's."""
+    root = cgroup(tmp_path, str(4 << 30), 3 << 30, 256 * MiB, v1)
+    nm = memory_sampler.node_memory(root)
+    assert nm is not None and nm["source"] == "cgroup"
+    assert (nm["total_bytes"], nm["available_bytes"]) == (4 << 30, (1 << 30) + 512 * MiB)
+    unlimited = cgroup(tmp_path / "max", "max", 3 << 30, 0, v1)
+    host = psutil.virtual_memory()
+    for free in (unlimited, str(tmp_path / "none")):  # no limit, or no cgroup files
+        nm = memory_sampler.node_memory(free)
+        assert nm is not None and nm["source"] == "host" and nm["total_bytes"] == host.total
+
+
 def test_no_nvml_is_said_not_raised():
     gpu = memory_sampler.GpuMemory()
     assert gpu.by_pid() == {}

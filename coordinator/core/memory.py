@@ -7,9 +7,17 @@ merge and the width doubles, so a rank's series is bounded (about 26 KB at most)
 the run. The fold and the marks run on the coordinator's reads thread, not its event loop.
 
 A leak is steady growth: over the last ``leak_span_s`` seconds the resident memory's
-least-squares slope is at least the configured rate, and it grew in each of the span's four
-quarters (each quarter's median above the last by at least a third of what the slope says). A
-one-off rise lies in one quarter, so it is not a leak; a flat run has no slope.
+least-squares slope is at least the configured rate, it grew in each of the span's four
+quarters (each quarter's median above the last by at least a third of what the slope says),
+and no single step (one level, then another) fits the span better than that line. A one-off
+rise lies in one quarter, or is one step, so it is not a leak; a flat run has no slope. A
+leak with a big jump in it may go unmarked while the jump is in the span.
+
+A steep leak is looked for the same way over a short span too (``memory.leak_fast_span_s``,
+at a higher floor, its rate the slope of the span's last half: the rate now), so that it is
+named within about 70 s of its start instead of the long span; a slow one needs the long
+span. A marked rank says the time left before its node's available memory (the node agent's
+last reading) is gone at the rates of the node's marked ranks together.
 
 >>> pts = [(float(t), 1e9 + 1e6 * t) for t in range(120)]  # 1 MB a second
 >>> g = leak_growth(pts, now=119.0, span_s=100.0, min_bytes_per_s=1e5)
@@ -28,7 +36,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from coordinator.protocol.memory_replies import Growth
+from coordinator.protocol.memory_replies import Growth, NodeMemory
 
 EXACT = 300
 SPILL = 30  # samples past EXACT before the oldest go into buckets
@@ -65,7 +73,27 @@ def leak_growth(
         medians.append(statistics.median(part))
     if any(b - a < STEADY * slope * width for a, b in zip(medians, medians[1:], strict=False)):
         return None
+    if _step_fits_better(pts, slope):
+        return None  # one rise, noisy enough to pass the quarters: not steady growth
     return slope * 60.0, pts[0][0]
+
+
+def _step_fits_better(pts: Sequence[tuple[float, float]], slope: float) -> bool:
+    """Whether one step (a level, then another from some sample on) leaves less squared error
+    than the line of ``slope``: a one-off rise does, steady growth does not. O(n)."""
+    n = len(pts)
+    mt = sum(t for t, _ in pts) / n
+    mv = sum(v for _, v in pts) / n
+    vs = [v - mv for _, v in pts]  # (centred: the squares stay exact in floats)
+    line = sum((v - slope * (t - mt)) ** 2 for (t, _), v in zip(pts, vs, strict=True))
+    total, total2 = sum(vs), sum(v * v for v in vs)
+    s = s2 = 0.0
+    for k in range(1, n):
+        s, s2 = s + vs[k - 1], s2 + vs[k - 1] ** 2
+        rs, rs2 = total - s, total2 - s2
+        if s2 - s * s / k + rs2 - rs * rs / (n - k) < line:
+            return True
+    return False
 
 
 def _slope(pts: Sequence[tuple[float, float]]) -> float:
@@ -92,6 +120,7 @@ class RankMemory:
     lost: str | None = None  # why its samples ended
     error: str | None = None  # the last sample's fault (psutil refused ...)
     growth: Growth | None = None
+    node: str | None = None  # the node its samples came from
 
     def add(self, pid: int, samples: Sequence[Sample]) -> None:
         """Fold samples of process ``pid`` (a new pid: the rank restarted, its leak span too)."""
@@ -174,32 +203,67 @@ class MemoryBook:
     """Every rank's ``RankMemory`` of one run, and their leak marks."""
 
     ranks: dict[Key, RankMemory] = field(default_factory=dict)
+    nodes: dict[str, NodeMemory] = field(default_factory=dict)  # each node's last reading
 
-    def add(self, key: Key, pid: int, samples: Sequence[Sample], error: str | None) -> None:
+    def add(
+        self,
+        key: Key,
+        pid: int,
+        samples: Sequence[Sample],
+        error: str | None,
+        node: str | None = None,
+    ) -> None:
         rm = self.ranks.setdefault(key, RankMemory())
         rm.add(pid, samples)
         rm.error = error
+        rm.node = node or rm.node
 
     def lose(self, key: Key, why: str) -> None:
         """``key``'s process is gone: its samples end (its peak and series stay)."""
         rm = self.ranks.setdefault(key, RankMemory())
         rm.lost, rm.growth = why, None
 
-    def evaluate(self, now: float, span_s: float, min_bytes_per_s: float) -> None:
-        """Mark the ranks that grow steadily now; a mark keeps its ``since`` while it lasts."""
+    def evaluate(
+        self,
+        now: float,
+        span_s: float,
+        min_bytes_per_s: float,
+        fast: tuple[float, float] | None = None,
+        whole: bool = True,
+    ) -> None:
+        """Mark the ranks that grow steadily now, over the short span ``fast`` (span, floor)
+        first, then ``span_s`` (for every rank when ``whole``, else only for those marked:
+        the long span needs looking at less often); a mark keeps its ``since`` while it
+        lasts, and says the time left on its node."""
         for rm in self.ranks.values():
             if rm.lost is not None or rm.last is None:
                 continue
-            start = rm.value_at(now - span_s)
-            if start is None or rm.last[1] - start < 0.5 * min_bytes_per_s * span_s:
-                rm.growth = None  # (most ranks: flat, told apart in O(log n))
-                continue
-            found = leak_growth(rm.points(now - span_s), rm.last[0], span_s, min_bytes_per_s)
+            found = _growing(rm, now, *fast, recent=True) if fast else None
+            if found is None and (whole or rm.growth is not None):
+                found = _growing(rm, now, span_s, min_bytes_per_s)
             if found is None:
                 rm.growth = None
                 continue
             since = rm.growth["since"] if rm.growth is not None else found[1]
-            rm.growth = {"bytes_per_min": round(found[0], 1), "since": round(since, 3)}
+            rm.growth = {
+                "bytes_per_min": round(found[0], 1), "since": round(since, 3),
+                "span_s": found[2], "time_left_s": None,
+            }  # fmt: skip
+        self._time_left()
+
+    def _time_left(self) -> None:
+        """Each mark's time left: its node's available memory over the rates of the node's
+        marked ranks together (bytes a second)."""
+        rates: dict[str, float] = {}
+        for rm in self.ranks.values():
+            if rm.growth is not None and rm.node is not None:
+                rates[rm.node] = rates.get(rm.node, 0.0) + rm.growth["bytes_per_min"] / 60.0
+        for rm in self.ranks.values():
+            if rm.growth is None or rm.node is None:
+                continue
+            nm, rate = self.nodes.get(rm.node), rates.get(rm.node)
+            if nm is not None and rate:
+                rm.growth["time_left_s"] = round(max(0, nm["available_bytes"]) / rate, 1)
 
     def culprits(self, roles: dict[Key, str]) -> set[Key]:
         """Marked ranks whose role's other sampled ranks mostly stay flat."""
@@ -216,3 +280,21 @@ class MemoryBook:
         return {
             k for role, keys in marked.items() if 0 < len(keys) <= flat.get(role, 0) for k in keys
         }
+
+
+def _growing(
+    rm: RankMemory, now: float, span_s: float, min_bytes_per_s: float, recent: bool = False
+) -> tuple[float, float, float] | None:
+    """``(bytes per minute, since, span_s)`` when ``rm`` grew steadily over ``span_s``; with
+    ``recent``, the rate is the slope of the span's last half (a steep leak's rate now: the
+    span may still hold the flat run before it started)."""
+    assert rm.last is not None
+    start = rm.value_at(now - span_s)
+    if start is None or rm.last[1] - start < 0.5 * min_bytes_per_s * span_s:
+        return None  # (most ranks: flat, told apart in O(log n))
+    pts = rm.points(now - span_s)
+    found = leak_growth(pts, rm.last[0], span_s, min_bytes_per_s)
+    if found is None:
+        return None
+    half = [p for p in pts if p[0] >= rm.last[0] - span_s / 2]
+    return (_slope(half) * 60.0 if recent else found[0]), found[1], span_s

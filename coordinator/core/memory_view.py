@@ -34,7 +34,8 @@ def marks(book: MemoryBook, roles: dict[Key, str]) -> list[MemoryMark]:
     culprits = book.culprits(roles)
     return [
         {"trainer_id": k[0], "rank": k[1], "bytes_per_min": rm.growth["bytes_per_min"],
-         "since": rm.growth["since"], "culprit": k in culprits}
+         "since": rm.growth["since"], "culprit": k in culprits,
+         "span_s": rm.growth["span_s"], "time_left_s": rm.growth["time_left_s"]}
         for k, rm in sorted(book.ranks.items()) if rm.growth is not None
     ]  # fmt: skip
 
@@ -48,9 +49,29 @@ def culprit_lines(marked: list[MemoryMark], roles: dict[Key, str]) -> list[str]:
             when = time.strftime("%H:%M:%S", time.localtime(m["since"]))
             out.append(
                 f"{role} rank {m['rank']} grows {m['bytes_per_min'] / MiB:.1f} MiB/min since "
-                f"{when}; the other ranks of its role stay flat"
+                f"{when}; the other ranks of its role stay flat" + left_text(m.get("time_left_s"))
             )
     return out
+
+
+def left_text(seconds: float | None) -> str:
+    """``; its node's memory is gone in about ...`` for a mark's ``time_left_s`` ('' if None).
+
+    >>> left_text(90.0)
+    "; its node's memory is gone in about 2 min at this rate"
+    >>> left_text(5400.0)[-24:], left_text(None)
+    ('about 1.5 h at this rate', '')
+    """
+    if seconds is None:
+        return ""
+    return f"; its node's memory is gone in about {how_long(seconds)} at this rate"
+
+
+def how_long(seconds: float) -> str:
+    """``45 s``, ``38 min`` or ``1.5 h``."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def status_entry(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from coordinator.core.memory_view import how_long
 from coordinator.protocol.memory_replies import MemoryReply, SnapshotReply
 
 MiB = 1 << 20
@@ -18,10 +19,16 @@ def render_memory(m: MemoryReply) -> str:
     """The reply of ``memory()`` as lines: the culprits, then one row a rank."""
     if not m["sample_s"]:
         return "memory sampling is off (memory.sample_s: 0 in the config)"
+    fast = m.get("leak_fast_span_s")
+    steep = (
+        f", or over {fast:g} s at {m.get('leak_fast_min_bytes_per_min', 0) / MiB:g} MiB/min"
+        if fast
+        else ""
+    )
     lines = [
         f"memory of {len(m['ranks'])} ranks (run {m['run']}, a sample every "
         f"{m['sample_s']:g} s; a leak: steady growth over {m['leak_span_s']:g} s at "
-        f"{m['leak_min_bytes_per_min'] / MiB:g} MiB/min or more)"
+        f"{m['leak_min_bytes_per_min'] / MiB:g} MiB/min or more{steep})"
     ]
     lines += [f"  leak: {c}" for c in m["culprits"]]
     marked = [r for r in m["ranks"] if r["growth"] and not r["culprit"]]
@@ -35,6 +42,7 @@ def render_memory(m: MemoryReply) -> str:
         growth = (
             f"+{g['bytes_per_min'] / MiB:,.1f} MiB/min since "
             f"{time.strftime('%H:%M:%S', time.localtime(g['since']))}"
+            + (f", node memory gone in {how_long(left)}" if (left := g.get("time_left_s")) else "")
             + ("  <- culprit" if r["culprit"] else "")
             if g
             else (r["state"] if r["state"] != "sampled" else "flat")

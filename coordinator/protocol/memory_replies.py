@@ -3,7 +3,8 @@
 
 The names of ``MemoryReply`` are public (docs/reference.md): a top-level ``ranks`` list, each
 entry with ``trainer_id``, ``rank``, ``rss_bytes``, ``peak_rss_bytes`` and ``growth`` (None, or
-``{"bytes_per_min", "since"}`` when the rank is marked as leaking). Keys may be added.
+``{"bytes_per_min", "since", "span_s", "time_left_s"}`` when the rank is marked as leaking).
+Keys may be added.
 """
 
 from __future__ import annotations
@@ -46,6 +47,17 @@ class AgentMemoryReply(TypedDict):
     cpu_s: float  # the sampler thread's CPU seconds since it started (the agent's cost)
     sampled: int  # samples taken since it started
     snapshots: list[SnapshotNote]  # snapshots the node's ranks noted since the last watch
+    node_memory: NodeMemory | None  # the node's memory now (None: it could not be read)
+
+
+class NodeMemory(TypedDict):
+    """A node's memory as its agent read it at a watch: the host's (``psutil``), or its
+    container's where a cgroup limit is lower (``source``: ``host`` or ``cgroup``)."""
+
+    total_bytes: int
+    available_bytes: int
+    at: float  # epoch seconds
+    source: Literal["host", "cgroup"]
 
 
 class SnapshotNote(TypedDict):
@@ -63,6 +75,9 @@ class Growth(TypedDict):
 
     bytes_per_min: float
     since: float  # epoch seconds: when the steady growth was first seen
+    span_s: float  # the span that marked it: the short one (a steep leak) or ``leak_span_s``
+    time_left_s: float | None  # until its node's available memory is gone at the marked
+    # ranks' rates on that node (None: the node's memory is not known)
 
 
 MemoryState = Literal["sampled", "waiting", "lost", "unreachable"]
@@ -99,6 +114,8 @@ class MemoryReply(TypedDict):
     sample_s: float  # 0: sampling is off
     leak_span_s: float
     leak_min_bytes_per_min: float
+    leak_fast_span_s: float  # the short span a steep leak is marked over (0: off)
+    leak_fast_min_bytes_per_min: float  # ...at this rate at least
     taken_at: float
     ranks: list[MemoryRankEntry]
     culprits: list[str]  # one line a culprit: "policy rank 1 grows 60.0 MiB/min since ..."
@@ -106,6 +123,7 @@ class MemoryReply(TypedDict):
     gpu: dict[str, str]  # node -> why GPU memory is not sampled there
     agent_cpu_s: dict[str, float]  # node -> its sampler's CPU seconds
     snapshots: list[SnapshotEntry]
+    nodes: dict[str, NodeMemory]  # node -> its memory at the last watch
 
 
 class SnapshotEntry(TypedDict):
@@ -138,6 +156,8 @@ class MemoryMark(TypedDict):
     bytes_per_min: float
     since: float
     culprit: bool
+    span_s: float
+    time_left_s: float | None
 
 
 class SnapshotAsk(TypedDict):

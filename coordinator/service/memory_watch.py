@@ -63,6 +63,7 @@ class MemoryWatcher:
         self._placed: dict[str, Any] = {}  # actor id -> place, for ranks with no pid reported
         self._placed_version = -1
         self._evaluated = 0.0
+        self._evaluated_whole = 0.0  # the last evaluation of the long span for every rank
         self._entry: MemoryStatusEntry | None = None  # made by each fold
         self.snapshots_asked = 0
         self.bands: dict[int, tuple[float, float]] = {}  # window -> first and last seen open
@@ -97,11 +98,16 @@ class MemoryWatcher:
         got = await asyncio.gather(
             *(self._watch(n, pids, cfg.sample_s) for n, pids in by_node.items())
         )
-        now, roles = time.time(), self._roles()
-        evaluate = now - self._evaluated >= max(pull_every(cfg.sample_s), cfg.leak_span_s / 20)
+        now, roles, every = time.time(), self._roles(), pull_every(cfg.sample_s)
+        whole = now - self._evaluated_whole >= max(every, cfg.leak_span_s / 20)
+        evaluate = whole or now - self._evaluated >= max(every, cfg.leak_every_s())
         if evaluate:
             self._evaluated = now
-        fold = functools.partial(self._fold_all, by_node, got, now if evaluate else None, roles)
+        if whole:
+            self._evaluated_whole = now
+        fold = functools.partial(
+            self._fold_all, by_node, got, now if evaluate else None, roles, whole
+        )
         marked = await asyncio.get_running_loop().run_in_executor(self.shell.reads, fold)
         if marked is not None:
             self.shell.metrics.memory(marked)
@@ -112,9 +118,12 @@ class MemoryWatcher:
         got: list[AgentMemoryReply | None],
         evaluate_at: float | None,
         roles: dict[Key, str],
+        whole: bool = True,
     ) -> list[MemoryMark] | None:
         """On the reads thread (the book is only touched there): the agents' samples folded,
-        the leak marks made when due, ``status()["memory"]`` made anew; the marks when made."""
+        the leak marks made when due (the long span for every rank when ``whole``: a
+        twentieth of it apart, the short one at every pull), ``status()["memory"]`` made
+        anew; the marks when made."""
         pid_key = {pid: key for pids in by_node.values() for pid, key in pids.items()}
         pid_key.update({rm.pid: k for k, rm in self.book.ranks.items() if rm.pid is not None})
         for node, reply in zip(by_node, got, strict=True):
@@ -122,7 +131,9 @@ class MemoryWatcher:
                 self._fold(node, reply, pid_key)
         cfg = self.shell.run.config.memory
         if evaluate_at is not None:
-            self.book.evaluate(evaluate_at, cfg.leak_span_s, cfg.leak_min_bytes_per_s)
+            self.book.evaluate(
+                evaluate_at, cfg.leak_span_s, cfg.leak_min_bytes_per_s, cfg.leak_fast(), whole
+            )
         self._entry = status_entry(self.book, roles, cfg.sample_s, list(self.snapshots))
         return self._entry["marked"] if evaluate_at is not None else None
 
@@ -205,12 +216,14 @@ class MemoryWatcher:
         else:
             self.gpu.pop(node, None)
         self.cpu_s[node] = float(reply.get("cpu_s") or 0.0)
+        if nm := reply.get("node_memory"):  # (an older agent sends none)
+            self.book.nodes[node] = nm
         for p in reply.get("processes") or []:
             key = pid_key.get(p["pid"])
             if key is None:
                 continue
             if p["samples"]:
-                self.book.add(key, p["pid"], p["samples"], p.get("error"))
+                self.book.add(key, p["pid"], p["samples"], p.get("error"), node)
             if p.get("gone"):
                 self.book.lose(key, str(p["gone"]))
         for note in reply.get("snapshots") or []:
@@ -309,11 +322,14 @@ class MemoryWatcher:
     ) -> MemoryReply:
         run, culprits = self.shell.run, book.culprits(roles)
         cfg = run.config.memory
+        fast = cfg.leak_fast() or (0.0, 0.0)
         return {
             "run": run.name,
             "sample_s": float(cfg.sample_s),
             "leak_span_s": float(cfg.leak_span_s),
             "leak_min_bytes_per_min": cfg.leak_min_mib_per_min * MiB,
+            "leak_fast_span_s": fast[0],
+            "leak_fast_min_bytes_per_min": fast[1] * 60.0,
             "taken_at": time.time(),
             "ranks": [
                 rank_entry(book, key, role, where.get(key), series, key in culprits)
@@ -324,6 +340,7 @@ class MemoryWatcher:
             "gpu": dict(self.gpu),
             "agent_cpu_s": dict(self.cpu_s),
             "snapshots": list(self.snapshots),
+            "nodes": dict(book.nodes),
         }
 
 
