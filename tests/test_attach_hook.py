@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -29,8 +31,10 @@ print("LOSSES", json.dumps(losses))
 """
 
 
-def run(code: str, config: str | None = None, setup: bool = True) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_PROFILER_CONFIG"}
+def run(
+    code: str, config: str | None = None, setup: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_PROFILER_CONFIG"} | (env or {})
     env["PYTHONPATH"] = ROOT
     if config is not None:
         env["RAY_PROFILER_CONFIG"] = config
@@ -201,3 +205,43 @@ def test_a_process_left_alone_at_its_first_step_can_still_be_driven_by_skyrl():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "COUNTED ['opt']" in proc.stdout, proc.stdout
+
+
+NESTED = "enable: true\nengine: kineto\nnotes: " + "[" * 5000 + "]" * 5000 + "\n"
+
+
+def test_a_config_too_deep_for_the_reader_turns_only_kineto_off_and_says_so_once():
+    # the reader's YAML load raises RecursionError, not ValueError: the hook still watches
+    # torch.optim and registers its step hook; libkineto's variables are not set
+    proc = run("""
+        import os, sys
+        import torch
+        from torch.optim.optimizer import _global_optimizer_post_hooks as hooks
+        from worker_ext.attach import on_optimizer_step
+        assert list(hooks.values()) == [on_optimizer_step], hooks
+        print("KINETO", sorted(k for k in os.environ if k.startswith("KINETO")))
+    """, NESTED)  # fmt: skip
+    assert proc.returncode == 0 and "KINETO []" in proc.stdout, proc.stderr[-3000:]
+    said = [x for x in proc.stderr.splitlines() if "profiler:" in x]
+    assert len(said) == 1 and "engine kineto is off in this process" in said[0], said
+    assert "RecursionError" in said[0], said
+
+
+def test_a_process_given_kineto_env_s_variables_has_its_directory_made_by_the_attach_hook():
+    # (kineto_env() leaves Ray's hook variable out when the job's hook is this one: it must
+    # then make the directory, whatever its config says)
+    d = tempfile.mkdtemp(prefix="kt-", dir="/tmp")
+    kdir = os.path.join(d, "k")
+    try:
+        proc = run(
+            f"""
+            import os
+            print("MADE", oct(os.stat({kdir!r}).st_mode & 0o777),
+                  os.path.exists(os.path.join({kdir!r}, "client.conf")))
+            """,
+            "enable: false\n",
+            env={"KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": kdir},
+        )
+        assert "MADE 0o700 True" in proc.stdout, proc.stderr[-3000:]
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

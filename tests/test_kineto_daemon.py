@@ -112,6 +112,31 @@ def test_the_directory_is_private_and_the_environment_names_it(short):
         ipc.prepare_dir("/tmp/" + "x" * 60)
 
 
+@pytest.mark.parametrize(
+    ("job_hook", "named", "warned"),
+    [
+        (None, True, False),  # no job hook (or no Ray): the variable names ours
+        ("worker_ext.attach.kineto_setup", True, False),  # (the same hook)
+        ("worker_ext.attach.setup", False, False),  # the attach hook makes the directory
+        ("acme.hooks.setup", False, True),  # another: it must call kineto_setup() itself
+    ],
+)
+def test_kineto_env_never_replaces_the_job_s_own_setup_hook(
+    short, monkeypatch, caplog, job_hook, named, warned
+):
+    # (the real job's runtime_env: tests/test_kineto_ray.py; here the reader is injected)
+    assert ipc.job_setup_hook() is None  # (no Ray initialized in this process)
+    monkeypatch.setattr(ipc, "job_setup_hook", lambda: job_hook)
+    with caplog.at_level("WARNING", logger=ipc.__name__):
+        env = ipc.kineto_env(os.path.join(short, "k"))
+    assert (ipc.RAY_SETUP_HOOK_ENV in env) is named
+    said = [r.getMessage() for r in caplog.records if r.name == ipc.__name__]
+    assert len(said) == int(warned), said
+    if warned:
+        assert "acme.hooks.setup" in said[0] and "kineto_setup()" in said[0], said
+    assert env["KINETO_USE_DAEMON"] == "1" and os.path.isdir(env["KINETO_IPC_SOCKET_DIR"])
+
+
 def test_the_default_directory_is_checked_from_the_user_s_node_directory_down(short, monkeypatch):
     root = os.path.join(short, "node")
     monkeypatch.setenv("RAY_PROFILER_NODE_DIR", root)
@@ -146,13 +171,17 @@ def test_a_directory_of_another_user_is_refused(short, monkeypatch):
 
 
 def test_a_process_whose_directory_is_refused_turns_libkineto_s_daemon_mode_off(short):
-    env = {"KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": os.path.join(short, "k")}
+    d = os.path.join(short, "k")
+    env = {"KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": d,
+           "KINETO_CONFIG": os.path.join(d, "client.conf"), ipc.DIR_ENV: d}  # fmt: skip
     assert ipc.prepare_process(env) is None  # made, private
     assert env["KINETO_USE_DAEMON"] == "1" and os.path.isdir(env["KINETO_IPC_SOCKET_DIR"])
-    os.chmod(env["KINETO_IPC_SOCKET_DIR"], 0o777)
+    os.chmod(d, 0o777)
     why = ipc.prepare_process(env)
     assert why is not None and "open to others" in why
-    assert "KINETO_USE_DAEMON" not in env and env[ipc.PROBLEM_ENV] == why
+    # nothing left for libkineto pointing into the refused directory (KINETO_CONFIG is the
+    # base config it reads when it starts), the reason kept for the rank to say
+    assert env == {ipc.DIR_ENV: d, ipc.PROBLEM_ENV: why}
     assert ipc.prepare_process({}) is None  # (not a kineto process: nothing to do)
 
 
@@ -347,6 +376,30 @@ def test_the_daemon_sweeps_left_sockets_on_its_clock_while_clients_keep_polling(
         assert os.path.exists(client.addr) and os.path.exists(other)  # heard from; not a client
     finally:
         client.close()
+        daemon.close()
+
+
+def test_the_sweep_never_removes_a_live_client_s_socket_however_long_it_stays_silent(kdir):
+    daemon = Daemon(kdir, sweep_s=0.2)
+    silent = Client(kdir, "dynoconfigclient-silent")  # bound; never asks (stopped for minutes,
+    gone = _socket_file(kdir, "dynoconfigclient-gone")  # or torch imported just before a sweep)
+    old = time.time() - 3600
+    for path in (silent.addr, gone):
+        os.utime(path, (old, old))  # both far older than the sweep period
+    try:
+        start = time.monotonic()
+        while os.path.exists(gone) and time.monotonic() - start < 10:
+            daemon.serve_once()  # (each waits 0.5 s for a datagram: a sweep each time)
+        assert not os.path.exists(gone), "a socket file no process binds was never swept"
+        for _ in range(3):
+            daemon.serve_once()
+        assert os.path.exists(silent.addr), "a live client's socket was swept"
+        for _ in range(2):  # it still gets its replies (the first request is never answered)
+            silent.ask(1)
+            daemon.serve_once()
+        assert silent.answer() == ""
+    finally:
+        silent.close()
         daemon.close()
 
 

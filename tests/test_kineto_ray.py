@@ -104,3 +104,32 @@ def test_the_documented_runtime_env_works_on_a_cold_second_node():
         assert w["done"] and w["ranks"] == [0, 1] and w["bad"] == {}, w
         assert w["steps"] == steps and not w["partial"], w
         assert w["addmm"] == [2, 2 * 3 * 2], w  # 2 ranks, 3 steps, 2 Linear
+
+
+@pytest.mark.subprocess
+def test_kineto_env_never_replaces_the_job_s_own_setup_hook_in_an_actor():
+    """A job with a ``worker_process_setup_hook`` of its own: ``kineto_env()`` leaves Ray's
+    hook variable out and says the job's hook should call ``kineto_setup()``; the actor ran the
+    job's hook (which made the directory on its node) and has libkineto's variables."""
+    kdir = tempfile.mkdtemp(prefix="kt-", dir="/tmp")
+    try:
+        got = subprocess.run(
+            [sys.executable, "-m", "tests.scripts.kineto_job_hook", kdir],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": ROOT, "RAY_AUTH_MODE": "disabled"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    finally:
+        shutil.rmtree(kdir, ignore_errors=True)
+    lines = [x for x in got.stdout.splitlines() if x.startswith("RESULT ")]
+    assert got.returncode == 0 and lines, got.stderr[-4000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR" not in out["env"], out
+    assert out["actor"] == {"JOB_HOOK_RAN": "1", "KINETO_USE_DAEMON": "1",
+                            "KINETO_IPC_SOCKET_DIR": os.path.join(kdir, "k")}, out  # fmt: skip
+    assert out["made"], out  # (by the job's hook, in the actor's process)
+    warned = [x for x in got.stderr.splitlines() if "leaves Ray's setup hook variable out" in x]
+    assert len(warned) == 1 and "tests.scripts.kineto_job_hook.job_hook" in warned[0], warned
+    assert "kineto_setup()" in warned[0], warned

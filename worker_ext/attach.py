@@ -29,7 +29,10 @@ optimizer steps attach nothing.
 With ``enable: true`` and ``engine: kineto`` in the config (read by the same reader as the
 first optimizer step's, ``coordinator.core.attach.read_source``), ``setup`` also puts
 libkineto's daemon environment (``worker_ext.kineto_env()``) in the process, before torch is
-imported: every worker of the job then polls the node's daemon. ``kineto_setup`` is the hook
+imported: every worker of the job then polls the node's daemon. A process given
+``kineto_env()``'s variables (an actor's ``env_vars``: ``kineto_env()`` leaves Ray's hook
+variable out when the job's hook is this one) has the directory they name made instead. A
+config that this kineto part cannot read turns only kineto off. ``kineto_setup`` is the hook
 ``kineto_env()`` names for ranks started without this one.
 """
 
@@ -62,7 +65,7 @@ def setup() -> None:
             return
         _installed = True
     try:
-        _kineto_environment()
+        _kineto_part()
         os.register_at_fork(after_in_child=_forked)
         waiting = {}
         for name, loaded in WATCHED.items():
@@ -75,6 +78,26 @@ def setup() -> None:
             sys.meta_path.insert(0, _ImportWatch(waiting))
     except Exception as exc:  # never the training's problem
         log.error("profiler: the attach hook could not be set up (%s); not profiled", exc)
+
+
+def _kineto_part() -> None:
+    """libkineto's part of the hook, which never turns the rest of it off. A process given
+    ``kineto_env()``'s variables (an actor's ``env_vars``; ``kineto_env()`` leaves Ray's hook
+    variable out when the job has this hook) has its directory made or checked as
+    ``kineto_setup`` does; else the config decides (``_kineto_environment``). A config this
+    part cannot read (YAML nested too deep for the reader: ``RecursionError``) leaves engine
+    kineto off in this process, said once here; the first optimizer step says it again."""
+    if os.environ.get("KINETO_USE_DAEMON") == "1":
+        kineto_setup()
+        return
+    try:
+        _kineto_environment()
+    except Exception as exc:
+        log.error(
+            "profiler: engine kineto is off in this process: its config could not be read (%s: %s)",
+            type(exc).__name__,
+            str(exc)[:200],
+        )
 
 
 def _kineto_environment() -> None:

@@ -6,7 +6,8 @@ that no summary the agent parses holds the GIL while a client waits: libkineto w
 directory (several agents of one host, as in a test cluster) the one holding
 ``<dir>/daemon.lock`` serves and the others wait to take over. Each leaves when its parent has
 (or on SIGTERM), removing its socket and then the lock file. While serving it removes, once a
-minute whatever the traffic, the sockets libkineto's clients left behind.
+minute whatever the traffic, the sockets libkineto's clients left behind (files no live socket
+is bound to: a silent client keeps its own).
 
 The late-reply trap: a reply the client no longer waits for stays queued in its socket, and from
 then on it reads every reply one poll late. So the daemon never answers a client's first
@@ -34,6 +35,7 @@ from coordinator.protocol.atomic_file import write_atomic
 from worker_ext.agent.kineto_ipc import (
     CLIENT_PREFIX,
     SOCKET_NAME,
+    bound_names,
     context_reply,
     decode,
     parse_request,
@@ -142,19 +144,31 @@ class Daemon:
         return True
 
     def _sweep(self) -> None:
-        """Remove the sockets clients left behind (libkineto never removes its own): those
-        not heard from for ``sweep_s`` while this daemon served (``SWEEP_S``), once per
-        ``sweep_s``."""
+        """Remove the sockets clients left behind (libkineto never removes its own), once per
+        ``sweep_s`` (``SWEEP_S``): a client socket file that no live socket is bound to
+        (``bound_names``, read after the listing: a client binding meanwhile is in it), older
+        than ``sweep_s`` and not heard from for as long. A live client is never swept, however
+        long it stays silent (stopped, or it imported torch just before): libkineto binds only
+        once, and a client without its file never gets a reply again. Nothing is swept where
+        ``/proc`` cannot tell which are bound."""
         now = time.monotonic()
         if now - self._swept < self.sweep_s:
             return
         self._swept = now
-        with contextlib.suppress(OSError):
-            for name in os.listdir(self.directory):
-                addr = os.path.join(self.directory, name)
-                if name.startswith(CLIENT_PREFIX) and now - self.seen.get(addr, 0.0) > self.sweep_s:
-                    with contextlib.suppress(OSError):
-                        os.unlink(addr)
+        try:
+            names = [n for n in os.listdir(self.directory) if n.startswith(CLIENT_PREFIX)]
+        except OSError:
+            return
+        bound = bound_names(self.directory)
+        if bound is None:
+            return
+        for name in names:
+            addr = os.path.join(self.directory, name)
+            if addr in bound or now - self.seen.get(addr, 0.0) <= self.sweep_s:
+                continue
+            with contextlib.suppress(OSError):
+                if time.time() - os.lstat(addr).st_mtime > self.sweep_s:
+                    os.unlink(addr)
                     self.seen.pop(addr, None)
                     self.skip_next.discard(addr)
 

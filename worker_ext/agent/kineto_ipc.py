@@ -20,15 +20,19 @@ daemon renames what it sent to ``<pid>.sent``, which the agent removes with the 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import struct
+import sys
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.protocol.atomic_file import write_atomic
 from coordinator.protocol.node_dir import node_dir, private_dir, private_tree, user_root
+
+log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("=Q32s")
 REQUEST = struct.Struct("=iiq")
@@ -45,7 +49,10 @@ RAY_SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 """Where Ray's worker reads its ``worker_process_setup_hook`` (a job's is put there by
 ``ray.init``; an actor's ``runtime_env`` key is ignored, its ``env_vars`` are not)."""
 KINETO_SETUP_HOOK = "worker_ext.attach.kineto_setup"
+ATTACH_HOOK = "worker_ext.attach.setup"
 PROBLEM_ENV = "RAY_PROFILER_KINETO_PROBLEM"
+LIBKINETO_ENV = ("KINETO_USE_DAEMON", "KINETO_IPC_SOCKET_DIR", "KINETO_CONFIG")
+"""What libkineto reads of ``kineto_env()`` (all of it in the daemon directory)."""
 
 
 @dataclass(frozen=True)
@@ -124,8 +131,12 @@ def kineto_env(directory: str | None = None, setup_hook: bool = True) -> dict[st
     where nothing made the directory before, it never asks. So the variables also name Ray's
     worker setup hook ``worker_ext.attach.kineto_setup`` (Ray runs it in each worker process
     they reach, before the actor's code imports torch), which prepares the directory on the
-    rank's own node. ``setup_hook=False`` leaves Ray's hook variable out: for a job whose own
-    setup hook calls ``kineto_setup()``."""
+    rank's own node. In an actor's ``env_vars`` that variable replaces the job's own setup hook
+    for the actor, so it is left out where Ray is initialized and the job has a hook of its own
+    (``job_setup_hook``): quietly for the attach hook ``worker_ext.attach.setup`` (which makes
+    the directory the variables name), with a warning for any other (which should call
+    ``kineto_setup()``). ``setup_hook=False`` always leaves it out: for a job whose own setup
+    hook calls ``kineto_setup()``."""
     d = prepare_dir(directory or kineto_dir())
     env = {
         "KINETO_USE_DAEMON": "1",
@@ -133,9 +144,35 @@ def kineto_env(directory: str | None = None, setup_hook: bool = True) -> dict[st
         "KINETO_CONFIG": os.path.join(d, "client.conf"),
         DIR_ENV: d,
     }
-    if setup_hook:
+    job_hook = job_setup_hook() if setup_hook else None
+    if setup_hook and job_hook in (None, KINETO_SETUP_HOOK):
         env[RAY_SETUP_HOOK_ENV] = KINETO_SETUP_HOOK
+    elif job_hook is not None and job_hook != ATTACH_HOOK:
+        log.warning(
+            "profiler: kineto_env() leaves Ray's setup hook variable out: the job's own "
+            "worker_process_setup_hook (%s) would be replaced by it in the actor; that hook "
+            "should call worker_ext.attach.kineto_setup() (else the daemon directory is made "
+            "only on this node)",
+            job_hook,
+        )
     return env
+
+
+def job_setup_hook() -> str | None:
+    """The ``worker_process_setup_hook`` of the Ray job this process belongs to, as its
+    ``runtime_env`` says (a module path, or a function's name); None where Ray is not
+    initialized here or the job has none."""
+    ray = sys.modules.get("ray")  # (never imported here: a process without Ray has no job)
+    try:
+        if ray is None or not ray.is_initialized():
+            return None
+        runtime_env = ray.get_runtime_context().runtime_env
+        hook = runtime_env.get("worker_process_setup_hook") or (
+            runtime_env.get("env_vars") or {}
+        ).get(RAY_SETUP_HOOK_ENV)
+    except Exception:  # (a Ray whose runtime context cannot say: as if it had none)
+        return None
+    return str(hook) if hook else None
 
 
 def prepare_dir(directory: str) -> str:
@@ -171,7 +208,9 @@ def prepare_process(environ: MutableMapping[str, str] = os.environ) -> str | Non
     """In a rank's process before ``import torch``: make (or check) the directory its libkineto
     variables name (``KINETO_IPC_SOCKET_DIR``), so that libkineto's client binds there. A
     directory refused turns libkineto's daemon mode off in this process (it would ask whoever
-    serves there) and keeps why in ``$RAY_PROFILER_KINETO_PROBLEM``; returns why, else None."""
+    serves there): ``KINETO_USE_DAEMON``, ``KINETO_IPC_SOCKET_DIR`` and ``KINETO_CONFIG`` (the
+    base config libkineto reads when it starts, in that directory) are removed, and why is kept
+    in ``$RAY_PROFILER_KINETO_PROBLEM``; returns why, else None."""
     directory = environ.get("KINETO_IPC_SOCKET_DIR")
     if environ.get("KINETO_USE_DAEMON") != "1" or not directory:
         return None
@@ -180,7 +219,8 @@ def prepare_process(environ: MutableMapping[str, str] = os.environ) -> str | Non
         return None
     except (OSError, ValueError) as exc:
         why = f"libkineto's daemon mode is off in this process: {exc}"
-        del environ["KINETO_USE_DAEMON"]
+        for key in LIBKINETO_ENV:
+            environ.pop(key, None)
         environ[PROBLEM_ENV] = why[:1000]
         return why
 
@@ -196,11 +236,27 @@ def client_bound(directory: str) -> bool | None:
                 link = os.readlink(f"/proc/self/fd/{fd}")
                 if link.startswith("socket:["):
                     inodes.add(link[len("socket:[") : -1])
-        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
-            rows = (line.split(None, 7) for line in f)
-            return any(len(r) == 8 and r[6] in inodes and r[7].startswith(prefix) for r in rows)
+        return any(inode in inodes and path.startswith(prefix) for inode, path in _unix_sockets())
     except OSError:
         return None
+
+
+def bound_names(directory: str) -> set[str] | None:
+    """The client socket names in ``directory`` that a live socket is bound to (any process of
+    this network namespace: ``/proc/net/unix`` lists a name while its socket is open); None
+    where ``/proc`` cannot tell."""
+    prefix = os.path.join(directory, CLIENT_PREFIX)
+    try:
+        return {path for _, path in _unix_sockets() if path.startswith(prefix)}
+    except OSError:
+        return None
+
+
+def _unix_sockets() -> list[tuple[str, str]]:
+    """``(inode, path)`` of each named Unix socket open on this node, from ``/proc/net/unix``."""
+    with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+        rows = [line.rstrip("\n").split(None, 7) for line in f]
+    return [(r[6], r[7]) for r in rows if len(r) == 8]
 
 
 def request_path(directory: str, pid: int, suffix: str = "conf") -> str:
