@@ -38,7 +38,7 @@ def _record(path: str) -> None:
 
 
 WRITERS = {"stall": _stall_file, "trace job": _trace_job, "collect": _collected, "record": _record}
-MODES = {"record": RECORD_MODE}  # (the others: as ``open`` makes a file)
+MODES = {"record": RECORD_MODE}  # (the others: DEFAULT_MODE, 0600: tests/test_file_modes.py)
 
 
 @pytest.mark.parametrize("writer", WRITERS)

@@ -145,6 +145,97 @@ print(size, tracemalloc.get_traced_memory()[1], len(w.participants))
     assert peak < 8 * size, f"reading {size} bytes took {peak} at its peak ({peak / size:.1f}x)"
 
 
+@pytest.mark.parametrize("swap", ["file", "directory"])
+def test_merge_never_follows_a_link_swapped_in_after_the_trace_was_looked_at(
+    tmp_path, monkeypatch, swap
+):
+    """Issue 53 finding 1, its race: ``stored_trace`` accepts a rank's trace in the run's
+    directory, then (before the merge opens it) whoever can write that directory puts a link
+    to a file outside it at its name, or a link to a directory outside it at its folder's.
+    The merge opens each trace as ``collect`` does (checked after the open): that rank is
+    missing, and nothing of the file outside is merged."""
+    from coordinator.ops import timeline
+    from coordinator.ops.recorded import RecordedCoordinator, open_record
+
+    run_dir = str(tmp_path / "save" / "shared")
+    record = _recorded(str(tmp_path / "save"), {1: _window(1, run_dir, ranks=2)})
+    where = os.path.join(run_dir, WINDOW_DIR, "policy")
+    os.makedirs(where)
+    for r in range(2):
+        shutil.copy(REAL_TRACE, os.path.join(where, f"rank{r}.pt.trace.json.gz"))
+    with gzip.open(REAL_TRACE) as f:
+        trace = json.load(f)
+    for e in trace["traceEvents"]:
+        e["name"] = f"PRIVATE {e.get('name', '')}"
+    secret = tmp_path / "elsewhere" / "secret.json.gz"
+    secret.parent.mkdir()
+    secret.write_bytes(gzip.compress(json.dumps(trace).encode()))
+    looked = timeline.stored_trace
+
+    def then_swapped(t, options, src):
+        found = looked(t, options, src)
+        if found.endswith("rank1.pt.trace.json.gz") and swap == "file":
+            os.unlink(found)
+            os.symlink(secret, found)
+        if found.endswith("rank1.pt.trace.json.gz") and swap == "directory":
+            os.rename(where, where + ".was")  # (its files at the same names, out of the run)
+            for r in range(2):
+                shutil.copy(secret, secret.parent / f"rank{r}.pt.trace.json.gz")
+            os.symlink(secret.parent, where)
+        return found
+
+    monkeypatch.setattr(timeline, "stored_trace", then_swapped)
+    out = tmp_path / "merged.json.gz"
+    h = RecordedCoordinator(open_record(record))
+    if swap == "directory":  # every rank's trace now out of the run: none is merged
+        with pytest.raises(ValueError, match="not a file in the run's directory"):
+            timeline.merge_window(h, 1, str(out))
+        assert not out.exists()
+        return
+    m = timeline.merge_window(h, 1, str(out))
+    assert list(m["missing"]) == ["policy 1"], m["missing"]
+    assert "symbolic link" in m["missing"]["policy 1"]  # (O_NOFOLLOW: not opened at all)
+    assert [c["pid"] for c in m["ranks"]] == [1] and m["events"] > 0
+    assert b"PRIVATE" not in gzip.decompress(out.read_bytes())
+
+
+@pytest.mark.subprocess
+def test_a_window_file_of_millions_of_keys_is_refused_for_a_few_times_its_size(tmp_path):
+    """The costliest shape (issue 53, Deliver 8): a window file whose rank sets hold a million
+    ranks' keys (about 6 bytes each in the file, about 15x that once decoded) is refused
+    before its sets are decoded, in a fresh process, for a few times its size; a real window
+    of 10,000 ranks (the scale target: real GPU ranks' summaries) still reads."""
+    code = f"""
+import os, sys, tracemalloc
+sys.path[:0] = [{os.path.join(ROOT, "bench")!r}, {ROOT!r}]
+import msgspec, record_cost
+from coordinator.core import record_codec as codec
+from tests.test_record_trust import _window
+hostile = codec.window_file("job", _window(1, "/r/job"))
+hostile.participants = {{("t", r) for r in range(1 << 20)}}
+blob = codec.encode(hostile)
+del hostile
+import gc; gc.collect()
+tracemalloc.start()
+try:
+    codec.decode(blob, "w.msgpack")
+    said = "read"
+except codec.RecordError as exc:
+    said = str(exc)
+peak = tracemalloc.get_traced_memory()[1]
+tracemalloc.stop()
+rec, _ = record_cost.window(10000)
+real = codec.window_record(codec.decode(codec.encode(codec.window_file("job", rec.snapshot()))))
+print(len(blob), peak, len(real.participants), said)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    size, peak, ranks, said = out.stdout.split(maxsplit=3)
+    assert int(peak) < 6 * int(size), f"{size} bytes took {peak} ({int(peak) / int(size):.1f}x)"
+    assert f"over the {codec.MAX_KEYS} read" in said and "1048582 ranks' keys" in said, said
+    assert int(ranks) == 10000
+
+
 # ------------------------------------------------------------------ two users
 
 

@@ -31,6 +31,7 @@ import msgspec
 from coordinator.core.aggregate import restored_aggregate, saved_aggregate
 from coordinator.core.marks import WindowProfile
 from coordinator.core.record_fields import (
+    MAX_KEYS,
     MAX_TRAINERS,
     Keys,
     Name,
@@ -64,9 +65,10 @@ from coordinator.protocol.stack_replies import StallEntry
 VERSION = 1
 MAX_FILE_BYTES = 64 * 1024 * 1024
 """The largest record file read: a window of 10,000 ranks is about 8 MB, and reading one costs
-about 5x its size (``tests/test_record_trust.py`` measures it); a hostile file of the costliest
-shape tried (millions of ranks' keys, a 31 MB file read in about 5 s) costs about 15x, so this
-cap bounds a read at about 1 GB. Every field's limits: ``record_fields``."""
+about 5x its size (``tests/test_record_trust.py`` measures it). The costliest shape, millions
+of ranks' keys (about 15x its size in memory), is refused before it is decoded: a window file
+lists at most ``MAX_KEYS`` keys in all its rank sets together (``window_keys``). Every field's
+limits: ``record_fields``."""
 Kind = Literal[
     "run", "window", "marks", "phases", "stall", "state", "ranks", "trainers", "coordinator",
     "progress",
@@ -226,9 +228,48 @@ def decode(blob: bytes, where: str = "a record file") -> RecordFile:
             f"{where}: record version {tag.version}; this reader knows version {VERSION}"
         )
     try:
+        if tag.kind == "window" and (keys := window_keys(blob)) > MAX_KEYS:
+            raise RecordError(
+                f"{where}: malformed 'window' file ({keys} ranks' keys in its rank sets, over "
+                f"the {MAX_KEYS} read)"
+            )
         return _DECODER.decode(blob)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise RecordError(f"{where}: malformed {tag.kind!r} file ({exc})") from None
+
+
+class _WindowKeys(msgspec.Struct):
+    """A window file's rank sets, left undecoded (``msgspec.Raw``: a slice of the file)."""
+
+    participants: msgspec.Raw = msgspec.Raw(b"\x90")
+    acked: msgspec.Raw = msgspec.Raw(b"\x90")
+    summaries_pending: msgspec.Raw = msgspec.Raw(b"\x90")
+    traces: msgspec.Raw = msgspec.Raw(b"\x90")
+    traces_pending: msgspec.Raw = msgspec.Raw(b"\x90")
+
+
+_WINDOW_KEYS = msgspec.msgpack.Decoder(_WindowKeys)
+
+
+def window_keys(blob: bytes) -> int:
+    """How many keys a window file's rank sets hold together, read from their headers alone
+    (nothing of them is decoded: a file of millions of keys costs no more than its size)."""
+    sets = _WINDOW_KEYS.decode(blob)
+    return sum(
+        _length(bytes(memoryview(getattr(sets, f))[:5])) for f in _WindowKeys.__struct_fields__
+    )
+
+
+def _length(head: bytes) -> int:
+    """The length of the msgpack array starting with ``head`` (0 for anything else: the full
+    decode names its type)."""
+    if head and 0x90 <= head[0] <= 0x9F:
+        return head[0] & 0x0F
+    if head[:1] == b"\xdc":
+        return int.from_bytes(head[1:3], "big")
+    if head[:1] == b"\xdd":
+        return int.from_bytes(head[1:5], "big")
+    return 0
 
 
 # ------------------------------------------------------------------ windows

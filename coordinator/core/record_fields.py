@@ -21,8 +21,13 @@ MAX_NODE = 256
 """The longest node id or node name (Ray's ids are 56 hex digits; a host name, 253)."""
 MAX_TRAINERS = 1024
 """The most trainers (roles) a window or a run holds."""
-MAX_KEYS = 1 << 22
-"""The most ranks of all trainers a window lists (4M: ``MAX_WORLD`` ranks of four trainers)."""
+MAX_KEYS = 1 << 18
+"""The most ranks of all trainers one window file lists, in all its rank sets together
+(participants, acked, traces and both pending sets: ``record_codec.window_keys`` counts them
+before anything is decoded). 262,144: a window of 10,000 ranks (the scale target) lists at
+most 50,000, one of 52,000 ranks still reads; a hostile file made of keys alone (about 6 bytes
+each in the file, about 110 in memory) is refused before it costs more than a few times its
+size, and one under the cap costs at most about 30 MB more than its size."""
 
 Name = Annotated[str, msgspec.Meta(pattern=TRAINER_ID.pattern)]
 """A trainer id or a role: 1-64 letters, digits, '.', '_' or '-' (never a path)."""

@@ -242,7 +242,7 @@ def _inside(path: str, run_dir: str) -> str:
     return real
 
 
-def _open_inside(path: str, run_dir: str) -> IO[bytes]:
+def open_inside(path: str, run_dir: str) -> IO[bytes]:
     """The regular file ``path``, opened, checked after the open (so no link swapped in
     meanwhile is followed out of ``run_dir``); ``TraceMissing`` when it is not in it."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -266,7 +266,7 @@ def _copy_file(
     target = join(dest, src.rstrip("/").rsplit("/", 1)[-1])
     try:
         if record is not None and not is_remote(src):
-            fin = _open_inside(src, record.run_dir)
+            fin = open_inside(src, record.run_dir)
         else:
             fs, path = filesystem(src, options)
             fin = fs.open(path, "rb")

@@ -17,8 +17,9 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Iterable
-from typing import Any, TypedDict
+from typing import IO, Any, TypedDict
 
+from coordinator.core.storage import filesystem, is_remote
 from coordinator.core.timeline import DEFAULT_MAX_EVENTS, step_spread
 from coordinator.ops.collect import (
     TraceMissing,
@@ -26,6 +27,7 @@ from coordinator.ops.collect import (
     collect_window,
     located_traces,
     node_agent,
+    open_inside,
     stored_trace,
     trace_source,
     wanted_ranks,
@@ -33,7 +35,7 @@ from coordinator.ops.collect import (
 )
 from coordinator.protocol.timeline import PieceRank, RankCount, RankLabel, TimelinePiece
 from coordinator.raylink.node_names import node_names
-from worker_ext.agent.timeline_file import join_pieces, write_piece
+from worker_ext.agent.timeline_file import Opener, join_pieces, write_piece
 
 TOTAL_EVENTS = 6_400_000
 """Without ``max_events``, a rank keeps at most this many over the window's ranks (and at most
@@ -110,7 +112,7 @@ def merge_window(
     per_rank = _per_rank(max_events, len(plan))
     who = {r["pid"]: r["label"] for _, r in plan}
     with tempfile.TemporaryDirectory(prefix="ray-profiler-merge-") as work:
-        pieces, failed = _pieces(plan, work, min_us, per_rank, options)
+        pieces, failed = _pieces(plan, work, min_us, per_rank, options, _opener(src, options))
         missing.update({_name(who[pid]): why for pid, why in failed.items()})
         _some(pieces, window, run_name, missing)
         pieces.sort(key=lambda p: min(c["pid"] for c in p["ranks"]))
@@ -231,9 +233,11 @@ def _pieces(
     min_us: float,
     per_rank: int,
     options: dict[str, Any],
+    opener: Opener | None = None,
 ) -> tuple[list[TimelinePiece], dict[int, str]]:
     """Each node's piece from its agent (all at once), and the uploaded traces' piece made
-    here; pulled into ``work``. The pieces, and pid -> why for the ranks none of them has."""
+    here (each trace opened by ``opener``, when given); pulled into ``work``. The pieces,
+    and pid -> why for the ranks none of them has."""
     import ray
 
     by_node: dict[str, list[PieceRank]] = {}
@@ -252,7 +256,8 @@ def _pieces(
     if "" in by_node:  # uploaded: read from the bucket here
         local = os.path.join(work, "uploaded.json.gz")
         pieces.append(write_piece(by_node[""], local, min_us=min_us, max_events=per_rank,
-                                  storage_options=options, strict=False))  # fmt: skip
+                                  storage_options=options, strict=False,
+                                  opener=opener))  # fmt: skip
     for node, (agent, ref) in asked.items():
         try:
             piece = ray.get(ref, timeout=PIECE_TIMEOUT_S)
@@ -265,6 +270,27 @@ def _pieces(
     for p in pieces:
         failed.update(p["failed"])
     return [p for p in pieces if p["ranks"]], failed
+
+
+def _opener(src: WindowSource, options: dict[str, Any]) -> Opener | None:
+    """How a record's traces are opened for the merge (None for a live run's: fsspec): a
+    local one as ``collect`` copies it (``open_inside``: checked after the open, so a link
+    swapped in after ``stored_trace`` looked is never followed out of the run's directory),
+    a URL through fsspec."""
+    if not src.recorded:
+        return None
+    run_dir = src.run_dir
+
+    def open_trace(path: str) -> IO[bytes]:
+        if is_remote(path):
+            fs, p = filesystem(path, options)
+            return fs.open(p, "rb")  # type: ignore[no-any-return]
+        try:
+            return open_inside(path, run_dir)
+        except TraceMissing as exc:
+            raise ValueError(str(exc)) from None
+
+    return open_trace
 
 
 def _pull(ray: Any, agent: Any, name: str, dest: str) -> str:

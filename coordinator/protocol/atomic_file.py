@@ -13,6 +13,12 @@ a millisecond each on a disk); the run's record asks for it (a window file is wr
 and is the only copy of that window once the cluster is gone). Traces, plan boards and stack
 dumps do not: they are remade, or worthless after a reboot.
 
+Every file is made ``DEFAULT_MODE`` (0600: this user's alone, whatever the umask) unless the
+caller names a mode or the user sets ``RAY_PROFILER_FILE_MODE`` (``file_mode``). The mode is
+set on the temporary file before anything is written to it, and again before the rename (a
+writer that writes by name may replace the temporary file with one of its own, as torch's
+exporter does).
+
 >>> import os, tempfile
 >>> d = tempfile.mkdtemp()
 >>> write_atomic(os.path.join(d, "board"), b"captures")
@@ -30,46 +36,72 @@ import os
 import tempfile
 from collections.abc import Iterator
 
+FILE_MODE_ENV = "RAY_PROFILER_FILE_MODE"
+"""The environment variable by which a user asks for another mode than ``DEFAULT_MODE`` for
+the files the profiler writes (octal, as ``chmod`` takes it: ``640``, ``0o644``); read at each
+write, so it must be in the environment of the processes that write (the ranks and node agents
+through the job's ``runtime_env``, the coordinator's, and the shell running the CLI)."""
 
-def _umask() -> int:
-    """The process's umask, read without changing it where Linux says it (``/proc``)."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    old = os.umask(0o022)  # (elsewhere: set and put back, once, at import)
-    os.umask(old)
-    return old
+DEFAULT_MODE = 0o600
+"""The mode a finished file gets (a trace, a stall dump, a record file, ``collect``'s copies):
+readable by this user alone, whatever the umask, unless ``FILE_MODE_ENV`` says otherwise."""
 
 
-DEFAULT_MODE = 0o666 & ~_umask()
-"""The mode a finished file gets: as ``open`` would have made it (a trace, a record file); a
-plan board asks for 0o600."""
+def file_mode() -> int:
+    """The mode the profiler's files get: ``FILE_MODE_ENV`` where it is set, else
+    ``DEFAULT_MODE``; ValueError naming the variable for a value that is not an octal mode
+    that lets this user read and write its own file (``0o600`` .. ``0o777``)."""
+    text = os.environ.get(FILE_MODE_ENV, "").strip()
+    if not text:
+        return DEFAULT_MODE
+    try:
+        mode = int(text.removeprefix("0o").removeprefix("0O"), 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
+        raise ValueError(
+            f"{FILE_MODE_ENV}={text!r} is not a file mode: give an octal mode that lets the "
+            f"owner read and write, such as 600 (the default) or 640; or unset it"
+        )
+    return mode
 
 
 @contextlib.contextmanager
 def atomic_path(
-    final: str | os.PathLike[str], mode: int = DEFAULT_MODE, durable: bool = False
+    final: str | os.PathLike[str], mode: int | None = None, durable: bool = False
 ) -> Iterator[str]:
     """A temporary path beside ``final`` for the block to write (by name: torch's export, a
-    gzip stream); renamed over ``final`` with ``mode`` when the block ends, removed when it
-    raises; ``durable``: on disk before the rename, the rename on disk after it (see the
-    module docstring)."""
+    gzip stream); renamed over ``final`` with ``mode`` (by default ``file_mode()``) when the
+    block ends, removed when it raises; ``durable``: on disk before the rename, the rename on
+    disk after it (see the module docstring)."""
     final = os.fspath(final)
+    mode = file_mode() if mode is None else mode
     head, name = os.path.split(final)
     fd, tmp = tempfile.mkstemp(dir=head or ".", prefix=f".{name}.", suffix=".tmp")
     try:
         os.fchmod(fd, mode)
         os.close(fd)
         yield tmp
-        if durable:
-            _fsync(tmp, os.O_RDONLY)
+        _finish(tmp, mode, durable)
         os.replace(tmp, final)
         if durable:
             _fsync(head or ".", os.O_RDONLY | os.O_DIRECTORY)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def _finish(tmp: str, mode: int, durable: bool) -> None:
+    """``mode`` set again on what the block left at ``tmp`` (a writer that writes by name may
+    have made a new file there, as torch's exporter does: with the umask's mode), never
+    through a link; flushed to disk when ``durable``."""
+    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, mode)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync(path: str, flags: int) -> None:
@@ -83,7 +115,7 @@ def _fsync(path: str, flags: int) -> None:
 def write_atomic(
     final: str | os.PathLike[str],
     blob: bytes | str,
-    mode: int = DEFAULT_MODE,
+    mode: int | None = None,
     durable: bool = False,
 ) -> None:
     """``blob`` (bytes, or text as UTF-8) at ``final``, whole or not at all (``durable``: see

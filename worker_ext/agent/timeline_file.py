@@ -10,7 +10,7 @@ import gzip
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import msgspec
@@ -18,6 +18,9 @@ import msgspec
 from coordinator.core.storage import filesystem
 from coordinator.core.timeline import origin_us, rank_process, step_spread
 from coordinator.protocol.timeline import PieceRank, RankCount, TimelinePiece
+
+Opener = Callable[[str], IO[bytes]]
+"""Opens a trace by its path for reading (raising OSError or ValueError when it will not)."""
 
 _CHUNK = 2_000
 
@@ -30,10 +33,12 @@ def write_piece(
     max_events: int,
     storage_options: dict[str, Any] | None = None,
     strict: bool = True,
+    opener: Opener | None = None,
 ) -> TimelinePiece:
     """Merge ``ranks``' traces (local paths or URLs, ``.gz`` or not) into ``out``, each as
     process ``pid``, read one at a time. ``strict``: a trace that cannot be read raises
-    ValueError; else it is named in ``failed`` and the others are merged."""
+    ValueError; else it is named in ``failed`` and the others are merged. ``opener``: opens
+    each trace (the caller's checks on the open file: a record's traces), else fsspec."""
     if min_us < 0 or max_events < 1:
         raise ValueError(f"min_us must be >= 0 and max_events >= 1 (got {min_us}, {max_events})")
     piece = TimelinePiece(piece="", path=out, bytes=0, events=0, origin=0.0, ranks=[], starts=[],
@@ -43,7 +48,7 @@ def write_piece(
         f.write(b'{"traceEvents":[')
         for r in ranks:
             try:
-                trace = load_trace(r["path"], storage_options)
+                trace = load_trace(r["path"], storage_options, opener)
             except (OSError, ValueError) as exc:
                 if strict:
                     raise
@@ -103,11 +108,17 @@ def join_pieces(
     return file_size(out, storage_options), events, step_spread(starts)
 
 
-def load_trace(path: str, options: dict[str, Any] | None) -> dict[str, Any]:
-    """A Chrome trace file (local or URL, ``.gz`` or not), decoded; ValueError when it is
-    not a JSON object."""
-    fs, p = filesystem(path, options or {})
-    with fs.open(p, "rb") as raw:
+def load_trace(
+    path: str, options: dict[str, Any] | None, opener: Opener | None = None
+) -> dict[str, Any]:
+    """A Chrome trace file (local or URL, ``.gz`` or not; opened by ``opener`` when given),
+    decoded; ValueError when it is not a JSON object."""
+    if opener is not None:
+        raw: IO[bytes] = opener(path)
+    else:
+        fs, p = filesystem(path, options or {})
+        raw = fs.open(p, "rb")
+    with raw:
         data = raw.read()
     if path.endswith(".gz"):
         data = gzip.decompress(data)
