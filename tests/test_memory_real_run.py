@@ -148,7 +148,7 @@ def web_page(coord, name, path):
     """The web view of coordinator ``name`` served on loopback, and ``path`` opened in
     Chromium; the page's JavaScript errors must be none when the block ends."""
     from coordinator.ops.web.server import CoordinatorLink
-    from tests.test_web import ServerThread, chromium_browser
+    from tests.test_web import ServerThread, chromium_browser, sign_in
 
     web = ServerThread(CoordinatorLink(name, "profiler", coord))
     try:
@@ -156,6 +156,7 @@ def web_page(coord, name, path):
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
+            sign_in(page, web.url)
             page.goto(web.url + path)
             yield web, page
         assert errors == []
