@@ -106,9 +106,13 @@ def build_config(args: argparse.Namespace) -> ProfilerConfig:
     return ProfilerConfig.from_dict(values)
 
 
-def connect_ray(address: str | None, namespace: str, hook_config: str | None = None) -> None:
+def connect_ray(
+    address: str | None, namespace: str, hook_config: str | None = None, kineto: bool = False
+) -> None:
     """Start or join Ray; ``hook_config``: the job's ``runtime_env`` names the setup hook with
-    this config (the YAML text), as a user attaching to an unchanged job would."""
+    this config (the YAML text), as a user attaching to an unchanged job would. ``kineto``:
+    every worker of the job starts in libkineto's daemon mode (``kineto_env()``; its setup hook
+    is the job's), for workers the demo does not start itself (Ray Train's)."""
     import ray
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,6 +120,11 @@ def connect_ray(address: str | None, namespace: str, hook_config: str | None = N
     if hook_config is not None:
         env["worker_process_setup_hook"] = "worker_ext.attach.setup"
         env["env_vars"]["RAY_PROFILER_CONFIG"] = hook_config
+    elif kineto:
+        from worker_ext.agent.kineto_ipc import KINETO_SETUP_HOOK, kineto_env
+
+        env["env_vars"].update(kineto_env(setup_hook=False))
+        env["worker_process_setup_hook"] = KINETO_SETUP_HOOK
     if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(
@@ -131,6 +140,22 @@ def connect_ray(address: str | None, namespace: str, hook_config: str | None = N
     if problem:
         raise SystemExit(f"error: {problem}")
     ray.init(address=address, namespace=namespace, log_to_driver=False, runtime_env=env)
+
+
+def uses_kineto(cfg: ProfilerConfig) -> bool:
+    """The config profiles with ``engine: kineto``: the ranks need libkineto's daemon mode."""
+    return cfg.enable and cfg.engine == "kineto"
+
+
+def worker_env(cfg: ProfilerConfig) -> dict[str, Any] | None:
+    """The policy and generation workers' own ``runtime_env``: for ``engine: kineto``,
+    ``kineto_env()``'s variables (libkineto's daemon mode, set before torch is imported, and
+    the daemon directory made on each rank's node); else None."""
+    if not uses_kineto(cfg):
+        return None
+    from worker_ext import kineto_env
+
+    return {"env_vars": kineto_env()}
 
 
 def wait_for_nodes(n: int, timeout_s: float = NODES_WAIT_S) -> None:
@@ -168,13 +193,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     if args.attach:
         return run_attached(args, cfg)
-    connect_ray(args.address, args.namespace)
+    spmd = args.trainer == "ray-train"
+    connect_ray(args.address, args.namespace, kineto=spmd and uses_kineto(cfg))
     wait_for_nodes(args.min_nodes)
-    if args.trainer == "ray-train":
+    if spmd:
         return run_spmd(args, cfg)
     t_start = time.perf_counter()
-    policy = make_policy_group(args.ranks, spread=args.spread)
-    rollouts = make_rollouts(args.rollouts) if args.trainer != "sft" else []
+    env = worker_env(cfg)
+    policy = make_policy_group(args.ranks, spread=args.spread, runtime_env=env)
+    rollouts = make_rollouts(args.rollouts, env) if args.trainer != "sft" else []
     hooks = ProfilingHooks.attach(cfg, policy, trainer_id=args.trainer, namespace=args.namespace)
     rc = RunConfig(steps=args.steps, first_step=args.first_step)
     print(
@@ -265,6 +292,7 @@ def run_attached(args: argparse.Namespace, cfg: ProfilerConfig) -> int:
     losses = single_controller(
         args.steps, ranks=args.ranks,
         on_step=lambda k, loss, s: print_step(k, "loss", loss, s, "(optimizer steps)"),
+        end="exit",  # (a graceful exit: each rank's last step and the run's end are sent)
     )  # fmt: skip
     print(f"loss: first {losses[0]:.4f}, last {losses[-1]:.4f}; "
           f"wall {time.perf_counter() - t_start:.1f} s")  # fmt: skip

@@ -152,13 +152,18 @@ def grpo_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def make_policy_group(
-    n_ranks: int, seed: int = 0, spread: bool = False, worker_cls: type = PolicyWorker
+    n_ranks: int,
+    seed: int = 0,
+    spread: bool = False,
+    worker_cls: type = PolicyWorker,
+    runtime_env: dict[str, Any] | None = None,
 ) -> list[Any]:
     """``n_ranks`` PolicyWorker actors (or of a subclass, ``worker_cls``) forming one gloo
     group; with ``spread``, dealt over the cluster's live nodes in turn, the driver's first
     (rank r on node r mod nodes). Ray's own ``SPREAD`` does not spread actors that ask for no
-    resources, as these do."""
-    cls = ray.remote(num_cpus=0)(worker_cls)
+    resources, as these do. ``runtime_env``: the actors' own (``engine: kineto``:
+    ``{"env_vars": worker_ext.kineto_env()}``)."""
+    cls = ray.remote(**_actor_options(runtime_env))(worker_cls)
     nodes = _nodes_in_turn() if spread else []
     workers = [
         cls.options(
@@ -179,6 +184,12 @@ def _nodes_in_turn() -> list[str]:
     return [here, *alive]
 
 
-def make_rollouts(n: int) -> list[Any]:
-    cls = ray.remote(num_cpus=0)(RolloutWorker)
+def make_rollouts(n: int, runtime_env: dict[str, Any] | None = None) -> list[Any]:
+    """``n`` generation workers; ``runtime_env`` as ``make_policy_group``'s."""
+    cls = ray.remote(**_actor_options(runtime_env))(RolloutWorker)
     return [cls.remote(i) for i in range(n)]
+
+
+def _actor_options(runtime_env: dict[str, Any] | None) -> dict[str, Any]:
+    """No CPU asked for (the ranks share the node's); the ``runtime_env`` where one is given."""
+    return {"num_cpus": 0} if runtime_env is None else {"num_cpus": 0, "runtime_env": runtime_env}

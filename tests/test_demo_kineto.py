@@ -1,0 +1,61 @@
+"""The main job on ``engine: kineto`` (issue 54, item 2): the demo starts the workers it makes
+with ``kineto_env()`` in their ``runtime_env`` (every ``--trainer``; Ray Train's through the
+job's), and ``--attach``'s setup hook turns libkineto's daemon mode on from the config alone;
+no rank is disabled and each window is recorded on every profiled rank."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.test_demo_and_docker import run_demo
+
+pytestmark = pytest.mark.subprocess
+# libkineto's clients poll the node agent once a second: the warm-up is the lead a window's
+# config needs to reach every rank before its first step (a demo step takes tens of ms).
+KINETO = "engine: kineto\nexport_type: chrome_trace\nskip_first: 2\nwait: 2\nactive: 2\nrepeat: 1\n"
+
+
+def kineto_demo(tmp_path, warmup: int, *flags: str) -> str:
+    config = tmp_path / "k.yaml"
+    config.write_text(KINETO + f"warmup: {warmup}\n")
+    proc = run_demo("--config", str(config), "--save-path", str(tmp_path), "--run-name", "k",
+                    *flags, timeout=400)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "disabled" not in proc.stdout, proc.stdout[-3000:]
+    return proc.stdout
+
+
+def test_the_rl_demo_on_kineto_records_its_policy_ranks_and_disables_none(tmp_path):
+    """The policy ranks and the generation worker (role ``rollout``) are started in libkineto's
+    daemon mode. (A generation worker steps no optimizer, so libkineto counts no iteration in
+    it and records none of its windows: only the policy's traces are checked.)"""
+    out = kineto_demo(tmp_path, 40, "--trainer", "rl", "--steps", "50")
+    for who in ("rl rank 0", "rl rank 1", "rl.rollout rank 0"):
+        assert f"  {who}: ok, windows 1" in out, out
+    assert "  window 0: steps [44, 45]\n" in out, out
+    window = tmp_path / "k" / "window_0000_steps_44-45"
+    assert sorted(os.listdir(window / "policy")) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+
+
+def test_the_attach_demo_on_kineto_records_both_ranks(tmp_path):
+    """The unchanged job's actors: the attach hook reads ``engine: kineto`` in the config and
+    starts libkineto's daemon mode before torch is imported. Windows count optimizer steps
+    (2 a global step, about 10 ms), and the job runs on 2 s after the window for its traces."""
+    out = kineto_demo(tmp_path, 150, "--attach", "--steps", "180")
+    for r in (0, 1):
+        assert f"  attached.PolicyWorker rank {r}: ok, windows 1" in out, out
+    assert "  window 0: steps [154, 155]\n" in out, out
+    window = tmp_path / "k" / "window_0000_steps_154-155" / "policy"
+    assert sorted(os.listdir(window)) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+
+
+def test_the_ray_train_demo_on_kineto_records_both_workers(tmp_path):
+    """Ray Train starts its workers itself: the job's ``runtime_env`` carries the variables."""
+    out = kineto_demo(tmp_path, 40, "--trainer", "ray-train", "--steps", "50")
+    for r in (0, 1):
+        assert f"  ray-train rank {r}: ok, windows 1" in out, out
+    assert "  window 0: steps [44, 45]\n" in out, out
+    window = tmp_path / "k" / "window_0000_steps_44-45" / "policy"
+    assert sorted(os.listdir(window)) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
