@@ -292,7 +292,6 @@ def run_attached(args: argparse.Namespace, cfg: ProfilerConfig) -> int:
     losses = single_controller(
         args.steps, ranks=args.ranks,
         on_step=lambda k, loss, s: print_step(k, "loss", loss, s, "(optimizer steps)"),
-        end="exit",  # (a graceful exit: each rank's last step and the run's end are sent)
     )  # fmt: skip
     print(f"loss: first {losses[0]:.4f}, last {losses[-1]:.4f}; "
           f"wall {time.perf_counter() - t_start:.1f} s")  # fmt: skip
