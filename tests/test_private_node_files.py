@@ -7,6 +7,7 @@ one, and a refusal that says why instead of losing a note in silence. The two-us
 from __future__ import annotations
 
 import errno
+import faulthandler
 import json
 import os
 import stat
@@ -262,10 +263,23 @@ def test_the_agent_never_reads_a_note_of_another_user(root):
 # ---------------------------------------------------------------- stacks
 
 
-def test_a_faulthandler_dump_is_never_opened_through_a_link(root, tmp_path, monkeypatch):
+@pytest.fixture
+def stack_dump(monkeypatch):
+    """``worker_ext.rank.stack_dump`` with a state of the test's own; afterwards the test's
+    registration is gone and this process's own (a driver of an earlier test registered
+    faulthandler on SIGUSR2 for life) is as it was: a later test's agent signals this process
+    for its stacks, and SIGUSR2 with no handler would kill the whole test run."""
     from worker_ext.rank import stack_dump
 
+    real = stack_dump._state
     monkeypatch.setattr(stack_dump, "_state", {})
+    yield stack_dump
+    stack_dump._remove_files()
+    if real.get("file") is not None:
+        faulthandler.register(stack_dump.STACK_SIGNAL, file=real["file"], all_threads=True)
+
+
+def test_a_faulthandler_dump_is_never_opened_through_a_link(root, tmp_path, stack_dump):
     victim = tmp_path / "victim"
     victim.write_text("precious")
     (stack_reader.stacks_dir() / f"{os.getpid()}.txt").symlink_to(victim)
@@ -274,17 +288,11 @@ def test_a_faulthandler_dump_is_never_opened_through_a_link(root, tmp_path, monk
     assert victim.read_text() == "precious"
 
 
-def test_a_faulthandler_dump_is_made_0600_in_the_private_stacks_folder(root, monkeypatch):
-    from worker_ext.rank import stack_dump
-
-    monkeypatch.setattr(stack_dump, "_state", {})
+def test_a_faulthandler_dump_is_made_0600_in_the_private_stacks_folder(root, stack_dump):
     dump = stack_dump._enable(cuda=False)
-    try:
-        assert dump["path"] == str(root / "stacks" / f"{os.getpid()}.txt")
-        assert _mode(Path(dump["path"])) == 0o600
-    finally:
-        stack_dump._state["dump"] = dump
-        stack_dump._remove_files()
+    stack_dump._state["dump"] = dump  # (removed with its file when the test ends)
+    assert dump["path"] == str(root / "stacks" / f"{os.getpid()}.txt")
+    assert _mode(Path(dump["path"])) == 0o600
 
 
 def test_a_faulthandler_dump_that_is_a_link_is_never_read(root, tmp_path):
