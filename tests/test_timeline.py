@@ -11,6 +11,8 @@ import os
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator.core.timeline import DEFAULT_MAX_EVENTS, RankLabel
 from coordinator.ops.timeline import MIN_PER_RANK, TOTAL_EVENTS, write_timeline
@@ -196,3 +198,82 @@ def test_pieces_on_two_clocks_are_joined_on_one(tmp_path):
         assert abs(mine["ts"] + base - wall) < 0.002
     assert all(abs(v - 90_000_000.0) < 1.0 for v in spread.values()) and spread
     assert [c["pid"] for c in joined["rayProfiler"]["ranks"]] == [1, 2]
+
+
+def partial_overlaps(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The pairs of spans where one starts inside the other and ends after it (what Perfetto
+    drops on one track), checked pair by pair."""
+    return [(a, b) for a in spans for b in spans if a[0] < b[0] < a[1] < b[1]]
+
+
+def test_spans_that_nest_all_stay_on_lane_0():
+    from coordinator.core.timeline import overlap_lanes
+
+    nested = [(0, 100), (0, 100), (10, 40), (10, 20), (20, 40), (40, 40), (60, 100), (100, 120)]
+    assert overlap_lanes(nested) == [0] * len(nested)
+    assert overlap_lanes([]) == []
+
+
+def test_an_attached_job_s_steps_and_optimizer_steps_get_two_lanes():
+    # The optimizer hook ends ProfilerStep#3 and begins #4 inside Optimizer.step: the steps
+    # on lane 0, the optimizer's steps on lane 1; an op goes with its innermost container
+    # (the optimizer's before #4 began, then #4's).
+    from coordinator.core.timeline import overlap_lanes
+
+    spans = [(0, 100), (10, 50), (80, 130), (85, 95), (100, 200), (110, 125), (150, 160),
+             (180, 230), (185, 190), (200, 300)]  # fmt: skip
+    assert overlap_lanes(spans) == [0, 0, 1, 1, 0, 0, 0, 1, 1, 0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 30)), max_size=40))
+def test_every_lane_nests_and_lanes_are_added_only_when_needed(raw):
+    from coordinator.core.timeline import overlap_lanes
+
+    spans = [(s, s + d) for s, d in raw]
+    lanes = overlap_lanes(spans)
+    assert len(lanes) == len(spans) and lanes == overlap_lanes(list(spans))  # deterministic
+    for lane in set(lanes):
+        on_it = [s for s, k in zip(spans, lanes, strict=True) if k == lane]
+        assert not partial_overlaps(on_it), (lane, on_it)
+    if not partial_overlaps(spans):
+        assert set(lanes) <= {0}
+    # A new lane only when every lane below it was busy with a span its first span (the
+    # earliest, the longest first) could not nest in.
+    assert sorted(set(lanes)) == list(range(len(set(lanes))))
+    for lane in set(lanes) - {0}:
+        first = min((i for i, k in enumerate(lanes) if k == lane),
+                    key=lambda i: (spans[i][0], -spans[i][1], i))  # fmt: skip
+        start, end = spans[first]
+        assert all(
+            any(a[0] <= start < a[1] and not (a[0] <= start and end <= a[1])
+                for a, k in zip(spans, lanes, strict=True) if k == below)
+            for below in range(lane)
+        ), (lane, spans)  # fmt: skip
+
+
+def test_a_rank_s_overlapping_events_are_a_lane_of_their_thread_named_for_it():
+    from coordinator.core.timeline import rank_process
+
+    def x(name: str, ts: float, dur: float, tid: int = 7) -> dict:
+        return {"ph": "X", "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "thread_name", "pid": 7, "tid": 7, "args": {"name": "main"}},
+        x("ProfilerStep#3", 0.0, 100.0), x("aten::mm", 10.0, 40.0),
+        x("Optimizer.step#SGD.step", 80.0, 50.0), x("aten::add_", 85.0, 10.0),
+        x("ProfilerStep#4", 100.0, 100.0), x("aten::mm", 150.0, 10.0),
+        x("worker", 0.0, 500.0, tid=8),
+        {"ph": "i", "name": "[memory]", "pid": 7, "tid": 7, "ts": 90.0, "s": "t"}]}  # fmt: skip
+    events, count, steps = rank_process(trace, label(0), pid=3, origin=0.0)
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    order = {e["tid"]: e["args"]["sort_index"] for e in events if e["name"] == "thread_sort_index"}
+    track = {e["name"] + str(e["ts"]): e["tid"] for e in events if e["ph"] != "M"}
+    assert names[track["Optimizer.step#SGD.step80.0"]] == "main · lane 2"
+    assert track["aten::add_85.0"] == track["Optimizer.step#SGD.step80.0"]
+    lane0 = {track[k] for k in ("ProfilerStep#30.0", "aten::mm10.0", "ProfilerStep#4100.0",
+                                "aten::mm150.0", "[memory]90.0")}  # fmt: skip
+    assert lane0 == {1} and names[1] == "main" and names[track["worker0.0"]] == "thread 8"
+    # the lane right after its thread; every event kept, on process 3
+    assert sorted(names, key=order.__getitem__) == [1, track["aten::add_85.0"], track["worker0.0"]]
+    assert count["kept"] == 8 and {e["pid"] for e in events} == {3} and steps == {3: 0.0, 4: 100.0}

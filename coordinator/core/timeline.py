@@ -18,6 +18,11 @@ trace. Pure: the caller reads each rank's trace and writes what this returns
   always kept, events without a duration (flows, instants, counters) go first. What was left
   out is counted per rank in the file (``rayProfiler.ranks``).
 - Flow ids are made unique per rank, so no arrow joins two ranks' events.
+- **Nothing dropped by Perfetto.** Complete events on one track must nest; Perfetto drops
+  one that starts inside another and ends after it (``slice_drop_overlapping_complete_event``:
+  an attached job's ``ProfilerStep#N`` ends inside ``Optimizer.step``, where the optimizer hook
+  counts the step). Such an event, and what nests in it, goes to a lane of its own
+  (``overlap_lanes``): one more track of the same thread, named ``thread 9 · lane 2``.
 
 >>> t = {"baseTimeNanoseconds": 2_000_000_000, "traceEvents": [
 ...     {"ph": "X", "name": "ProfilerStep#3", "cat": "user_annotation", "pid": 9, "tid": 9,
@@ -41,7 +46,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 from coordinator.protocol.timeline import RankCount, RankLabel
 
@@ -87,21 +92,19 @@ def rank_process(
     delta = shift - origin  # first: the two are ~1.7e15 us, where a float keeps 0.25 us only
     gpus, names, body = _kineto_names(trace)
     kept, below, over = _bounded(body, min_us, max_events)
-    tracks: dict[tuple[Any, Any], int] = {}
-    out: list[dict[str, Any]] = []
+    out = [dict(e, ts=round(e["ts"] + delta, 3)) if _number(e.get("ts")) else dict(e)
+           for e in kept]  # fmt: skip
+    tracks: dict[tuple[Any, Any, int], int] = {}
     steps: dict[int, float] = {}
     scope = (label["rank"] + 1) << 32  # flow ids: unique per rank
-    for e in kept:
-        key = (e.get("pid"), e.get("tid"))
-        e = dict(e, pid=pid, tid=tracks.setdefault(key, len(tracks) + 1))
-        if _number(e.get("ts")):
-            e["ts"] = round(e["ts"] + delta, 3)
+    for e, lane in zip(out, _lanes(out), strict=True):
+        key = (e.get("pid"), e.get("tid"), lane)
+        e["pid"], e["tid"] = pid, tracks.setdefault(key, len(tracks) + 1)
         if "id" in e and e.get("ph") in ("s", "t", "f"):
             e["id"] = scope + e["id"] if isinstance(e["id"], int) else f"{label['rank']}:{e['id']}"
         step = _step(e)
         if step is not None:
             steps[step] = e["ts"]
-        out.append(e)
     count = RankCount(
         rank=label["rank"],
         role=label["role"],
@@ -139,21 +142,75 @@ def _kineto_names(
 def _track_names(
     pid: int,
     label: RankLabel,
-    tracks: dict[tuple[Any, Any], int],
+    tracks: dict[tuple[Any, Any, int], int],
     gpus: dict[Any, str],
     names: dict[tuple[Any, Any], str],
 ) -> list[dict[str, Any]]:
-    """The rank's process and track names, its CPU threads first, then its GPU streams."""
+    """The rank's process and track names, its CPU threads first, then its GPU streams; a
+    thread's extra lanes right after it, named for it."""
     title = f"rank {label['rank']} · {label['role']} · {label['node']}"
     meta = [_meta(pid, 0, "process_name", name=title),
             _meta(pid, 0, "process_sort_index", sort_index=pid)]  # fmt: skip
-    ordered = sorted(tracks, key=lambda k: (k[0] in gpus, tracks[k]))
-    for order, key in enumerate(ordered):
-        gpu = gpus.get(key[0])
-        name = f"{gpu} stream {key[1]}" if gpu else names.get(key, f"thread {key[1]}")
-        meta += [_meta(pid, tracks[key], "thread_name", name=name),
-                 _meta(pid, tracks[key], "thread_sort_index", sort_index=order)]  # fmt: skip
+    first: dict[tuple[Any, Any], int] = {}  # each thread's first track
+    for (src, tid, _), track in tracks.items():
+        first.setdefault((src, tid), track)
+    ordered = sorted(tracks, key=lambda k: (k[0] in gpus, first[k[:2]], k[2]))
+    for order, (src, tid, lane) in enumerate(ordered):
+        gpu = gpus.get(src)
+        name = f"{gpu} stream {tid}" if gpu else names.get((src, tid), f"thread {tid}")
+        name += f" · lane {lane + 1}" if lane else ""
+        track = tracks[(src, tid, lane)]
+        meta += [_meta(pid, track, "thread_name", name=name),
+                 _meta(pid, track, "thread_sort_index", sort_index=order)]  # fmt: skip
     return meta
+
+
+def overlap_lanes(spans: list[tuple[int, int]]) -> list[int]:
+    """A lane for each (start, end) span of one track, so that the spans of each lane nest
+    (none starts inside another and ends after it; Perfetto drops such a span). Lane 0 unless
+    a span cannot nest there; a span goes where its innermost container is (the latest
+    started), else to the first free lane, else to a new one. Deterministic: the spans'
+    order breaks ties.
+
+    >>> overlap_lanes([(0, 10), (2, 4), (8, 14), (9, 12), (10, 20), (15, 16)])
+    [0, 0, 1, 1, 0, 0]
+    """
+    order = sorted((start, -end, i) for i, (start, end) in enumerate(spans))
+    stacks: list[list[tuple[int, int]]] = []  # per lane, the open spans, innermost last
+    lanes = [0] * len(spans)
+    for start, minus_end, i in order:
+        end = -minus_end
+        best, best_start = -1, -1
+        for lane, stack in enumerate(stacks):
+            while stack and stack[-1][1] <= start:
+                stack.pop()
+            if stack and stack[-1][1] >= end and stack[-1][0] > best_start:
+                best, best_start = lane, stack[-1][0]
+        if best < 0:
+            best = next((k for k, stack in enumerate(stacks) if not stack), len(stacks))
+        if best == len(stacks):
+            stacks.append([])
+        stacks[best].append((start, end))
+        lanes[i] = best
+    return lanes
+
+
+def _lanes(events: list[dict[str, Any]]) -> list[int]:
+    """Each event's lane on its track (``overlap_lanes``, over the track's complete events in
+    whole nanoseconds, as Perfetto reads them); 0 for an event without a duration."""
+    by_track: dict[tuple[Any, Any], tuple[list[int], list[tuple[int, int]]]] = {}
+    for i, e in enumerate(events):
+        ts, dur = e.get("ts"), e.get("dur")
+        if e.get("ph") == "X" and _number(ts) and _number(dur):
+            start = round(ts * 1000)
+            members, spans = by_track.setdefault((e.get("pid"), e.get("tid")), ([], []))
+            members.append(i)
+            spans.append((start, start + max(round(dur * 1000), 0)))
+    lanes = [0] * len(events)
+    for members, spans in by_track.values():
+        for i, lane in zip(members, overlap_lanes(spans), strict=True):
+            lanes[i] = lane
+    return lanes
 
 
 def step_spread(starts: list[dict[int, float]]) -> dict[int, float]:
@@ -205,7 +262,7 @@ def _step(e: dict[str, Any]) -> int | None:
     return None
 
 
-def _number(v: Any) -> bool:
+def _number(v: Any) -> TypeGuard[int | float]:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
