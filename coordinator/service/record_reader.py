@@ -158,8 +158,11 @@ def open_record(
 def read_memory(store: Source) -> tuple[MemoryFile | None, str | None]:
     """The record's memory (None when it holds none: older records), or why it cannot be
     read."""
-    if not store.exists(MEMORY_FILE):
-        return None, None
+    try:
+        if not store.exists(MEMORY_FILE):
+            return None, None
+    except OSError as exc:  # (a store that cannot be reached now: said, never raised)
+        return None, f"{store.url}/{MEMORY_FILE}: {exc}"
     problems: list[str] = []
     got = _part(store, MEMORY_FILE, MemoryFile, problems)
     return got, problems[0] if problems else None
