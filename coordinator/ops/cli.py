@@ -150,6 +150,11 @@ def _global_options(parser: argparse.ArgumentParser, top: bool) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line; exits with status 2 (usage) on a bad one, as argparse does."""
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and flag (``docs/reference.md`` is generated from it)."""
     ap = argparse.ArgumentParser(
         prog="ray-profiler",
         description=__doc__.split("\n\n")[0],
@@ -173,7 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     _reading_commands(command)
     _offline_commands(command)
     _steering_commands(command)
-    return ap.parse_args(argv)
+    return ap
 
 
 Command = Any  # (name, help) -> argparse.ArgumentParser
