@@ -249,7 +249,7 @@ def test_a_finished_run_s_record_gives_the_live_tables_with_no_cluster(jobs):
     entry = job.flushed
     assert entry["pending"] == 0 and entry["windows"] == 2 and entry["error"] is None
     assert entry["dir"] == job.record and entry["files"] >= 4
-    assert sorted(os.listdir(job.record)) == ["phases", "run.msgpack", "windows"]
+    assert sorted(os.listdir(job.record)) == ["memory.msgpack", "phases", "run.msgpack", "windows"]
     for argv in READS:  # its coordinator is gone; no cluster is reachable from this process
         got = cli_no_cluster(*argv, "--from", job.record, "--json")
         assert got.returncode == 0, got.stderr

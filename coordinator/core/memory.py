@@ -189,13 +189,16 @@ class RankMemory:
 
     def series(self, limit: int = SERIES_POINTS) -> list[tuple[float, int]]:
         """The run's ``(t, rss)`` for a chart: at most ``limit`` points, peaks kept."""
-        pts = [(round(t, 3), int(v)) for t, v in self.points()]
-        if len(pts) <= limit:
-            return pts
-        step = len(pts) / limit
-        return [
-            max(pts[int(i * step) : int((i + 1) * step)], key=lambda p: p[1]) for i in range(limit)
-        ]
+        return thin([(round(t, 3), int(v)) for t, v in self.points()], limit)
+
+
+def thin(pts: list[tuple[float, int]], limit: int) -> list[tuple[float, int]]:
+    """At most ``limit`` of ``pts`` (oldest first): the highest of each run of neighbours, so
+    the peaks stay."""
+    if len(pts) <= limit:
+        return pts
+    step = len(pts) / limit
+    return [max(pts[int(i * step) : int((i + 1) * step)], key=lambda p: p[1]) for i in range(limit)]
 
 
 @dataclass

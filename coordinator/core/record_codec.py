@@ -13,7 +13,10 @@ type, and refuses a file over ``MAX_FILE_BYTES``. Pure: no Ray, no torch, no I/O
 - ``marks/NNNNNN.msgpack`` (``MarksFile``): a recorded window's marks when they changed after it
   was written (a later window confirmed one);
 - ``phases/NNNNNN.msgpack`` (``PhaseChunk``): per-step phase times, appended in chunks;
-- ``stalls/NNNNNN.msgpack`` (``StallFile``): a stall and its grouped stacks.
+- ``stalls/NNNNNN.msgpack`` (``StallFile``): a stall and its grouped stacks;
+- ``memory.msgpack`` (``memory_record.MemoryFile``): every rank's memory over the run, its
+  peaks, leak marks and snapshots' notes, as ``memory()`` showed them last (older records:
+  none).
 
 The same codec is the coordinator's only persistence, with two back ends: ``save_path``
 (fsspec) for a run that outlives its cluster, and Ray's key-value store for a coordinator Ray
@@ -30,6 +33,7 @@ import msgspec
 
 from coordinator.core.aggregate import restored_aggregate, saved_aggregate
 from coordinator.core.marks import WindowProfile
+from coordinator.core.memory_record import MemoryFile
 from coordinator.core.record_fields import (
     MAX_KEYS,
     MAX_TRAINERS,
@@ -71,7 +75,7 @@ lists at most ``MAX_KEYS`` keys in all its rank sets together (``window_keys``).
 limits: ``record_fields``."""
 Kind = Literal[
     "run", "window", "marks", "phases", "stall", "state", "ranks", "trainers", "coordinator",
-    "progress",
+    "progress", "memory",
 ]  # fmt: skip
 
 
@@ -201,7 +205,7 @@ class RunFile(msgspec.Struct, tag="run", tag_field="kind"):
 
 RecordFile = (
     RunFile | WindowFile | MarksFile | PhaseChunk | StallFile
-    | RunState | RanksChunk | TrainersFile | CoordinatorFile | ProgressFile
+    | RunState | RanksChunk | TrainersFile | CoordinatorFile | ProgressFile | MemoryFile
 )  # fmt: skip
 _DECODER = msgspec.msgpack.Decoder(RecordFile)
 _TAG = msgspec.msgpack.Decoder(_Tag)

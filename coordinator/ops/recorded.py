@@ -14,8 +14,11 @@ import concurrent.futures
 import inspect
 from typing import Any, cast
 
+from coordinator.core.memory_record import memory_reply
 from coordinator.core.phases import PhaseLog
 from coordinator.core.run import Run
+from coordinator.ops.recorded_status import recorded_status
+from coordinator.protocol.memory_replies import MemoryReply
 from coordinator.protocol.replies import (
     StatusReply,
 )
@@ -73,11 +76,10 @@ class RecordedCoordinator:
             "step_series": readers.step_series,
             "status": self._status,
             "stalls": self._stalls,
+            "memory": self._memory,
         }
 
     async def _status(self, ranks: str = "summary") -> StatusReply:
-        from coordinator.ops.recorded_status import recorded_status
-
         if ranks not in ("summary", "all"):
             raise ValueError(f"ranks must be 'summary' or 'all', got {ranks!r:.80}")
         return recorded_status(self.rec, ranks)
@@ -85,6 +87,18 @@ class RecordedCoordinator:
     async def _stalls(self) -> list[StallEntry]:
         """The stalls the run recorded, with their grouped stacks."""
         return list(self.rec.stalls)
+
+    async def _memory(self, series: bool = False, trainer_id: str | None = None) -> MemoryReply:
+        """Every rank's memory as the coordinator last showed it; ValueError when the record
+        holds none (written before memory was recorded) or it cannot be read."""
+        rec = self.rec
+        if rec.memory is None:
+            raise ValueError(
+                rec.memory_error
+                or f"no memory in the record at {rec.url}: it was written before memory was "
+                "recorded (memory needs a live coordinator for this run)"
+            )
+        return memory_reply(rec.memory, bool(series), trainer_id)
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``method`` (one of ``READS``), taking the arguments the coordinator's RPC of that
@@ -109,7 +123,9 @@ def _actor_class() -> type:
     return _Coordinator
 
 
-READS = ("kernel_summary", "kernel_diff", "phase_times", "step_series", "status", "stalls")
+READS = (
+    "kernel_summary", "kernel_diff", "phase_times", "step_series", "status", "stalls", "memory",
+)  # fmt: skip
 """The calls a record answers."""
 
 

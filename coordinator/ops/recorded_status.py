@@ -1,19 +1,17 @@
 """``status()`` of a recorded run: the coordinator's reply, made from its record.
 
 What the record holds is as the coordinator showed it (the run, its config with secrets
-redacted, windows, trainers, counters, rank counts, stalls); what belongs to a live process is
-empty: no current or next window, no ranks listed (``rank_counts`` counts them), no nodes, no
-metrics, a process of pid 0, no checkpoint. ``record`` says where the record was read.
+redacted, windows, trainers, counters, rank counts, stalls, the memory marks); what belongs to
+a live process is empty: no current or next window, no ranks listed (``rank_counts`` counts
+them), no nodes, no metrics, a process of pid 0, no checkpoint. ``record`` says where the
+record was read.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from coordinator.core.memory_record import memory_status
 from coordinator.protocol.replies import RecordEntry, StatusReply
-
-if TYPE_CHECKING:
-    from coordinator.ops.recorded import Recorded
+from coordinator.service.record_reader import Recorded
 
 FULL_STATUS_RANKS = 256  # (as ``Readers.status``: larger runs list cut windows by default)
 
@@ -63,7 +61,7 @@ def recorded_status(rec: Recorded, ranks: str = "summary") -> StatusReply:
         "last_restart": None,
         "checkpoint": dict(bytes=0, seconds=0.0, at=None, error=None, restore_problems=[]),
         "record": record_entry(rec),
-        "memory": None,  # (memory samples live in the coordinator: not in the record)
+        "memory": memory_status(rec.memory) if rec.memory is not None else None,  # (older: none)
         "auto_capture": {
             "enabled": False,
             "source": "config",

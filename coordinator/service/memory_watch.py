@@ -68,6 +68,7 @@ class MemoryWatcher:
         self.snapshots_asked = 0
         self.bands: dict[int, tuple[float, float]] = {}  # window -> first and last seen open
         self._task: asyncio.Task[None] | None = None
+        shell.memory_recorded = self.recorded  # (the run's record keeps its memory too)
 
     def start(self) -> None:
         """Start the timer (once; from the event loop)."""
@@ -294,6 +295,15 @@ class MemoryWatcher:
         if self._entry is None or self.run_name != self.shell.run.name:
             return status_entry(MemoryBook(), {}, sample_s, [])
         return {**self._entry, "sample_s": sample_s}
+
+    async def recorded(self, run: str) -> MemoryReply | None:
+        """``memory(series=True)`` for run ``run``'s record (``run_recorder``); None when this
+        watcher holds nothing of it (another run, or no pull yet while sampling is on)."""
+        if run != self.run_name or run != self.shell.run.name:
+            return None
+        if self._entry is None and self.shell.run.config.memory.sample_s:
+            return None
+        return await self.reply(True, None)
 
     async def reply(self, series: bool, trainer_id: str | None) -> MemoryReply:
         """``memory()``: every rank of the run (of ``trainer_id``), oldest trainer first; made

@@ -21,6 +21,7 @@ from coordinator.core import record_codec as codec
 from coordinator.core import state_codec as sc
 from coordinator.core import storage
 from coordinator.core.config import ProfilerConfig
+from coordinator.core.memory_record import MemoryFile
 from coordinator.core.phases import PhaseLog
 from coordinator.core.records import TrainerRecord
 from coordinator.core.run import Run, new_run
@@ -45,6 +46,9 @@ class Recorded:
     problems: list[str] = field(default_factory=list)
     last_chunk: list[codec.PhaseRecord] = field(default_factory=list)
     """The records of the last phase chunk (a restored run's record goes on filling it)."""
+    memory: MemoryFile | None = None
+    """Every rank's memory over the run (None: not recorded, or unreadable: ``memory_error``)."""
+    memory_error: str | None = None
 
 
 def locate(spec: str, save_path: str | None = None, names_only: bool = False) -> str:
@@ -75,6 +79,7 @@ def _one_name(spec: str) -> str | None:
     return spec if plain and not os.path.exists(spec) else None
 
 
+MEMORY_FILE = "memory.msgpack"
 MAX_PROBLEMS = 20
 """Problems listed one by one; the rest are counted in one line."""
 
@@ -143,7 +148,21 @@ def open_record(
         s = _part(store, f"stalls/{index:06d}.msgpack", codec.StallFile, problems)
         if s is not None:
             stalls.append(s.stall)
-    return Recorded(store.url, head, run, phases, stalls, _bounded(problems), last_chunk)
+    memory, memory_error = read_memory(store)
+    problems += [memory_error] if memory_error else []
+    return Recorded(
+        store.url, head, run, phases, stalls, _bounded(problems), last_chunk, memory, memory_error
+    )
+
+
+def read_memory(store: Source) -> tuple[MemoryFile | None, str | None]:
+    """The record's memory (None when it holds none: older records), or why it cannot be
+    read."""
+    if not store.exists(MEMORY_FILE):
+        return None, None
+    problems: list[str] = []
+    got = _part(store, MEMORY_FILE, MemoryFile, problems)
+    return got, problems[0] if problems else None
 
 
 def _present(store: Source, sub: str, named: Iterable[int], problems: list[str]) -> list[int]:

@@ -9,7 +9,10 @@ looks at each run it keeps that has a ``run_dir`` and ``record: true``, and queu
 - the marks of a recorded window again when a later window changed them;
 - the steps' phase times since the last look, into the growing chunk (``CHUNK_STEPS`` a chunk);
 - each stall of the current run, again while its stacks change;
-- the run's file, when anything in it changed: it names only the windows already written.
+- the run's file, when anything in it changed: it names only the windows already written;
+- the current run's memory (``memory.msgpack``: what ``memory(series=True)`` shows, bounded by
+  ``memory_record``), when it changed, at most every ``MEMORY_EVERY_S``, and at once at the
+  run's end and at a flush; a run going on from its record keeps the memory recorded before.
 
 A file the writer has no room for is queued again at a later look, never taken as written.
 What is kept per run is bounded: the marks and stalls of the windows and stalls the
@@ -31,12 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.core import record_codec as codec
+from coordinator.core.memory_record import MemoryFile, memory_file, merged
 from coordinator.core.records import WindowRecord
 from coordinator.core.run import Run
+from coordinator.protocol.memory_replies import MemoryReply
 from coordinator.protocol.replies import RecordEntry
 from coordinator.raylink.node_names import node_names
 from coordinator.service.phase_store import PhaseStore
-from coordinator.service.record_reader import Recorded, open_record
+from coordinator.service.record_reader import MEMORY_FILE, Recorded, open_record, read_memory
 from coordinator.service.record_store import RecordStore, record_url
 from coordinator.service.record_writes import RecordWrites
 from coordinator.service.shell import CoordinatorShell
@@ -45,6 +50,9 @@ log = logging.getLogger(__name__)
 RECORD_INTERVAL_S = 2.0
 CHUNK_STEPS = 1000
 """Steps' phase times in one chunk file (about 60 KB with a few regions)."""
+MEMORY_EVERY_S = 15.0
+"""The run's memory file is made at most this often while the run goes (longer when making it
+takes longer: at most a twentieth of the time), at once at its end and at a flush."""
 
 
 @dataclass
@@ -66,6 +74,10 @@ class _RunRecord:
     finished: bool = False
     nodes: dict[str, str] = field(default_factory=dict)  # node id -> its name (timelines)
     unnamed: set[str] = field(default_factory=set)  # nodes of queued windows, not yet named
+    memory_seen: Any = None  # what the memory file last queued showed (``_memory_seen``)
+    memory_due: float = 0.0  # (time.monotonic) the memory file is not made again before this
+    memory_ended: bool = False  # made once after the run ended: nothing more will change it
+    memory_base: MemoryFile | None = None  # the record's memory before this coordinator's
 
 
 class RunRecorder:
@@ -112,8 +124,9 @@ class RunRecorder:
                 log.exception("the run's record could not be brought up to date")
             await asyncio.sleep(0.2)  # (changes in a burst: one look)
 
-    async def look(self) -> None:
-        """Queue what is new in every run kept (see the module docstring)."""
+    async def look(self, flushing: bool = False) -> None:
+        """Queue what is new in every run kept (see the module docstring); ``flushing``: the
+        memory too, whenever it was last made."""
         for run in [self.shell.run, *self.shell.previous]:
             rr = await self._record_of(run)
             if rr is None or (rr.finished and run is not self.shell.run):  # (the current run's
@@ -123,10 +136,11 @@ class RunRecorder:
             self._windows(run, rr)
             await self._name_nodes(rr)
             self._phases(run, rr)
+            ended = run.lifecycle in ("stopped", "abandoned")
             if run is self.shell.run:
                 self._stalls(run, rr)
+                await self._memory(run, rr, flushing or (ended and not rr.memory_ended), ended)
             self._run_file(run, rr)
-            ended = run.lifecycle in ("stopped", "abandoned")
             rr.finished = ended and all(r.settled for r in run.state.windows.values())
         self.writes.kick()  # (a retry that is due)
 
@@ -142,6 +156,8 @@ class RunRecorder:
             rr = self._runs[run.name] = _RunRecord(store)
             if found is not None:
                 _go_on(rr, found, self.shell.phases, run.name)
+                base = await asyncio.get_running_loop().run_in_executor(None, read_memory, store)
+                rr.memory_base = base[0]  # (the run's memory in save_path, not Ray's KV)
             kept = {self.shell.run.name, *(r.name for r in self.shell.previous)}
             self._runs = {n: r for n, r in self._runs.items() if n in kept}
         return rr
@@ -228,6 +244,30 @@ class RunRecorder:
             if blob and index not in live:  # (no longer kept, so it cannot change: its file
                 rr.stalls[index] = b""  # stays named, its bytes are not kept here)
 
+    async def _memory(self, run: Run, rr: _RunRecord, now: bool, ended: bool) -> None:
+        """The run's memory file, when it changed since the last one queued (module
+        docstring); ``now``: whenever the last was made."""
+        made = getattr(self.shell, "memory_recorded", None)  # (None: no memory watcher)
+        if made is None or (not now and time.monotonic() < rr.memory_due):
+            return
+        t0 = time.monotonic()
+        reply = await made(run.name)
+        took = time.monotonic() - t0
+        rr.memory_due = time.monotonic() + max(MEMORY_EVERY_S, 20 * took)
+        if reply is None:
+            return
+        seen, base = _memory_seen(reply), rr.memory_base
+        if seen != rr.memory_seen:
+
+            def blob() -> bytes:  # (on the writer's thread)
+                f = memory_file(reply, codec.VERSION, time.time())
+                return codec.encode(f if base is None else merged(base, f))
+
+            if not self.writes.queue(rr.store, MEMORY_FILE, blob):
+                return  # (queued again at a later look)
+            rr.memory_seen = seen
+        rr.memory_ended = ended
+
     def _run_file(self, run: Run, rr: _RunRecord) -> None:
         f = codec.run_file(
             run, sorted(rr.written), rr.chunks, rr.steps, sorted(rr.stalls), 0.0, rr.nodes
@@ -262,15 +302,25 @@ class RunRecorder:
         file names a window once its file is written) until a look queues nothing: whether
         that came within ``timeout_s`` (a run's stop, tests)."""
         deadline = time.monotonic() + timeout_s
-        loop = asyncio.get_running_loop()
+        loop, first = asyncio.get_running_loop(), True
         while True:
             before = self.writes.accepted
-            await self.look()
+            await self.look(flushing=first)  # (the memory once: it changes at every pull)
+            first = False
             if self.writes.accepted == before and not self.writes.stats()["pending"]:
                 return True
             left = deadline - time.monotonic()
             if left <= 0 or not await loop.run_in_executor(None, self.writes.flush, left):
                 return False
+
+
+def _memory_seen(reply: MemoryReply) -> Any:
+    """What of ``reply`` changes when the run's memory does (its time of making does not)."""
+    ranks = tuple(
+        (r["trainer_id"], r["rank"], r["samples"], r["state"], str(r["growth"]), r["culprit"])
+        for r in reply["ranks"]
+    )
+    return ranks, len(reply["snapshots"]), tuple(map(tuple, reply["windows"])), reply["sample_s"]
 
 
 def _existing(store: RecordStore) -> Recorded | None:

@@ -15,7 +15,7 @@ import collections
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from coordinator.core.config import ProfilerConfig
 from coordinator.core.run import Run, new_run
 from coordinator.core.stall_watch import StallWatch
 from coordinator.core.state_codec import ProgressFile
+from coordinator.protocol.memory_replies import MemoryReply
 from coordinator.protocol.replies import (
     AttachProblemEntry,
     AutoCaptureEntry,
@@ -120,6 +121,8 @@ class CoordinatorShell:
         self.record_soon: Callable[[], None] = lambda: None
         self.record_entry: Callable[[], RecordEntry] = no_record
         self.memory_entry: Callable[[], MemoryStatusEntry | None] = lambda: None
+        # ``memory(series=True)`` of the named run for its record (``MemoryWatcher.recorded``).
+        self.memory_recorded: Callable[[str], Awaitable[MemoryReply | None]] | None = None
         self.restored: dict[str, Recorded] = {}  # runs continued from their record, by name
         if not self.restarts:  # created anew: a run its record says did not end goes on
             self.run = self.continue_recorded(*new_or_recorded(self.run.config, set()))
