@@ -69,6 +69,10 @@ def test_no_page_is_over_600_lines(page):
     assert len(page.read_text().splitlines()) <= 600
 
 
+def test_the_benchmarks_page_holds_commands_and_latest_figures_only():
+    assert len((ROOT_PATH / "bench" / "README.md").read_text().splitlines()) < 400
+
+
 @pytest.mark.parametrize("page", sorted(reference.PAGES))
 def test_the_reference_is_what_the_code_generates(page, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # --address's default must not leak in
