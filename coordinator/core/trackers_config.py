@@ -31,7 +31,7 @@ _USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 
 @dataclass
 class Trackers:
-    """Which trackers get the profiler's figures (see docs/operations.md, "In your tracker").
+    """Which trackers get the profiler's figures (see docs/own-trainer.md, "In your tracker").
 
     ``tensorboard: {log_dir}``, ``mlflow: {tracking_uri, experiment}``, ``wandb: {project,
     mode}``; a tracker left out is off. Each is an optional extra of the trainer's process.
