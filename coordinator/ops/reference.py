@@ -112,7 +112,7 @@ def config_section() -> list[str]:
     lines = [
         "## Configuration",
         "",
-        *(_one_line(p) for p in (ProfilerConfig.__doc__ or "").split("\n\n")[:2]),
+        *(_one_line(p) + "\n" for p in (ProfilerConfig.__doc__ or "").split("\n\n")[:2]),
         "A section (`auto_capture`, `trackers`, `memory`, `memory_snapshot`, `attach`) is a "
         "mapping whose unknown keys are refused by name. *rule*: what `from_dict` answers to a "
         "bad value (each kind once).",
