@@ -27,6 +27,7 @@ from worker_ext.agent.kineto_traces import (
     KinetoRequest,
     await_trace,
     cancel_path,
+    ended_path,
     settle_steps,
     written_path,
 )
@@ -55,8 +56,8 @@ class Client:
         self.sock.settimeout(0.3)
         self.daemon = os.path.join(directory, ipc.SOCKET_NAME)
 
-    def ask(self, pid: int) -> None:
-        self.sock.sendto(ipc.request([pid, 1]), self.daemon)
+    def ask(self, pid: int, types: int = 3) -> None:
+        self.sock.sendto(ipc.request([pid, 1], types), self.daemon)
 
     def answer(self) -> str | None:
         try:
@@ -245,7 +246,7 @@ def _request(kdir: str, tmp_path, pid: int) -> KinetoRequest:
     d = kdir
     return KinetoRequest(
         pid=pid,
-        config="A=1\n",
+        config=ipc.config_text({"ACTIVITIES_LOG_FILE": str(tmp_path / ".kineto.0.rank3.json")}),
         log_file=str(tmp_path / ".kineto.0.rank3.json"),
         directory=d,
         metadata='"distributedInfo": {"rank": 3}, "rank": 3',
@@ -504,3 +505,79 @@ def test_a_window_s_config_is_taken_only_by_its_own_sent_file(kdir):
     assert ipc.config_taken(kdir, 9, "/r/.kineto.0.rank0.json")
     assert not ipc.config_taken(kdir, 9, "/r/.kineto.1.rank0.json")  # the window before's
     assert not ipc.config_taken(kdir, 10, "/r/.kineto.0.rank0.json")
+
+
+def test_a_busy_client_gets_no_config_until_it_says_it_can_take_one(kdir):
+    """libkineto drops a config that comes while it records or writes ("profiler busy"): a
+    request without the ACTIVITIES bit leaves it queued, for the first request with it."""
+    daemon, client = Daemon(kdir), Client(kdir)
+    try:
+        client.ask(5)
+        daemon.serve_once()  # (the first request)
+        ipc.post_config(kdir, 5, "Y=2\n")
+        client.ask(5, types=1)  # recording or writing: events only
+        daemon.serve_once()
+        assert client.answer() == ""
+        assert os.path.exists(ipc.request_path(kdir, 5))  # still queued, not claimed
+        client.ask(5, types=ipc.ACTIVITIES)
+        daemon.serve_once()
+        assert client.answer() == "Y=2\n"
+        assert not os.path.exists(ipc.request_path(kdir, 5))
+    finally:
+        client.close()
+        daemon.close()
+
+
+def test_a_config_is_either_taken_back_by_the_rank_or_sent_never_both(kdir):
+    log0, log1 = "/r/.kineto.0.rank0.json", "/r/.kineto.ahead.rank0.9-9.json"
+    daemon, client = Daemon(kdir), Client(kdir)
+    try:
+        client.ask(6)
+        daemon.serve_once()
+        ipc.post_config(kdir, 6, ipc.config_text({"ACTIVITIES_LOG_FILE": log0}))
+        assert not ipc.take_back(kdir, 6, log1)  # another window's: left queued
+        assert ipc.take_back(kdir, 6, log0)  # taken back: never sent
+        client.ask(6)
+        daemon.serve_once()
+        assert client.answer() == "" and not ipc.config_taken(kdir, 6, log0)
+        ipc.post_config(kdir, 6, ipc.config_text({"ACTIVITIES_LOG_FILE": log0}))
+        client.ask(6)
+        daemon.serve_once()
+        assert log0 in (client.answer() or "")
+        assert not ipc.take_back(kdir, 6, log0) and ipc.config_taken(kdir, 6, log0)
+        # the agent, done with window 0, leaves the next window's config (posted ahead) queued
+        ipc.post_config(kdir, 6, ipc.config_text({"ACTIVITIES_LOG_FILE": log1}))
+        assert ipc.withdraw_config(kdir, 6, log0) is False
+        assert not ipc.config_taken(kdir, 6, log0) and ipc.take_back(kdir, 6, log1)
+    finally:
+        client.close()
+        daemon.close()
+
+
+def test_the_agent_says_at_once_that_libkineto_dropped_a_sent_config(tmp_path, kdir):
+    """The config was sent, the window ended (its iterations counted past its end), and the
+    process then polled saying it could take a config: libkineto is not recording it."""
+    req = _request(kdir, tmp_path, os.getpid())
+    daemon, client = Daemon(kdir), Client(kdir)
+    try:
+        client.ask(req.pid)
+        daemon.serve_once()
+        ipc.post_config(kdir, req.pid, req.config)
+        client.ask(req.pid)
+        daemon.serve_once()
+        assert client.answer() == req.config  # sent
+        open(ended_path(req.log_file), "w").close()
+        ended = time.time() - 1.0
+        os.utime(ended_path(req.log_file), (ended, ended))
+        client.ask(req.pid)  # free again, and no trace
+        daemon.serve_once()
+        assert client.answer() == ""
+        t0 = time.monotonic()
+        why = await_trace(req, str(tmp_path / "raw.json"), serve=len)
+        assert time.monotonic() - t0 < 2, why
+        assert why is not None and "libkineto dropped the window's config" in why["message"]
+        assert os.listdir(os.path.join(kdir, "requests")) == []
+        assert not os.path.exists(ended_path(req.log_file))
+    finally:
+        client.close()
+        daemon.close()

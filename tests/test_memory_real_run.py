@@ -91,6 +91,73 @@ def test_the_leaking_rank_alone_is_marked_with_its_rate(ray_session, leaky, tmp_
         ray.kill(hooks.coordinator)
 
 
+@pytest.mark.subprocess
+def test_the_memory_outlives_the_coordinator_and_the_cluster_in_the_run_s_record(
+    ray_session, leaky, tmp_path
+):
+    """The run's record keeps every rank's series, peaks and marks: ``memory --from``,
+    ``status --from`` and ``serve --from`` (``/api/memory`` and the run page's chart), each in
+    a process whose Ray address leads nowhere, answer what the coordinator answered."""
+    from tests.test_run_record import cli_no_cluster
+
+    ray = ray_session
+    hooks, _ = attach(ray, leaky, tmp_path)
+    try:
+        train(ray, hooks, leaky, SPAN_S * 1.8, rates=(0, RATE))  # (the run stops at its end)
+        live = ray.get(hooks.coordinator.memory.remote(series=True))
+        marked = ray.get(hooks.coordinator.status.remote())["memory"]["marked"]
+        entry = ray.get(hooks.coordinator.flush_record.remote(30.0))
+    finally:
+        ray.kill(hooks.coordinator)
+    assert [(m["rank"], m["culprit"]) for m in marked] == [(1, True)], live["ranks"]
+    assert entry["error"] is None and entry["pending"] == 0, entry
+    record = entry["dir"]
+    got = cli_no_cluster("memory", "--from", record, "--json")
+    assert got.returncode == 0, got.stderr
+    recorded, want = json.loads(got.stdout), json.loads(json.dumps(live))
+    assert [r["series"] for r in recorded["ranks"]] == [None, None]  # (as live: series=False)
+    assert len(want["ranks"][1]["series"]) > 30
+    for r in want["ranks"]:
+        r["series"] = None
+    assert {**recorded, "taken_at": 0} == {**want, "taken_at": 0}
+    table = cli_no_cluster("memory", "--from", record).stdout
+    assert "leak: policy rank 1 grows" in table and "<- culprit" in table, table
+    st = json.loads(cli_no_cluster("status", "--from", record, "--json").stdout)
+    assert st["memory"]["marked"] == json.loads(json.dumps(marked))
+    assert st["memory"]["culprits"] == live["culprits"] and st["record"]["error"] is None
+    chart_from_the_record(record, json.loads(json.dumps(live)), tmp_path)
+
+
+def chart_from_the_record(record, live, tmp_path):
+    """``serve --from RECORD`` with no cluster: ``/api/memory`` is the coordinator's last
+    ``memory(series=True)``, and the run page draws its chart (a line a rank, the culprit
+    named, the window as a band)."""
+    from tests.test_web import _open, _serve_record, chromium_browser, sign_in, wait_js
+
+    proc, url, token = _serve_record(record)
+    try:
+        status, _, body, _ = _open(url + "/api/memory", {"Authorization": f"Bearer {token}"})
+        assert status == 200 and {**json.loads(body), "taken_at": 0} == {**live, "taken_at": 0}
+        with chromium_browser() as browser:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            sign_in(page, url, token)
+            page.goto(url + "/")
+            chart = "document.querySelector('.memory-chart[data-role=policy]')?.chart"
+            wait_js(page, f"{chart}?.data?.datasets?.length === 2", 30)
+            labels = page.evaluate(f"{chart}.data.datasets.map(d => d.label)")
+            assert labels[0] == "rank 0" and labels[1].endswith("(culprit)"), labels
+            points = page.evaluate(f"{chart}.data.datasets[1].data.length")
+            assert points == len(live["ranks"][1]["series"])
+            assert page.evaluate(f"{chart}.config.options.plugins.memoryBands.windows.length") == 1
+            assert "leak: policy rank 1 grows" in page.inner_text("#memory")
+        assert errors == []
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_a_rise_that_stays_and_a_steady_rank_get_no_mark(ray_session, leaky, tmp_path):
     """...and its window, with ``profile_memory``, shows each rank's peak and top ops."""
     ray = ray_session

@@ -102,6 +102,7 @@ class SlowdownDetector:
     captures: int = 0
     last_trigger: int | None = None
     backoff_until: int = 0
+    early: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=20))
 
     def restart(self, first_step: int) -> None:
         """A run (re)starts before ``first_step``: forget the last report and the slow run."""
@@ -123,6 +124,7 @@ class SlowdownDetector:
         self.excluded_next = in_window
         if last is None or step <= last[0] or now <= last[1] or skip:
             return None
+        self.early.append((now - last[1]) / (step - last[0]))
         if last[0] < self.first_step + self.config.ignore_first:
             return None
         per_step = (now - last[1]) / (step - last[0])
@@ -137,6 +139,14 @@ class SlowdownDetector:
             self.slow_since = last[0] + 1
         self.slow_steps += step - last[0]
         return self._trigger(step, per_step, base) if base is not None else None
+
+    def step_s(self) -> float | None:
+        """The step time as well as it is known: the baseline, else the median of the last
+        steps measured, the first ones included (None: fewer than 3 yet)."""
+        base = self.baseline_s()
+        if base is not None or len(self.early) < 3:
+            return base
+        return statistics.median(self.early)
 
     def baseline_s(self) -> float | None:
         """The median step time of the recent measured steps (None: too few yet)."""

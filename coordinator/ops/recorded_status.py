@@ -74,6 +74,7 @@ def recorded_status(rec: Recorded, ranks: str = "summary") -> StatusReply:
         },
         "stalls": list(rec.stalls),
         "attach_problems": [],
+        "schedule_problems": [],
     }
 
 

@@ -496,6 +496,7 @@ class StatusReply(TypedDict):
     auto_capture: AutoCaptureEntry
     stalls: list[StallEntry]  # the watchdog's recent stalls, oldest first (bounded)
     attach_problems: list[AttachProblemEntry]  # attached processes not profiled (bounded)
+    schedule_problems: list[str]  # what of the schedule the engine cannot serve (kineto_fit)
     memory: MemoryStatusEntry | None  # the leaks named (``memory()`` has every rank)
 
 

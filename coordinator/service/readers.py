@@ -15,6 +15,7 @@ import time
 from typing import Any, Literal
 
 from coordinator.core.aggregate import CHEAP_RANKS, TABLES
+from coordinator.core.kineto_fit import kineto_schedule_problems
 from coordinator.core.phases import EXACT_STEPS, MAX_BUCKETS
 from coordinator.core.roles import trainer_of_role
 from coordinator.core.run import Run
@@ -104,6 +105,9 @@ class Readers:
             "auto_capture": sh.auto_capture_entry(),
             "stalls": [dict(s) for s in sh.stalls],  # type: ignore[misc]
             "attach_problems": [dict(p) for p in sh.attach_problems],  # type: ignore[misc]
+            "schedule_problems": kineto_schedule_problems(
+                run.config, run.detector.step_s() if run.detector else None
+            ),
             "memory": sh.memory_entry(),
         }
 

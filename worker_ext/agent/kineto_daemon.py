@@ -14,6 +14,10 @@ then on it reads every reply one poll late. So the daemon never answers a client
 request, never sends a reply to a request that arrived more than ``LATE_S`` ago (the kernel's
 arrival time, ``SO_TIMESTAMPNS``), and leaves the next request unanswered after any reply that
 went out late all the same.
+
+A config goes only to a client whose request says it can take one (the ``ACTIVITIES`` bit):
+libkineto drops a config that comes while it records or still writes a trace ("Ignored request
+- profiler busy"); it waits for the poll after the trace is written.
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ import time
 from collections.abc import Callable
 from typing import BinaryIO
 
-from coordinator.protocol.atomic_file import write_atomic
 from worker_ext.agent.kineto_ipc import (
+    ACTIVITIES,
     CLIENT_PREFIX,
     SOCKET_NAME,
     bound_names,
     context_reply,
     decode,
+    note_free,
     parse_request,
     prepare_dir,
     reply,
@@ -116,23 +121,26 @@ class Daemon:
         self._note(f"req pid={req.pids[0]} type={req.types} age={age * 1e3:.1f}ms")
         if age > LATE_S:
             return  # the client has stopped waiting; its config waits for the next poll
-        self._answer(addr, req.pids[0], arrived)
+        free = bool(req.types & ACTIVITIES)
+        if free:
+            note_free(self.directory, req.pids[0], arrived or time.time())
+        self._answer(addr, req.pids[0], arrived, free)
 
-    def _answer(self, addr: str, pid: int, arrived: float | None) -> None:
+    def _answer(self, addr: str, pid: int, arrived: float | None, free: bool) -> None:
+        """Send the queued config, claimed first (renamed to ``.sent``), only to a client that
+        can take it (``free``): libkineto drops one that comes while it records or writes."""
         path = request_path(self.directory, pid)
-        try:
-            with open(path, encoding="utf-8") as f:
-                config = f.read()
-        except FileNotFoundError:
-            config = ""
+        sent_path = request_path(self.directory, pid, "sent")
+        config = ""
+        if free:
+            with contextlib.suppress(OSError):
+                os.replace(path, sent_path)  # (fails when none is queued)
+                with open(sent_path, encoding="utf-8") as f:
+                    config = f.read()
         sent = self._send(addr, reply(config), arrived)
-        self._note(f"answer pid={pid} bytes={len(config)} sent={sent}")
-        if not sent or not config:
-            return
-        with contextlib.suppress(OSError):
-            write_atomic(request_path(self.directory, pid, "sent"), config.encode("utf-8"))
-            os.unlink(path)
-        self.sent += 1
+        self._note(f"answer pid={pid} bytes={len(config)} sent={sent} free={free}")
+        if sent and config:
+            self.sent += 1
 
     def _send(self, addr: str, data: bytes, arrived: float | None) -> bool:
         try:

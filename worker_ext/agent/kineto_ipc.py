@@ -12,9 +12,12 @@ sends ``req``: ``{int32 type; int32 n; int64 jobid; int32 pids[n]}`` (the proces
 ancestors); the reply is ``req`` with the config text (empty: nothing to do). A GPU client may
 first register with ``ctxt`` (``{int32 gpu; int32 pid; int64 jobid}``), answered with an int32.
 
-Configs wait in ``<dir>/requests/<pid>.conf`` until that process asks (``post_config``); the
-daemon renames what it sent to ``<pid>.sent``, which the agent removes with the window
-(``withdraw_config``). Imports neither torch nor Ray.
+Configs wait in ``<dir>/requests/<pid>.conf`` until that process asks and can take one
+(``post_config``); the daemon claims one by renaming it to ``<pid>.sent`` before it sends it (so
+a rank that removes its ``.conf`` knows it was never sent: ``take_back``), and the agent
+removes it with the window (``withdraw_config``). While a ``.sent`` is there, the daemon notes
+in ``<pid>.free`` when the process last said it could take a config (``free_since``): after
+the window ended, that means libkineto dropped it. Imports neither torch nor Ray.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("=Q32s")
 REQUEST = struct.Struct("=iiq")
+ACTIVITIES = 0x2
+"""The bit of a ``req``'s types that says the client can take an activity config now: libkineto
+clears it while it records or still writes a trace, and drops a config that comes then."""
 CONTEXT = struct.Struct("=iiq")
 MAX_PIDS = 64
 DIR_ENV = "RAY_PROFILER_KINETO_DIR"
@@ -266,32 +272,64 @@ def request_path(directory: str, pid: int, suffix: str = "conf") -> str:
 def post_config(directory: str, pid: int, config: str) -> str:
     """Queue ``config`` for process ``pid``'s next poll (replacing one not yet sent)."""
     path = request_path(directory, pid)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(request_path(directory, pid, "sent"))
     write_atomic(path, config.encode("utf-8"))
     return path
 
 
-def withdraw_config(directory: str, pid: int) -> bool:
-    """Take back a config not yet sent, and forget one sent; whether one was not yet sent."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(request_path(directory, pid, "sent"))
+def withdraw_config(directory: str, pid: int, log_file: str | None = None) -> bool:
+    """Take back a config not yet sent, and forget one sent; whether one was not yet sent.
+    With ``log_file``, only the config of that window (a later window's, posted ahead, stays)."""
+    sent = request_path(directory, pid, "sent")
+    if log_file is None or _names(sent, log_file):
+        for path in (sent, request_path(directory, pid, "free")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    return take_back(directory, pid, log_file)
+
+
+def take_back(directory: str, pid: int, log_file: str | None = None) -> bool:
+    """Remove the config queued for ``pid`` (only that of ``log_file``, when given); whether it
+    was removed, so never sent: the daemon claims a config by renaming it before sending."""
+    path = request_path(directory, pid)
+    if log_file is not None and not _names(path, log_file):
+        return False
     try:
-        os.unlink(request_path(directory, pid))
+        os.unlink(path)
         return True
     except FileNotFoundError:
         return False
 
 
-def config_taken(directory: str, pid: int, log_file: str) -> bool:
-    """Whether the daemon sent process ``pid`` the config that writes ``log_file`` (a window's
-    own file: the ``.sent`` of an earlier window says nothing of this one)."""
+def _names(path: str, log_file: str) -> bool:
     line = f"ACTIVITIES_LOG_FILE={log_file}\n"
     try:
-        with open(request_path(directory, pid, "sent"), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             return line in f.read()
     except OSError:
         return False
+
+
+def note_free(directory: str, pid: int, when: float) -> None:
+    """The daemon's note that process ``pid`` could take a config at ``when`` (wall clock),
+    kept only while a config sent to it is outstanding."""
+    if os.path.exists(request_path(directory, pid, "sent")):
+        with contextlib.suppress(OSError):
+            write_atomic(request_path(directory, pid, "free"), repr(when).encode("ascii"))
+
+
+def free_since(directory: str, pid: int) -> float | None:
+    """When process ``pid`` last said it could take a config (``note_free``), or None."""
+    try:
+        with open(request_path(directory, pid, "free"), encoding="ascii") as f:
+            return float(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def config_taken(directory: str, pid: int, log_file: str) -> bool:
+    """Whether the daemon sent process ``pid`` the config that writes ``log_file`` (a window's
+    own file: the ``.sent`` of an earlier window says nothing of this one)."""
+    return _names(request_path(directory, pid, "sent"), log_file)
 
 
 _KEY = re.compile(r"^[A-Z][A-Z0-9_]*$")

@@ -46,6 +46,7 @@ from coordinator.protocol.stack_replies import ProcessStack, StackRequest
 from coordinator.protocol.summary_codec import RankSummary, decode_summary
 from coordinator.protocol.timeline import PieceRank, TimelinePiece
 from coordinator.raylink.handle_stubs import install_handle_stubs
+from worker_ext.agent.exit_watch import ExitWatch
 from worker_ext.agent.idle_exit import IDLE_EXIT_S, IdleExit, exit_actor
 from worker_ext.agent.kineto_daemon import ensure_daemon
 from worker_ext.agent.memory_sampler import (
@@ -120,6 +121,7 @@ class NodeAgent(AgentRPC):
         self._pieces = PieceStore()  # merged window traces of this node's ranks
         self._boards = BoardWriter(self._node)  # plan boards of this node's SPMD ranks
         self._memory = MemorySampler(self._node)  # the memory of this node's ranks
+        self._exits = ExitWatch(self._rank_exited)  # attached ranks' processes
 
     def _leave(self) -> None:
         """Idle with no live run: the merged pieces go with the agent (``IdleExit``)."""
@@ -217,6 +219,18 @@ class NodeAgent(AgentRPC):
             except Exception:
                 continue  # gone, or not answering: it does not keep this agent alive
         return False
+
+    async def watch_exits(self) -> None:
+        """An attached rank 0 of this node keeps its steps in a step file: once its process is
+        gone, they go to its coordinator (``exit_watch``)."""
+        self._idle.touch()
+        self._exits.watch()
+
+    async def _rank_exited(
+        self, report_to: dict[str, str], rank: int, generation: int, last: int, walls: Any
+    ) -> Any:
+        self._owners.add((report_to["namespace"], report_to["name"]))
+        return await self._call(report_to, "rank_exited", rank, generation, last, walls)
 
     async def serve_kineto(self, directory: str) -> int:
         """Play libkineto's daemon for this node's processes in ``directory`` (their

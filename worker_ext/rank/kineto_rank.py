@@ -14,6 +14,12 @@ optimizer step that brings the count to ``S``; so the window's config asks for t
 end of the step before its first, from where the count stands when the window is started and
 how many optimizer steps a global step has taken lately. libkineto takes an iteration config
 only after the process's first optimizer step: before it, the config waits.
+
+libkineto takes a config only while it neither records nor writes, and asks once a second: so
+at a scheduled window's end the rank posts the next scheduled window's config itself
+(``_post_ahead``), which libkineto takes at its first poll after this trace is written. A
+window whose config libkineto never got by its end is taken back and lost, with why and the gap
+the schedule needs (``_lost_why``).
 """
 
 from __future__ import annotations
@@ -23,23 +29,27 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from typing import Any
 
 import torch
 from torch.autograd import profiler as autograd_profiler
 
 from coordinator.core.config import ProfilerConfig
-from coordinator.core.schedule import Window
+from coordinator.core.schedule import Schedule, Window
 from coordinator.protocol.atomic_file import write_atomic
 from coordinator.protocol.replies import ClosedWindow
 from worker_ext.agent.kineto_ipc import (
     DIR_ENV,
+    POLL_S,
     PROBLEM_ENV,
     client_bound,
     config_taken,
     config_text,
+    post_config,
+    take_back,
 )
-from worker_ext.agent.kineto_traces import KinetoRequest, cancel_path, written_path
+from worker_ext.agent.kineto_traces import KinetoRequest, cancel_path, ended_path, written_path
 from worker_ext.agent.trace_jobs import TraceJob
 from worker_ext.rank.rank_profiler import RankProfiler, may_start
 from worker_ext.rank.torch_session import TraceTarget, trace_job
@@ -138,6 +148,30 @@ class _Run:
     iterations: int = 0
     marker: Any = None  # the open ProfilerStep#N range
     submitted: bool = False
+    posted: bool = False  # its config was posted ahead, by the rank (``_Ahead``)
+    started_at: float = 0.0  # wall clock at the window's start
+    behind: bool = False  # libkineto still wrote the trace before it, at its start
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ahead:
+    """The next scheduled window's config, posted as soon as the window before it ended:
+    libkineto takes it once that window's trace is written, and waits for its start."""
+
+    first: int
+    last: int
+    log_file: str
+    start: int
+    iterations: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ended:
+    """The last window whose trace libkineto took on: when it ended, and its file."""
+
+    index: int
+    at: float  # wall clock
+    log_file: str
 
 
 class KinetoRankProfiler(RankProfiler):
@@ -148,6 +182,10 @@ class KinetoRankProfiler(RankProfiler):
     _seen: tuple[int, int] | None = None  # (global step done, the tracker's count then)
     _measured = False  # per_step seen on two steps, not assumed
     _writing: dict[int, str] | None = None  # ended windows whose trace libkineto still writes
+    _ahead: _Ahead | None = None
+    _ended: _Ended | None = None
+    _step_s: float | None = None  # wall time of a global step, lately
+    _stepped_at: tuple[int, float] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         watch_sessions()
@@ -174,7 +212,10 @@ class KinetoRankProfiler(RankProfiler):
         job = dataclasses.replace(job, report_to=self.report_to)
         where = os.path.dirname(job.raw_path)
         log_file = os.path.join(where, f".kineto.{job.window}.rank{self.rank}.json")
-        run = _Run(job, log_file)
+        prev = self._ended
+        behind = prev is not None and os.path.exists(ended_path(prev.log_file))
+        run = _Run(job, log_file, started_at=time.time(), behind=behind)
+        run = self._adopt_ahead(run, window, step)
         self._prof, self._window, self._last_done = run, window, None
         self._recorded_first = step if step >= window.first else None
         self._observe(step - 1)
@@ -189,19 +230,65 @@ class KinetoRankProfiler(RankProfiler):
             # Before the first optimizer step libkineto would take it as a duration; before
             # two steps were seen, how far the count goes in a step is not known.
             return
-        n = window.last - window.first + 1
-        run.start = now + max(0, window.first - step) * self.per_step
-        run.iterations = 2 * (n + 2) * self.per_step  # the window's end counts the rest at once
-        options = window_options(self.config, self.device, run.log_file, run.start, run.iterations)
+        if not run.posted:
+            run.start, run.iterations = self._iterations(window, step)
         request = KinetoRequest(
             pid=os.getpid(),
-            config=config_text(options),
+            config=self._config(run.log_file, run.start or 0, run.iterations),
             log_file=run.log_file,
             directory=kineto_directory(),
             metadata=self._metadata(),
+            posted=run.posted,
         )
         run.submitted = True
         self.hand_off.submit(dataclasses.replace(run.job, kineto=request))
+
+    def _iterations(self, window: Window, step: int) -> tuple[int, int]:
+        """libkineto's start iteration for ``window`` when ``step`` is the next to run, and how
+        many it records (the window's end counts the rest at once)."""
+        start = libkineto_count(self.injected) + max(0, window.first - step) * self.per_step
+        return start, 2 * (window.last - window.first + 3) * self.per_step
+
+    def _config(self, log_file: str, start: int, iterations: int) -> str:
+        return config_text(window_options(self.config, self.device, log_file, start, iterations))
+
+    def _post_ahead(self, w: Window, done: int) -> None:
+        """Global step ``done`` ended the config's scheduled window ``w``: post the next one's
+        config now, so that libkineto takes it as soon as this window's trace is written (it
+        takes none while it records or writes), with its start iteration still ahead."""
+        sched = Schedule(self.config)
+        this = sched.first_window_from(w.first)
+        if w.kind != "scheduled" or this is None or (this.first, this.last) != (w.first, w.last):
+            return  # (a capture, or a plan shifted from the config's: no next window known)
+        nxt = sched.first_window_from(done + 1)
+        if nxt is None or nxt.first <= done + 1 or not self._measured or self.fault is not None:
+            return
+        where = self.run_directory or os.path.dirname(kineto_directory())
+        log_file = os.path.join(where, f".kineto.ahead.rank{self.rank}.{nxt.first}-{nxt.last}.json")
+        start, iterations = self._iterations(nxt, done + 1)
+        try:
+            post_config(kineto_directory(), os.getpid(), self._config(log_file, start, iterations))
+        except OSError as exc:
+            log.warning("rank %d: a kineto config not posted ahead: %s", self.rank, exc)
+            return
+        self._ahead = _Ahead(nxt.first, nxt.last, log_file, start, iterations)
+
+    def _adopt_ahead(self, run: _Run, window: Window, step: int) -> _Run:
+        """``run`` with the config posted ahead for its steps, if any (posted anew, with its start
+        counted from here, unless libkineto took it already); any other taken back."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return run
+        directory, pid = kineto_directory(), os.getpid()
+        queued = take_back(directory, pid, ahead.log_file)
+        if (ahead.first, ahead.last) != (window.first, window.last):
+            return run  # (a capture came first: that config, if libkineto took it, is lost)
+        run = dataclasses.replace(run, log_file=ahead.log_file, posted=True)
+        run.start, run.iterations = ahead.start, ahead.iterations
+        if queued:
+            run.start, run.iterations = self._iterations(window, step)
+            post_config(directory, pid, self._config(run.log_file, run.start, run.iterations))
+        return run
 
     def _metadata(self) -> str:
         """The trace's ``distributedInfo`` and ``rank``, as torch writes them."""
@@ -218,6 +305,7 @@ class KinetoRankProfiler(RankProfiler):
 
     def _step(self, k: int) -> None:
         self._observe(k)
+        self._time_step(k)
         other = _SESSIONS[0] != self._sessions or torch._C._autograd._profiler_enabled()
         self._sessions = _SESSIONS[0]
         self._watch_writing(other)
@@ -237,6 +325,7 @@ class KinetoRankProfiler(RankProfiler):
         self._submit_when_counting(run, w, k + 1)
         if k >= w.last:
             self._end(partial=False)
+            self._post_ahead(w, k)  # (a window stopped early ends a run: nothing ahead)
             return
         if k + 1 >= w.first:
             if self._recorded_first is None:
@@ -252,6 +341,13 @@ class KinetoRankProfiler(RankProfiler):
             self.per_step = max(1, round((count - self._seen[1]) / (k - self._seen[0])))
             self._measured = True
         self._seen = (k, count)
+
+    def _time_step(self, k: int) -> None:
+        """How long a global step takes, from two steps in a row (the lost window's reason)."""
+        now = time.monotonic()
+        if self._stepped_at is not None and k == self._stepped_at[0] + 1:
+            self._step_s = now - self._stepped_at[1]
+        self._stepped_at = (k, now)
 
     def _watch_writing(self, other_profiler: bool) -> None:
         """A torch.profiler started before libkineto wrote an ended window's trace drops it:
@@ -282,17 +378,12 @@ class KinetoRankProfiler(RankProfiler):
         first, last = self._recorded_first, self._last_done
         self._recorded_first = None
         steps = (first, last) if first is not None and last is not None and last >= first else None
-        now = libkineto_count(self.injected)
         if not run.submitted:
             self._cancel(run, f"window {w.index} ended before libkineto counted an iteration")
-        elif run.start is not None and now < run.start and not self._config_sent(run):
-            self._cancel(run, f"window {w.index} ended before libkineto took its config")
+        elif not self._taken(run):
+            self._cancel(run, self._lost_why(w, run))
         else:
-            rest = max(0, (run.start or 0) + run.iterations - now)
-            for _ in range(rest):
-                autograd_profiler._kineto_step()
-            self.injected += rest
-            self._writing = {**(self._writing or {}), w.index: run.log_file}
+            self._let_libkineto_write(w, run)
         self._closed = ClosedWindow(
             window=w.index,
             steps=list(steps) if steps else None,
@@ -303,8 +394,48 @@ class KinetoRankProfiler(RankProfiler):
             self.windows_captured += 1
             self.last_trace_path = run.job.upload_to or run.job.final_path
 
-    def _config_sent(self, run: _Run) -> bool:
-        return config_taken(kineto_directory(), os.getpid(), run.log_file)
+    def _taken(self, run: _Run) -> bool:
+        """Whether libkineto was sent the window's config: else it is taken back here, for good
+        (the daemon claims a config before it sends it, so one of the two wins)."""
+        directory, pid = kineto_directory(), os.getpid()
+        if take_back(directory, pid, run.log_file):
+            return False
+        return config_taken(directory, pid, run.log_file)
+
+    def _let_libkineto_write(self, w: Window, run: _Run) -> None:
+        """libkineto's remaining iterations counted now, so that it stops here and writes; the
+        end marked for the agent, which then knows a config libkineto dropped at once."""
+        now = libkineto_count(self.injected)
+        # A config that came late starts where it came (or at the next step, if none came
+        # since): counting its whole length again ends it in either case, the training done.
+        rest = max((run.start or 0) + run.iterations - now, run.iterations + 1)
+        for _ in range(rest):
+            autograd_profiler._kineto_step()
+        self.injected += rest
+        self._writing = {**(self._writing or {}), w.index: run.log_file}
+        self._ended = _Ended(w.index, time.time(), run.log_file)
+        with contextlib.suppress(OSError):
+            write_atomic(ended_path(run.log_file), b"")
+
+    def _lost_why(self, w: Window, run: _Run) -> str:
+        """Why libkineto never got window ``w``'s config, and the gap the schedule needs."""
+        step = f"{self._step_s:.2f} s" if self._step_s is not None else "a step"
+        prev, now = self._ended, time.time()
+        if run.behind and prev is not None:
+            need = now - prev.at + POLL_S
+            return (
+                f"lost: window {w.index}'s config never reached libkineto before the window "
+                f"ended: libkineto was still writing window {prev.index}'s trace when it "
+                f"started, takes one config at a time and asks for one every {POLL_S} s; "
+                f"engine 'kineto' needs at least about {need:.1f} s between a window's last step "
+                f"and the next one's first (wait + warmup steps of {step} each)"
+            )
+        return (
+            f"lost: window {w.index}'s config never reached libkineto before the window ended "
+            f"({now - run.started_at:.1f} s after its start): libkineto asks for one every "
+            f"{POLL_S} s; engine 'kineto' needs a window's warm-up and recorded steps (of {step} "
+            f"each) to last at least about {2 * POLL_S} s"
+        )
 
     def _cancel(self, run: _Run, why: str) -> None:
         """Tell the agent this window's trace will not come, and why."""
@@ -333,5 +464,9 @@ class KinetoRankProfiler(RankProfiler):
         if isinstance(run, _Run):
             self._close_marker(run)
             self._cancel(run, f"profiling was disabled on rank {self.rank}: {self.fault}")
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            with contextlib.suppress(Exception):
+                take_back(kineto_directory(), os.getpid(), ahead.log_file)
         self._prof = None
         super()._teardown()
