@@ -109,7 +109,7 @@ class ProfilerConfig:
     on_demand_only: bool = False
     """No scheduled windows; only captures requested at run time."""
     activities: list[str] = field(default_factory=lambda: ["cpu", "cuda"])
-    """``"cpu"`` and/or ``"cuda"``; a rank without a GPU records cpu only."""
+    """``"cpu"`` and/or ``"cuda"``; a rank without a GPU records cpu only and says so."""
     record_shapes: bool = False
     """Passed to ``torch.profiler.profile``: record the input shapes of ops."""
     profile_memory: bool = False
@@ -181,7 +181,8 @@ class ProfilerConfig:
     memory: Memory = field(default_factory=Memory)
     """Every rank's memory sampled by the node agents, and leak marks (``Memory``)."""
     memory_snapshot: MemorySnapshot = field(default_factory=MemorySnapshot)
-    """CUDA memory snapshots: ``on`` window, oom, demand (``MemorySnapshot``)."""
+    """CUDA memory snapshots, on CUDA ranks only: ``on`` window, oom, demand
+    (``MemorySnapshot``; docs/memory-and-stalls.md, "CUDA memory snapshots")."""
     attach: Attach = field(default_factory=Attach)
     """The attach hook's settings (``worker_ext.attach.setup``): ``trainer_id``, ``role``,
     ``actor_classes``, and the coordinator's ``name`` and ``namespace`` (see

@@ -244,9 +244,7 @@ def _offline_commands(command: Command) -> None:
     _add_by(summ)
 
 
-def _steering_commands(command: Command) -> None:
-    """The commands that change what the coordinator does, and the long-running ones."""
-    cap = command("capture", "profile the next steps of the running job")
+def _capture_args(cap: argparse.ArgumentParser) -> None:
     cap.add_argument("--active", type=int, required=True, help="steps to record")
     cap.add_argument("--warmup", type=int, default=1, help="warm-up steps before them")
     cap.add_argument(
@@ -265,6 +263,29 @@ def _steering_commands(command: Command) -> None:
     cap.add_argument("--wait", action="store_true", help="wait for the window, print its kernels")
     cap.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits")
     cap.add_argument("--k", type=int, default=20, help="--wait: kernels to list")
+
+
+def _collect_args(coll: argparse.ArgumentParser) -> None:
+    coll.add_argument("--window", type=int, required=True, help="the window's number")
+    coll.add_argument("--to", default=None, help="a local directory or an fsspec URL")
+    coll.add_argument("--run", default=None, help="an earlier run (default: the current one)")
+    coll.add_argument("--wait", type=float, default=60.0, help="seconds to wait for traces")
+    coll.add_argument(
+        "--role", default=None, help="whose traces: rollout, ... (default: policy; --merge: all)"
+    )
+    coll.add_argument(
+        "--merge", default=None, metavar="OUT", help="one Chrome trace, every rank a process"
+    )
+    coll.add_argument("--ranks", type=int, nargs="+", default=None, help="only these ranks")
+    coll.add_argument("--min-us", type=float, default=0.0, help="--merge: leave out shorter events")
+    coll.add_argument(
+        "--max-events", type=int, default=None, help="--merge: at most this many per rank"
+    )
+
+
+def _steering_commands(command: Command) -> None:
+    """The commands that change what the coordinator does, and the long-running ones."""
+    _capture_args(command("capture", "profile the next steps of the running job"))
     cancel = command("cancel", "drop a capture that has not started")
     cancel.add_argument("window", type=int, help="the capture's window, as capture printed it")
     diff = command("diff", "what changed from window A to window B: kernels, breakdown, step")
@@ -292,22 +313,7 @@ def _steering_commands(command: Command) -> None:
     _memory_args(command("memory", "every rank's memory now, its peak and growth; leaks named"))
     strag = command("stragglers", "ranks slower than the median in a window")
     strag.add_argument("--window", type=int, default=None, help="default: the latest closed")
-    coll = command("collect", "copy a window's traces into one directory, or merge them")
-    coll.add_argument("--window", type=int, required=True, help="the window's number")
-    coll.add_argument("--to", default=None, help="a local directory or an fsspec URL")
-    coll.add_argument("--run", default=None, help="an earlier run (default: the current one)")
-    coll.add_argument("--wait", type=float, default=60.0, help="seconds to wait for traces")
-    coll.add_argument(
-        "--role", default=None, help="whose traces: rollout, ... (default: policy; --merge: all)"
-    )
-    coll.add_argument(
-        "--merge", default=None, metavar="OUT", help="one Chrome trace, every rank a process"
-    )
-    coll.add_argument("--ranks", type=int, nargs="+", default=None, help="only these ranks")
-    coll.add_argument("--min-us", type=float, default=0.0, help="--merge: leave out shorter events")
-    coll.add_argument(
-        "--max-events", type=int, default=None, help="--merge: at most this many per rank"
-    )
+    _collect_args(command("collect", "copy a window's traces into one directory, or merge them"))
     auto = command("auto", "profile slow steps by themselves: switch it on or off, or show it")
     auto.add_argument("switch", nargs="?", choices=["on", "off"], help="default: show")
     serve = command("serve", "web pages and a JSON API for this coordinator (token for changes)")
