@@ -94,7 +94,7 @@ class MemoryWatcher:
         cfg = run.config.memory
         if not cfg.sample_s or run.lifecycle not in ("configured", "running"):
             return
-        self._band(run, time.time())
+        _band(self.bands, run, time.time())
         by_node = await self._place()
         got = await asyncio.gather(
             *(self._watch(n, pids, cfg.sample_s) for n, pids in by_node.items())
@@ -137,14 +137,6 @@ class MemoryWatcher:
             )
         self._entry = status_entry(self.book, roles, cfg.sample_s, list(self.snapshots))
         return self._entry["marked"] if evaluate_at is not None else None
-
-    def _band(self, run: Any, now: float) -> None:
-        """The run's windows as chart bands: when each opened and closed (still open: now)."""
-        for rec in list(run.state.windows.values()):
-            if rec.opened_at is not None:
-                self.bands[rec.window.index] = (rec.opened_at, rec.closed_at or now)
-        while len(self.bands) > SNAPSHOTS:
-            self.bands.pop(min(self.bands))
 
     async def _place(self) -> dict[str, dict[int, Key]]:
         """node -> {pid: rank} of the run's ranks; ``where`` says why a rank has no place."""
@@ -297,20 +289,19 @@ class MemoryWatcher:
         return {**self._entry, "sample_s": sample_s}
 
     async def recorded(self, run: str) -> MemoryReply | None:
-        """``memory(series=True)`` for run ``run``'s record (``run_recorder``); None when this
-        watcher holds nothing of it (another run, or no pull yet while sampling is on)."""
-        if run != self.run_name or run != self.shell.run.name:
-            return None
-        if self._entry is None and self.shell.run.config.memory.sample_s:
-            return None
-        return await self.reply(True, None)
+        """``memory(series=True)`` for run ``run``'s record (``run_recorder``); None while this
+        watcher holds none of it (another run's, or no pull yet while sampling is on)."""
+        off = not self.shell.run.config.memory.sample_s  # (then written once: "it is off")
+        if run == self.run_name == self.shell.run.name and (self._entry is not None or off):
+            return await self.reply(True, None)
+        return None
 
     async def reply(self, series: bool, trainer_id: str | None) -> MemoryReply:
         """``memory()``: every rank of the run (of ``trainer_id``), oldest trainer first; made
         on the reads thread, where the book is folded."""
         run = self.shell.run
         if run.name == self.run_name:
-            self._band(run, time.time())
+            _band(self.bands, run, time.time())
         roles, where = self._roles(), dict(self.where)
         wanted = [
             ((t.trainer_id, r), t.role)
@@ -352,6 +343,15 @@ class MemoryWatcher:
             "snapshots": list(self.snapshots),
             "nodes": dict(book.nodes),
         }
+
+
+def _band(bands: dict[int, tuple[float, float]], run: Any, now: float) -> None:
+    """The run's windows as chart bands: when each opened and closed (still open: now)."""
+    for rec in list(run.state.windows.values()):
+        if rec.opened_at is not None:
+            bands[rec.window.index] = (rec.opened_at, rec.closed_at or now)
+    while len(bands) > SNAPSHOTS:
+        bands.pop(min(bands))
 
 
 def _ask(key: Key, path: str, why: str | None) -> SnapshotAsk:

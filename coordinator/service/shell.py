@@ -117,12 +117,11 @@ class CoordinatorShell:
         self.attach_problems = collections.deque[AttachProblemEntry](maxlen=ATTACH_PROBLEMS)
         self._watch: tuple[str, StallWatch] | None = None
         self.phases = PhaseStore(self.refuse, self.metrics.phases)
-        # The run's record in save_path (``run_recorder``): told of changes, shown in status().
+        # The run's record in save_path (``run_recorder``): told of changes, shown, given memory.
         self.record_soon: Callable[[], None] = lambda: None
         self.record_entry: Callable[[], RecordEntry] = no_record
-        self.memory_entry: Callable[[], MemoryStatusEntry | None] = lambda: None
-        # ``memory(series=True)`` of the named run for its record (``MemoryWatcher.recorded``).
         self.memory_recorded: Callable[[str], Awaitable[MemoryReply | None]] | None = None
+        self.memory_entry: Callable[[], MemoryStatusEntry | None] = lambda: None
         self.restored: dict[str, Recorded] = {}  # runs continued from their record, by name
         if not self.restarts:  # created anew: a run its record says did not end goes on
             self.run = self.continue_recorded(*new_or_recorded(self.run.config, set()))
