@@ -78,7 +78,7 @@ def test_the_reference_is_what_the_code_generates(page, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # --address's default must not leak in
     written = (ROOT_PATH / "docs" / page).read_text()
     assert written == reference.PAGES[page](), (
-        f"docs/{page} differs from the code: run python -m coordinator.ops.reference docs"
+        f"docs/{page} differs from the code: run make reference"
     )
 
 
