@@ -14,7 +14,7 @@ HTA_SPEC ?= holistictraceanalysis==0.5.0
 # dependencies (it pins transformers<=5.8.0): the few its modules import are in the test extras.
 SKYRL_SPEC ?= skyrl==0.3.0
 
-.PHONY: venv browser docker-engine test test-docker test-fast lint format demo bench fuzz clean
+.PHONY: venv browser docker-engine test test-docker test-fast lint format demo bench fuzz reference clean
 
 venv: $(STAMP)
 
@@ -88,6 +88,10 @@ bench: venv
 	$(PY) bench/record_cost.py
 	RAY_AUTH_MODE=disabled $(PY) bench/state_store_cost.py --restart
 	$(PY) bench/memory_sampling.py
+
+# docs/reference.md and docs/replies.md from the code (tests/test_docs.py fails when they differ).
+reference: venv
+	$(PY) -m coordinator.ops.reference docs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -220,7 +220,7 @@ except Exception as exc:
 
 
 def test_a_hook_module_the_workers_cannot_import_fails_as_the_docs_say(head, tmp_path):
-    """What docs/operations.md tells a user whose workers cannot import the hook's module (the
+    """What docs/attach.md tells a user whose workers cannot import the hook's module (the
     project is installed in this venv, so a module that does not exist stands for it)."""
     proc = subprocess.run([sys.executable, "-c", MISSING], cwd=tmp_path, env=head["env"],
                           capture_output=True, text=True, timeout=300)  # fmt: skip

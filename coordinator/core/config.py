@@ -64,27 +64,38 @@ class ProfilerConfig:
     """
 
     enable: bool = False
-    """Master switch; a disabled config makes the hooks no-ops."""
+    """Master switch; a disabled config makes the hooks no-ops and needs no ``save_path``."""
     ranks: list[int] | str = field(default_factory=lambda: [0])
     """Global ranks of the ``policy`` role to profile, or ``"all"``."""
     roles: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Ranks to profile per role: ``{rollout: {ranks: [0]}, critic: {ranks: all}}``. It
-    overrides ``ranks`` for a ``policy`` it names; a role named nowhere is not profiled."""
+    """Ranks to profile per role: ``{rollout: {ranks: [0]}, critic: {ranks: all}}``, each
+    role's own ``ranks`` (its only field), checked against that role's world at ``register``.
+    It overrides ``ranks`` for a ``policy`` it names. A registered role named nowhere (neither
+    ``policy`` nor in ``roles``) is not profiled and gets no RPC. Every selected rank of every
+    role opens and closes each window on the same global steps."""
     save_path: str | None = None
-    """Directory for traces, or an fsspec URL (``s3://bucket/prefix``); required when enabled."""
+    """Where traces go, required when enabled: a directory (must be, or be creatable as, a
+    writable one) or an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``az://...``,
+    ``file://...``); a URL's backend must be installed (``pip install '.[s3]'``, ``'.[gcs]'``,
+    ``'.[azure]'``: s3fs, gcsfs, adlfs), its endpoint need not be reachable at config time."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Passed as is to ``fsspec.filesystem(protocol, **storage_options)`` for a URL
     ``save_path``: endpoint, region and the like (credentials are better left to the usual
-    environment variables and instance roles; any given here are never shown)."""
+    environment variables and instance roles; any given here are redacted, ``<redacted>``,
+    wherever the config is shown)."""
     staging_path: str | None = None
-    """Local directory on each node where traces wait for upload when ``save_path`` is a URL,
-    private; default ``$RAY_PROFILER_STAGING``, else ``<tmp>/ray-profiler-<uid>/staging``."""
+    """With a URL ``save_path``: the local directory on each node where traces are written and
+    wait for upload; default ``$RAY_PROFILER_STAGING``, else ``<tmp>/ray-profiler-<uid>/staging``
+    (``$RAY_PROFILER_STAGING`` in a node's environment wins, so each node can have its own).
+    Private to the user: made 0700, refused (the rank disabled, saying why) when it is a link,
+    another user's or open to others."""
     keep_local: bool = False
     """Keep the staging copy of a trace after it was uploaded."""
     run_name: str | None = None
     """Sub-directory of ``save_path`` for this run; default ``run_<UTC start time>``."""
     skip_first: int = 0
-    """Steps to skip before the first cycle."""
+    """Steps to skip before the first cycle. The schedule fields are those of
+    ``torch.profiler.schedule``, counted in absolute global steps."""
     wait: int = 0
     """Idle steps at the start of each cycle."""
     warmup: int = 1
@@ -98,21 +109,34 @@ class ProfilerConfig:
     on_demand_only: bool = False
     """No scheduled windows; only captures requested at run time."""
     activities: list[str] = field(default_factory=lambda: ["cpu", "cuda"])
-    """``"cpu"`` and/or ``"cuda"``; a rank without a GPU records cpu only."""
+    """``"cpu"`` and/or ``"cuda"``; a rank without a GPU records cpu only and says so."""
     record_shapes: bool = False
+    """Passed to ``torch.profiler.profile``: record the input shapes of ops."""
     profile_memory: bool = False
+    """Passed to ``torch.profiler.profile``: record tensor allocations and frees."""
     with_stack: bool = False
+    """Passed to ``torch.profiler.profile``: record the source of each op (Python stacks)."""
     with_flops: bool = False
+    """Passed to ``torch.profiler.profile``: estimate the FLOPs of matrix products and
+    convolutions."""
     with_modules: bool = False
+    """Passed to ``torch.profiler.profile``: record the module hierarchy of each op."""
     export_type: str = "chrome_trace_gz"
-    """``chrome_trace``, ``chrome_trace_gz``, ``stacks`` (needs with_stack) or ``none``."""
+    """``chrome_trace``, ``chrome_trace_gz``, ``stacks`` (needs ``with_stack``) or ``none``
+    (the summary only)."""
     engine: str = "torch"
-    """``torch`` (``torch.profiler`` in the rank) or ``kineto`` (libkineto's on-demand tracing,
-    the node agent as its daemon: docs/operations.md, "Two engines")."""
+    """``torch`` (``torch.profiler`` in the rank) or ``kineto`` (libkineto's on-demand tracing
+    with the node agent as its daemon; the ranks need ``worker_ext.kineto_env(directory=None,
+    setup_hook=True)`` in their environment, whose setup hook makes the daemon directory on
+    each rank's node; the hook's variable is left out with ``setup_hook=False``, and where the
+    job has a ``worker_process_setup_hook`` of its own (a warning unless it is
+    ``worker_ext.attach.setup``: that hook should call ``worker_ext.attach.kineto_setup()``).
+    See docs/attach.md, "Two engines"."""
     top_k: int = DEFAULT_TOP_K
     """Kernels kept per rank per window in the summary."""
     worker_timeout_s: float = 60.0
-    """Seconds the coordinator waits for a rank's acknowledgement before marking it unresponsive."""
+    """Seconds the coordinator waits for a rank's acknowledgement before marking it
+    unresponsive (configuring a rank warms Kineto up and may take ``max(120 s, this)``)."""
     max_windows: int = 64
     """Closed windows whose summaries the coordinator keeps in memory."""
     detail_windows: int = 8
@@ -123,23 +147,29 @@ class ProfilerConfig:
     """The most steps (warm-up and recorded) one on-demand capture may ask for."""
     fanout: str = "node"
     """How window commands reach the ranks: ``node`` (through each node's agent, one call per
-    group of nodes) or ``direct`` (one call per rank from the coordinator)."""
+    group of nodes, about sqrt(nodes) calls per command; docs/architecture.md, "Per-node
+    fan-out") or ``direct`` (one call per rank from the coordinator)."""
     agent_idle_exit_s: float = 600.0
     """A node agent with nothing to do for this long, while no coordinator it served has a live
     run, exits (0: never)."""
     record: bool = True
-    """Keep the run's record in ``{save_path}/{run}/record/`` (windows, phase times, stalls), to
-    read after the cluster is gone (``ray-profiler --from``); nothing without ``save_path``."""
+    """Keep the run's record in ``{save_path}/{run}/record/``: its windows' tables, phase
+    times, stalls and marks, read with ``ray-profiler --from`` after the cluster is gone
+    (docs/views.md, "After the run"); nothing without ``save_path``."""
     stall_watch: bool = True
     """Take every rank's stack when the stepping trainer's steps stop coming (a stall)."""
     stall_factor: float = 5.0
     """A stall: no step for ``stall_factor`` x the median step time (over the last 32 step
     reports, each the mean per step since the one before), ..."""
     stall_min_s: float = 60.0
-    """... and for at least this many seconds."""
+    """... and for at least this many seconds; the watch begins at the run's first step
+    report."""
     regression_threshold: float = 1.25
-    """Mark a window's kernel (or step time) whose per-step time rose this much over the run's
-    baseline window (``status()``, ``kernel_diff``)."""
+    """The least rise a regression mark needs: a kernel's time scaled by its window (over its
+    usual time, divided by the weighted median of the other kernels' such ratios) or as it is
+    when that was steadier, or the step time, at least this factor over the median of the
+    run's earlier windows, besides passing their spread (``status()``, ``kernel_diff``;
+    docs/results.md, "Window diffs and regression marks")."""
     auto_capture: AutoCapture = field(default_factory=AutoCapture)
     """Profile slow steps by themselves: ``enable``, ``slowdown_ratio``, ``after_steps``,
     ``active``, ``warmup``, ``cooldown_steps``, ``max_per_run``, ``ignore_first``,
@@ -151,7 +181,8 @@ class ProfilerConfig:
     memory: Memory = field(default_factory=Memory)
     """Every rank's memory sampled by the node agents, and leak marks (``Memory``)."""
     memory_snapshot: MemorySnapshot = field(default_factory=MemorySnapshot)
-    """CUDA memory snapshots: ``on`` window, oom, demand (``MemorySnapshot``)."""
+    """CUDA memory snapshots, on CUDA ranks only: ``on`` window, oom, demand
+    (``MemorySnapshot``; docs/memory-and-stalls.md, "CUDA memory snapshots")."""
     attach: Attach = field(default_factory=Attach)
     """The attach hook's settings (``worker_ext.attach.setup``): ``trainer_id``, ``role``,
     ``actor_classes``, and the coordinator's ``name`` and ``namespace`` (see
@@ -270,11 +301,11 @@ class ProfilerConfig:
             setattr(self, name, section.from_value(getattr(self, name)).validate())
         self.ranks = checked_ranks(self.ranks)
         self.roles = checked_roles(self.roles)
-        self._validate_activities()
+        _validate_activities(self)
         _validate_export(self)
         _validate_run_name(self)
         _validate_storage(self)
-        self._validate_save_path(check_paths)
+        _validate_save_path(self, check_paths)
         return self
 
     def selects(self, rank: int, role: str = POLICY) -> bool:
@@ -296,46 +327,46 @@ class ProfilerConfig:
         state.pop("_rank_sets", None)
         return state
 
-    def _validate_activities(self) -> None:
-        acts: Any = self.activities  # whatever a YAML file held
-        if acts is None or isinstance(acts, str) or not isinstance(acts, Sequence):
-            raise ValueError(
-                f"profiler config: 'activities' must be a list drawn from {list(ACTIVITIES)}, "
-                f"got {acts!r}"
-            )
-        if len(acts) == 0:
-            raise ValueError(
-                "profiler config: 'activities' is empty; use ['cpu'] or ['cpu', 'cuda']"
-            )
-        for a in acts:
-            if a not in ACTIVITIES:
-                raise ValueError(
-                    f"profiler config: 'activities' holds unknown activity {a!r}; "
-                    f"known: {list(ACTIVITIES)}"
-                )
-        self.activities = list(dict.fromkeys(acts))
 
-    def _validate_save_path(self, check_paths: bool) -> None:
-        path: Any = self.save_path
-        if path is not None and not isinstance(path, (str, os.PathLike)):
+def _validate_activities(cfg: ProfilerConfig) -> None:
+    acts: Any = cfg.activities  # whatever a YAML file held
+    if acts is None or isinstance(acts, str) or not isinstance(acts, Sequence):
+        raise ValueError(
+            f"profiler config: 'activities' must be a list drawn from {list(ACTIVITIES)}, "
+            f"got {acts!r}"
+        )
+    if len(acts) == 0:
+        raise ValueError("profiler config: 'activities' is empty; use ['cpu'] or ['cpu', 'cuda']")
+    for a in acts:
+        if a not in ACTIVITIES:
             raise ValueError(
-                f"profiler config: 'save_path' must be a path string or a URL, "
-                f"got {type(path).__name__}: {path!r}"
+                f"profiler config: 'activities' holds unknown activity {a!r}; "
+                f"known: {list(ACTIVITIES)}"
             )
-        if path is not None:
-            self.save_path = local_path(os.fspath(path))
-        if not self.enable:
-            return
-        if not self.save_path:
-            raise ValueError("profiler config: 'save_path' is required when 'enable' is True")
-        if is_remote(self.save_path):
-            # A missing backend is a config error; an unreachable endpoint is not (ranks report it).
-            check_backend(self.save_path)
-            if check_paths and self.staging_path:
-                check_writable_dir(self.staging_path, "staging_path")
-            return
-        if check_paths:
-            check_writable_dir(self.save_path)
+    cfg.activities = list(dict.fromkeys(acts))
+
+
+def _validate_save_path(cfg: ProfilerConfig, check_paths: bool) -> None:
+    path: Any = cfg.save_path
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ValueError(
+            f"profiler config: 'save_path' must be a path string or a URL, "
+            f"got {type(path).__name__}: {path!r}"
+        )
+    if path is not None:
+        cfg.save_path = local_path(os.fspath(path))
+    if not cfg.enable:
+        return
+    if not cfg.save_path:
+        raise ValueError("profiler config: 'save_path' is required when 'enable' is True")
+    if is_remote(cfg.save_path):
+        # A missing backend is a config error; an unreachable endpoint is not (ranks report it).
+        check_backend(cfg.save_path)
+        if check_paths and cfg.staging_path:
+            check_writable_dir(cfg.staging_path, "staging_path")
+        return
+    if check_paths:
+        check_writable_dir(cfg.save_path)
 
 
 def _validate_storage(cfg: ProfilerConfig) -> None:

@@ -34,10 +34,12 @@ class Memory:
     """Every rank's memory over the run, sampled by its node agent (``ProfilerConfig.memory``)."""
 
     sample_s: float = 1.0
-    """Seconds between two samples of a rank process (0 turns sampling off)."""
+    """Seconds between two samples of a rank process (resident and unique memory, GPU memory
+    where NVML answers); 0 turns sampling off."""
     leak_span_s: float = 600.0
-    """A rank is marked as leaking when its memory grew steadily over the last this many
-    seconds (a one-off rise is not steady)."""
+    """A rank is marked as leaking when its resident memory grew steadily (in each quarter of
+    the span, at the slope's pace) over the last this many seconds, over 8 samples at least (a
+    one-off rise is not steady)."""
     leak_min_mib_per_min: float = 4.0
     """...at this rate at least (MiB a minute)."""
     leak_fast_span_s: float = 90.0
@@ -104,11 +106,12 @@ class MemorySnapshot:
 
     on: list[str] = field(default_factory=list)
     """When: ``window`` (beside each trace, ``rank<R>.memory.pickle``), ``oom`` (before an
-    out-of-memory error goes on), ``demand`` (``ray-profiler memory --snapshot``)."""
+    out-of-memory error goes on, ``<run dir>/memory/<role>/rank<R>.oom-<time>.memory.pickle``),
+    ``demand`` (``ray-profiler memory --snapshot``); one of them or a list."""
     max_entries: int = 100_000
     """The allocator's history kept for a snapshot (torch's ``max_entries``), at most 10**7."""
     stacks: str = "python"
-    """Stacks recorded with each allocation: ``python``, ``all`` (C++ too) or ``none``."""
+    """Stacks recorded with each allocation: ``python``, ``all`` (C++ too, slower) or ``none``."""
 
     @classmethod
     def from_value(cls, value: Any) -> MemorySnapshot:

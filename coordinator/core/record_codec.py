@@ -1,7 +1,7 @@
 """A run's record in ``save_path``: its files' types, and their strict, versioned codec.
 
 The record is what the coordinator knew of a run, kept beside its traces so that it outlives
-the cluster (``docs/reference.md#the-runs-record``). Every file is msgpack of one of the types
+the cluster (``docs/api.md#the-runs-record``). Every file is msgpack of one of the types
 below, tagged by ``kind`` and carrying ``version``; the decoder checks both and every field's
 type, and refuses a file over ``MAX_FILE_BYTES``. Pure: no Ray, no torch, no I/O.
 

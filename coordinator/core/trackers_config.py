@@ -31,15 +31,23 @@ _USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 
 @dataclass
 class Trackers:
-    """Which trackers get the profiler's figures (see docs/operations.md, "In your tracker").
+    """Which trackers get the profiler's figures (see docs/own-trainer.md, "In your tracker").
 
     ``tensorboard: {log_dir}``, ``mlflow: {tracking_uri, experiment}``, ``wandb: {project,
     mode}``; a tracker left out is off. Each is an optional extra of the trainer's process.
     """
 
     tensorboard: dict[str, Any] | None = None
+    """``{log_dir}``: TensorBoard event files go there (``torch.utils.tensorboard``; the
+    ``tensorboard`` extra). A tracker is off when left out; a YAML ``null`` under its name is
+    refused."""
     mlflow: dict[str, Any] | None = None
+    """``{tracking_uri, experiment}`` (default: MLflow's own): the trainer's active MLflow run,
+    else a run started in this experiment (the ``mlflow`` extra); a ``user:password@`` in the
+    URI is never shown."""
     wandb: dict[str, Any] | None = None
+    """``{project, mode}`` (default: W&B's own): the trainer's active W&B run, else one started
+    in this project; ``mode``: ``online``, ``offline`` or ``disabled`` (the ``wandb`` extra)."""
 
     @classmethod
     def from_value(cls, value: Any) -> Trackers:

@@ -150,6 +150,11 @@ def _global_options(parser: argparse.ArgumentParser, top: bool) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line; exits with status 2 (usage) on a bad one, as argparse does."""
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and flag (``docs/reference.md`` is generated from it)."""
     ap = argparse.ArgumentParser(
         prog="ray-profiler",
         description=__doc__.split("\n\n")[0],
@@ -173,7 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     _reading_commands(command)
     _offline_commands(command)
     _steering_commands(command)
-    return ap.parse_args(argv)
+    return ap
 
 
 Command = Any  # (name, help) -> argparse.ArgumentParser
@@ -198,11 +203,11 @@ def _reading_commands(command: Command) -> None:
     ranks = command("ranks", "a page of the per-rank list, filtered by state")
     ranks.add_argument("--state", default=None, help="ok, disabled, lost, unresponsive, ...")
     ranks.add_argument("--trainer", default=None, help="one trainer's ranks")
-    ranks.add_argument("--offset", type=int, default=0)
-    ranks.add_argument("--limit", type=int, default=100)
+    ranks.add_argument("--offset", type=int, default=0, help="ranks to skip (paging)")
+    ranks.add_argument("--limit", type=int, default=100, help="ranks on the page")
     top = command("top", "cross-rank top kernels of a window")
     top.add_argument("--window", type=int, default=None, help="default: the latest closed")
-    top.add_argument("--k", type=int, default=20)
+    top.add_argument("--k", type=int, default=20, help="kernels to list")
     top.add_argument("--run", default=None, help="an earlier run (status shows previous_runs)")
     top.add_argument("--role", default=None, help="whose ranks: rollout, ... (default: policy)")
     top.add_argument("--trainer", default=None, help="whose ranks, by trainer id")
@@ -239,18 +244,50 @@ def _offline_commands(command: Command) -> None:
     _add_by(summ)
 
 
-def _steering_commands(command: Command) -> None:
-    """The commands that change what the coordinator does, and the long-running ones."""
-    cap = command("capture", "profile the next steps of the running job")
+def _capture_args(cap: argparse.ArgumentParser) -> None:
     cap.add_argument("--active", type=int, required=True, help="steps to record")
-    cap.add_argument("--warmup", type=int, default=1)
-    cap.add_argument("--ranks", type=int, nargs="+", default=None)
-    cap.add_argument("--start-step", type=int, default=None)
+    cap.add_argument("--warmup", type=int, default=1, help="warm-up steps before them")
+    cap.add_argument(
+        "--ranks",
+        type=int,
+        nargs="+",
+        default=None,
+        help="global ranks (default: those the config selects)",
+    )
+    cap.add_argument(
+        "--start-step",
+        type=int,
+        default=None,
+        help="the first recorded step (default: as soon as possible)",
+    )
     cap.add_argument("--wait", action="store_true", help="wait for the window, print its kernels")
     cap.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits")
-    cap.add_argument("--k", type=int, default=20)
+    cap.add_argument("--k", type=int, default=20, help="--wait: kernels to list")
+
+
+def _collect_args(coll: argparse.ArgumentParser) -> None:
+    coll.add_argument("--window", type=int, required=True, help="the window's number")
+    coll.add_argument("--to", default=None, help="a local directory or an fsspec URL")
+    coll.add_argument("--run", default=None, help="an earlier run (default: the current one)")
+    coll.add_argument("--wait", type=float, default=60.0, help="seconds to wait for traces")
+    coll.add_argument(
+        "--role", default=None, help="whose traces: rollout, ... (default: policy; --merge: all)"
+    )
+    coll.add_argument(
+        "--merge", default=None, metavar="OUT", help="one Chrome trace, every rank a process"
+    )
+    coll.add_argument("--ranks", type=int, nargs="+", default=None, help="only these ranks")
+    coll.add_argument("--min-us", type=float, default=0.0, help="--merge: leave out shorter events")
+    coll.add_argument(
+        "--max-events", type=int, default=None, help="--merge: at most this many per rank"
+    )
+
+
+def _steering_commands(command: Command) -> None:
+    """The commands that change what the coordinator does, and the long-running ones."""
+    _capture_args(command("capture", "profile the next steps of the running job"))
     cancel = command("cancel", "drop a capture that has not started")
-    cancel.add_argument("window", type=int)
+    cancel.add_argument("window", type=int, help="the capture's window, as capture printed it")
     diff = command("diff", "what changed from window A to window B: kernels, breakdown, step")
     diff.add_argument("a", help="WINDOW, or RUN:WINDOW (a run's name, directory or record URL)")
     diff.add_argument("b", help="WINDOW, or RUN:WINDOW")
@@ -266,34 +303,24 @@ def _steering_commands(command: Command) -> None:
     stacks.add_argument("--rank", type=int, nargs="+", default=None, help="raw stacks of these")
     stacks.add_argument("--trainer", default=None, help="one trainer's ranks")
     stacks.add_argument("--native", action="store_true", help="C/C++ frames too (py-spy)")
-    stacks.add_argument("--method", choices=["auto", "py-spy", "faulthandler"], default="auto")
+    stacks.add_argument(
+        "--method",
+        choices=["auto", "py-spy", "faulthandler"],
+        default="auto",
+        help="how each process is read (auto: py-spy, else faulthandler)",
+    )
     stacks.add_argument("--timeout", type=float, default=10.0, help="seconds per process")
     _memory_args(command("memory", "every rank's memory now, its peak and growth; leaks named"))
     strag = command("stragglers", "ranks slower than the median in a window")
-    strag.add_argument("--window", type=int, default=None)
-    coll = command("collect", "copy a window's traces into one directory, or merge them")
-    coll.add_argument("--window", type=int, required=True)
-    coll.add_argument("--to", default=None, help="a local directory or an fsspec URL")
-    coll.add_argument("--run", default=None, help="an earlier run (default: the current one)")
-    coll.add_argument("--wait", type=float, default=60.0, help="seconds to wait for traces")
-    coll.add_argument(
-        "--role", default=None, help="whose traces: rollout, ... (default: policy; --merge: all)"
-    )
-    coll.add_argument(
-        "--merge", default=None, metavar="OUT", help="one Chrome trace, every rank a process"
-    )
-    coll.add_argument("--ranks", type=int, nargs="+", default=None, help="only these ranks")
-    coll.add_argument("--min-us", type=float, default=0.0, help="--merge: leave out shorter events")
-    coll.add_argument(
-        "--max-events", type=int, default=None, help="--merge: at most this many per rank"
-    )
+    strag.add_argument("--window", type=int, default=None, help="default: the latest closed")
+    _collect_args(command("collect", "copy a window's traces into one directory, or merge them"))
     auto = command("auto", "profile slow steps by themselves: switch it on or off, or show it")
     auto.add_argument("switch", nargs="?", choices=["on", "off"], help="default: show")
     serve = command("serve", "web pages and a JSON API for this coordinator (token for changes)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    serve.add_argument("--port", type=int, default=8270)
+    serve.add_argument("--port", type=int, default=8270, help="port to bind")
     watch = command("watch", "the step time over the run and the status, refreshed")
-    watch.add_argument("--interval", type=float, default=2.0)
+    watch.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     watch.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
     chart_help = "leave out the step time over the run (its windows and stalls)"
     watch.add_argument("--no-chart", dest="chart", action="store_false", help=chart_help)

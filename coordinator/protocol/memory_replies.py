@@ -1,7 +1,7 @@
 """The memory replies that cross Ray, declared once: what a node agent samples, what
 ``memory()`` answers and what ``status()["memory"]`` says. Pure: no Ray, no torch.
 
-The names of ``MemoryReply`` are public (docs/reference.md): a top-level ``ranks`` list, each
+The names of ``MemoryReply`` are public (docs/replies.md): a top-level ``ranks`` list, each
 entry with ``trainer_id``, ``rank``, ``rss_bytes``, ``peak_rss_bytes`` and ``growth`` (None, or
 ``{"bytes_per_min", "since", "span_s", "time_left_s"}`` when the rank is marked as leaking).
 Keys may be added.

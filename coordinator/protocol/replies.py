@@ -443,7 +443,7 @@ class CheckpointEntry(TypedDict):
 
 
 class RecordEntry(TypedDict):
-    """The current run's record in ``save_path`` (``docs/reference.md#the-runs-record``):
+    """The current run's record in ``save_path`` (``docs/api.md#the-runs-record``):
     where it is, what it holds, and how its writes go (``error`` until a retry succeeds)."""
 
     dir: str | None  # None: no save_path, or ``record: false``

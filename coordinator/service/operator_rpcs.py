@@ -41,7 +41,7 @@ class OperatorRPCs:
         timeout_s: float = STACK_TIMEOUT_S,
     ) -> StacksReply:
         """Every registered rank's stack (every role) and each trainer's driver's, read at the
-        same moment on every node by its agent, grouped by identical stack (docs/reference.md).
+        same moment on every node by its agent, grouped by identical stack (docs/replies.md).
 
         ``native``: C/C++ frames too; ``ranks``: only these, with every thread; ``method``:
         ``auto`` (py-spy, else faulthandler), ``py-spy`` or ``faulthandler``; ``timeout_s``:

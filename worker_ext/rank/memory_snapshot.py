@@ -18,7 +18,8 @@ Every snapshot file is written 0600 (it holds the run's tensors' sizes and stack
 Each snapshot written, or its failure, is noted for the node agent (``note_snapshot``), which
 hands the note to the coordinator (``status()["memory"]["snapshots"]``): an OOM that kills the
 rank right after still leaves its note. A fault here is noted and logged, never raised into
-training. Open a snapshot in PyTorch's memory viz (docs/operations.md, "Memory").
+training. Open a snapshot in PyTorch's memory viz (docs/memory-and-stalls.md, "CUDA memory
+snapshots").
 """
 
 from __future__ import annotations

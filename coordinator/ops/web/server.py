@@ -2,7 +2,7 @@
 
 It runs in the operator's process, beside a Ray driver, and only calls the coordinator's own
 RPCs: every answer has the shape of a reply in ``coordinator.protocol.replies``. See
-docs/operations.md#the-web-view-and-its-http-api for the pages and the API table.
+docs/views.md#the-web-view-and-its-http-api for the pages and the API table.
 """
 
 from __future__ import annotations
