@@ -60,6 +60,7 @@ def first_step(optimizer: Any) -> Step:
     session.start(first_step=done + 1)  # (this first step was spent attaching)
     if _is_off(session):
         return nothing
+    session.keep_last_steps()  # (its process ends with no loop end: its agent reports it)
     log.info("profiler: attached as %s at optimizer step %d, counting %s steps",
              who.describe(), done, attached["optimizer"])  # fmt: skip
     return AttachedRank(session, who, optimizer, done).step

@@ -301,11 +301,25 @@ def run_attached(args: argparse.Namespace, cfg: ProfilerConfig) -> int:
         except ValueError:
             print("no coordinator: no process attached (see the workers' logs)")
             return 1
+        wait_for_step(coordinator, len(losses))  # (rank 0's losses: one an optimizer step)
         report(coordinator, args.top_k)
         if args.address is None:
             ray.kill(coordinator)
     ray.shutdown()
     return 0
+
+
+def wait_for_step(coordinator: Any, step: int, timeout_s: float = 30.0) -> None:
+    """Until the run has reached ``step``: an attached job's last steps come from rank 0's node
+    agent once its process is gone (within a second or so), or ``timeout_s`` runs out."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while (ray.get(coordinator.status.remote())["global_step"] or 0) < step:
+        if time.monotonic() > deadline:
+            print(f"the run has not reached optimizer step {step} after {timeout_s:.0f} s")
+            return
+        time.sleep(0.2)
 
 
 def report(coordinator: Any, top_k: int) -> None:

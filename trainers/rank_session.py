@@ -42,6 +42,7 @@ from coordinator.core.window_plan import Command, Start, Step, Stop, WindowPlan
 from coordinator.protocol.names import DEFAULT_NAME, DEFAULT_NAMESPACE
 from coordinator.protocol.plan_board import board_id
 from worker_ext.rank.board_reader import BoardReader
+from worker_ext.rank.step_file import keep_last_steps
 
 log = logging.getLogger(__name__)
 _ATTACHED: dict[int, RankSession] = {}  # pid -> the session attached in this process (one)
@@ -75,6 +76,7 @@ class RankSession:
         self._told_fault = False
         self._generation = 0  # this process's attach to the run (``attach_rank``)
         self._owner = (DEFAULT_NAMESPACE, DEFAULT_NAME)  # the coordinator's namespace and name
+        self._report_to: dict[str, str] | None = None  # (the attach reply's)
         self._board: BoardReader | None = None  # this node's plan board, once the loop starts
         self._attached: dict[str, Any] | None = None  # set by the attach hook
         self.closed_extra: Any = None  # closed window -> fields to add (SkyRL: optimizer steps)
@@ -165,7 +167,7 @@ class RankSession:
         reply = ray.get(ref, timeout=cfg.worker_timeout_s + 60)
         self.coordinator, self.run, self.run_dir = coord, reply["run"], reply["run_dir"]
         self._owner = (namespace, name)
-        self._generation = reply["generation"]
+        self._generation, self._report_to = reply["generation"], reply["report_to"]
         self.config = ProfilerConfig.from_dict(reply["config"], check_paths=False)
         self._profiler = profiler_class(self.config)(
             self.rank, self.config, self.run_dir, report_to=reply["report_to"], role=role
@@ -276,7 +278,21 @@ class RankSession:
         self._run(self._plan.stop(), self._last_step)
         if self.rank == 0 and end_run:
             _end_run(self)
+        reports = self._reports
+        if reports is not None and reports.tail is not None:  # (nothing left to report)
+            tail, reports.tail = reports.tail, None
+            tail.close()
         _release(self)
+
+    def keep_last_steps(self) -> None:
+        """For a rank 0 that no loop end stops (an attached one): its steps also go to a step
+        file that its node agent reports once the process is gone, however it ends
+        (``worker_ext.rank.step_file``). A failure is said once; nothing else changes."""
+        if self._reports is None or self._report_to is None or self.disabled_reason:
+            return
+        to = {k: v for k, v in self._report_to.items() if k != "run"}  # (judged by generation)
+        keep_last_steps(self._reports, {"report_to": to, "rank": self.rank,
+                                        "generation": self._generation})  # fmt: skip
 
     # ------------------------------------------------------------------ inside
 

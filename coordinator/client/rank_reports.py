@@ -46,6 +46,7 @@ class StepReports:
         self.phases = PhaseBuffer()
         self.unreported: int | None = None  # the last step not yet sent
         self.sent: Any = None  # the last report's ObjectRef
+        self.tail: Any = None  # an attached rank's step file (``StepTail``), else None
         self._last = 0.0  # (the clock's reading when the last report was sent)
 
     def step(self, step: int, now: bool, reading: float | None = None) -> None:
@@ -60,6 +61,8 @@ class StepReports:
             record = clock.lap(step)  # (regions in it, or the first step timed)
             if record is not None:
                 self.phases.add(record)
+        if self.tail is not None:  # (what its node agent reports when the process is gone)
+            self.tail.step(step, wall)
         if not now and clock.lapped - self._last < REPORT_EVERY_S:
             self.unreported = step
             return
@@ -74,6 +77,9 @@ class StepReports:
             self.sent = self.coordinator.step.remote(self.trainer_id, step, False, records, walls)
         except Exception as exc:  # never the training's problem
             log.warning("profiler: rank 0 could not report step %s: %s", step, exc)
+            return
+        if self.tail is not None:
+            self.tail.sent(step)
 
     def flush(self) -> None:
         """The last step not yet sent, if any (the loop's end)."""

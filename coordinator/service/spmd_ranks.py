@@ -32,6 +32,7 @@ from coordinator.core.validate import is_int, role_problem, step_problem, traine
 from coordinator.core.window_plan import replay
 from coordinator.protocol.replies import RankAttachReply, RankStartReply
 from coordinator.service.rank_calls import run_commands
+from coordinator.service.rank_exits import RankExits
 from coordinator.service.runs import RunCalls, trainer_run_dir
 from coordinator.service.shell import CoordinatorShell
 
@@ -50,6 +51,7 @@ class SpmdRanks:
     ) -> None:
         self.shell = shell
         self._runs = runs
+        self.exits = RankExits(shell, runs)  # attached ranks' processes that ended
         self._starting = asyncio.Lock()  # one rank_start at a time
         self._start_parts = start_parts  # the actor's watchdog and recorder
         self._task: asyncio.Task[None] | None = None
@@ -324,6 +326,22 @@ class SpmdRPCs:
         fault disabled it. A rank the run does not know, or a status from an earlier process
         of the rank (``generation``, from ``attach_rank``), is refused (counted, logged once)."""
         await self._spmd.rank_status(trainer_id, rank, step, reply, generation)
+
+    async def rank_exited(
+        self,
+        trainer_id: str,
+        rank: int,
+        generation: int,
+        last_step: int,
+        walls: Any = None,
+        run: str | None = None,
+    ) -> bool:
+        """The process of an attached rank has ended (its node agent says so, from the rank's
+        step file): rank 0's ``last_step`` and ``walls`` (the steps it had not reported) are
+        its last step report, and the run ends once Ray says the job has ended
+        (``rank_exits``). False for a rank or process the run does not know, or a run not
+        running. Raises ValueError for a rank, generation or step that is not an int."""
+        return await self._spmd.exits.exited(trainer_id, rank, generation, last_step, walls)
 
     async def attach_problem(self, where: dict[str, Any], problem: str) -> None:
         """A process of a job attached by the setup hook (``worker_ext.attach``) is not

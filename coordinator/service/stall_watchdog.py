@@ -26,7 +26,7 @@ from coordinator.core.stall_watch import StallWatch
 from coordinator.core.storage import is_remote
 from coordinator.protocol.atomic_file import write_atomic
 from coordinator.protocol.stack_replies import StacksReply, StallEntry
-from coordinator.raylink.actor_table import ended_jobs
+from coordinator.service.rank_exits import end_if_job_ended
 from coordinator.service.shell import CoordinatorShell
 from coordinator.service.stacks import StackCalls
 
@@ -77,27 +77,10 @@ class StallWatchdog:
             self._busy = False
 
     async def _job_ended(self, run: Run) -> bool:
-        """The stepping trainer's steps stopped because its job ended: its ranks are attached
-        ones (the setup hook's: no loop end tells the coordinator) and Ray says the job of
-        every one of them has ended. The run ends then, at its last reported step (its open
-        window closed, partial), instead of a stall on processes that are gone."""
-        trainer = run.state.stepping_trainer
-        ranks = [r for (t, _), r in run.state.ranks.items() if t == trainer]
-        jobs = {str(r.attached["job_id"]) for r in ranks if r.attached and r.attached["job_id"]}
-        if not ranks or not jobs or any(r.attached is None for r in ranks):
-            return False
-        loop = asyncio.get_running_loop()
-        try:
-            ended = await loop.run_in_executor(None, ended_jobs, jobs)
-        except Exception as exc:  # (Ray's job table unreadable: a stall, as before)
-            log.warning("stall watchdog: Ray's job table unreadable: %s", exc)
-            return False
-        if ended != jobs or trainer is None:
-            return False
-        why = f"the job of {trainer} ended after step {run.state.global_step}"
-        log.info("%s: the run ends there", why)
-        await self.end_run(trainer, why)
-        return True
+        """The stepping trainer's steps stopped because its job ended (its ranks are attached
+        ones: no loop end tells the coordinator): the run ends then, at its last reported step
+        (``rank_exits.end_if_job_ended``), instead of a stall on processes that are gone."""
+        return await end_if_job_ended(run, self.end_run)
 
     async def _take(self, run: Run, watch: StallWatch, now: float, first: bool) -> None:
         watch.took(now)
