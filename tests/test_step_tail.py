@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from coordinator.protocol.step_tail import is_gone, process_start, read_tail
 from worker_ext.agent.exit_watch import ExitWatch
 
@@ -50,6 +52,7 @@ def _killed_writer(path: Path) -> int:
     return _kill(_writer(path))
 
 
+@pytest.mark.subprocess
 def test_a_killed_process_s_last_steps_are_read_from_its_step_file(tmp_path):
     path = tmp_path / "1.step"
     pid = _killed_writer(path)
@@ -70,6 +73,7 @@ def test_a_file_that_is_not_a_step_file_is_refused_with_its_name(tmp_path):
         raise AssertionError("a bad step file was read")
 
 
+@pytest.mark.subprocess
 def test_the_watch_reports_a_gone_process_once_and_removes_its_file(tmp_path):
     """A live process's file stays; once it is killed, it is reported, then removed; a file
     that is not a step file goes."""
