@@ -1,4 +1,5 @@
-"""Local files written whole or not at all: the one "temporary file, then rename" of the project.
+"""Local files written whole or not at all: the one "temporary file, then rename" of the project
+(and the one rename that claims a file, ``claim``).
 
 A reader never sees half a file, and a planted link is never written through: the temporary
 file has a random name and is made exclusively (``O_EXCL``) beside the final one, and the
@@ -123,3 +124,11 @@ def write_atomic(
     data = blob.encode() if isinstance(blob, str) else blob
     with atomic_path(final, mode, durable) as tmp, open(tmp, "wb") as f:
         f.write(data)
+
+
+def claim(path: str | os.PathLike[str], to: str | os.PathLike[str]) -> None:
+    """``path`` renamed to ``to``: of several processes claiming one file, exactly one wins, and
+    the others get ``FileNotFoundError`` (a rename is atomic). Not a write into place: the file
+    is whole already; the rename says who took it (the kineto daemon claims a queued config
+    this way before it sends it, so that a rank taking the config back knows it was not sent)."""
+    os.replace(path, to)

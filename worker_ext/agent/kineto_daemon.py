@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import BinaryIO
 
+from coordinator.protocol.atomic_file import claim
 from worker_ext.agent.kineto_ipc import (
     ACTIVITIES,
     CLIENT_PREFIX,
@@ -134,7 +135,7 @@ class Daemon:
         config = ""
         if free:
             with contextlib.suppress(OSError):
-                os.replace(path, sent_path)  # (fails when none is queued)
+                claim(path, sent_path)  # (fails when none is queued)
                 with open(sent_path, encoding="utf-8") as f:
                     config = f.read()
         sent = self._send(addr, reply(config), arrived)
