@@ -93,3 +93,17 @@ def test_a_steep_leak_is_named_by_the_short_span_with_its_node_s_time_left():
     assert metrics.marks and metrics.marks[-1][0]["time_left_s"] == mark["time_left_s"]
     table = render_memory(m)
     assert "or over 6 s at 100 MiB/min" in table and ", node memory gone in " in table
+
+
+def test_a_run_that_ends_before_the_first_pull_is_recorded_with_no_samples():
+    """The record's memory file is made for a short run too (a fresh-clone run failed on a
+    record with no ``memory.msgpack``: its run ended before the watcher's first pull)."""
+    reads = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        watcher, _ = watcher_of([11, 12], reads)
+        got = asyncio.run(watcher.recorded(watcher.shell.run.name))
+        assert got is not None and [r["rank"] for r in got["ranks"]] == [0, 1]
+        assert all(r["samples"] == 0 for r in got["ranks"]), got["ranks"]
+        assert asyncio.run(watcher.recorded("another-run")) is None
+    finally:
+        reads.shutdown()

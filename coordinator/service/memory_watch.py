@@ -290,9 +290,9 @@ class MemoryWatcher:
 
     async def recorded(self, run: str) -> MemoryReply | None:
         """``memory(series=True)`` for run ``run``'s record (``run_recorder``); None while this
-        watcher holds none of it (another run's, or no pull yet while sampling is on)."""
-        off = not self.shell.run.config.memory.sample_s  # (then written once: "it is off")
-        if run == self.run_name == self.shell.run.name and (self._entry is not None or off):
+        watcher holds none of it (another run's). A run that ends before the first pull (a
+        short one) is recorded too: its ranks with no sample, not "memory was not recorded"."""
+        if run == self.run_name == self.shell.run.name:
             return await self.reply(True, None)
         return None
 
