@@ -7,6 +7,7 @@ applies to every module under its prefix; every rule that matches a module must 
 from __future__ import annotations
 
 import ast
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,12 +64,12 @@ RULES = (
     ),
     Rule(
         "worker_ext.attach",
-        ("trainers.attach_hook", "coordinator.core.attach", "worker_ext.agent.kineto_ipc"),
+        ("coordinator.core.attach", "worker_ext.agent.kineto_ipc"),
         ("torch",),
         "Ray's setup hook: the standard library and the config reader (and, for engine "
         "kineto, libkineto's daemon environment, which must be set before torch is imported) "
-        "until the first optimizer step, then the attach hook, which attaches the process as a "
-        "user's loop would",
+        "until the first optimizer step; never trainers, which sit above every worker_ext "
+        "room (the code a worker process runs lives in worker_ext)",
     ),
     Rule(
         "worker_ext.agent",
@@ -127,37 +128,146 @@ def imports(name: str, path: Path) -> set[str]:
     """Every module ``name`` imports, at the top or inside a function, as dotted names (a
     ``from a import b`` counts as ``a`` and ``a.b``)."""
     found: set[str] = set()
+    for base, names in _imported(name, path):
+        found.add(base)
+        found.update(f"{base}.{n}" for n in names)
+    return found
+
+
+def _imported(name: str, path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """Each import of module ``name`` anywhere in its file (a function's body, an ``if
+    TYPE_CHECKING:`` block, ``importlib.import_module("a")`` with a literal) as the module it
+    names and, for ``from a import b, c``, the names taken from it; relative ones resolved."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, tuple[str, ...]]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            found += [(alias.name, ()) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
+            found.append((base, tuple(alias.name for alias in node.names)))
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) in ("importlib.import_module", "import_module")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.append((node.args[0].value, ()))
     return found
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Each module of the project and the project's modules it imports, run-time imports
+    included: ``from a import b`` is an arrow to ``a.b`` where that is a module, else to
+    ``a``; the packages above an imported module (whose ``__init__`` Python runs first) are
+    not arrows, or every module would be in a circle with its package's face."""
+    mods = modules(root)
+    graph: dict[str, set[str]] = {name: set() for name in mods}
+    for name, path in mods.items():
+        for base, names in _imported(name, path):
+            targets = [f"{base}.{n}" for n in names if f"{base}.{n}" in mods]
+            if len(targets) < len(names) or not names:
+                targets.append(base)
+            for target in targets:
+                while target and target not in mods:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def circles(graph: dict[str, set[str]], allowed: Collection[Sequence[str]] = ()) -> list[str]:
+    """Every circle of imports in ``graph``, one line per group of modules that reach each
+    other (a strongly connected component): its shortest circle, ``a -> b -> a``, then the
+    group's other arrows. A group is left out when each of its arrows is an arrow of an
+    ``allowed`` circle (written ``(a, b, ...)`` for ``a -> b -> ... -> a``)."""
+    tolerated = {(c[i], c[(i + 1) % len(c)]) for c in allowed for i in range(len(c))}
+    out = []
+    for group in _strong_groups(graph):
+        arrows = {(a, b) for a in group for b in graph[a] if b in group}
+        if arrows <= tolerated:
+            continue
+        circle = _circle_through(min(group), group, graph)
+        rest = sorted(arrows - set(zip(circle, circle[1:], strict=False)))
+        more = f" (and {', '.join(f'{a} -> {b}' for a, b in rest)})" if rest else ""
+        out.append(" -> ".join(circle) + more)
+    return sorted(out)
+
+
+def _strong_groups(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The groups of two or more modules that each reach every other (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def _circle_through(start: str, group: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """The shortest way from ``start`` back to itself inside ``group``."""
+    before: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        v = todo.pop(0)
+        for w in sorted(graph[v] & group):
+            if w == start:
+                path = [v]
+                while path[-1] != start:
+                    path.append(before[path[-1]])
+                return [*reversed(path), start]
+            if w not in before:
+                before[w] = v
+                todo.append(w)
+    raise AssertionError(f"{start} is in no circle")
 
 
 def _within(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
 
 
-def import_violations(root: Path) -> list[str]:
-    """Every import that breaks a rule, as ``module imports X: why``."""
+def import_violations(root: Path, allowed: Collection[tuple[str, str]] = ()) -> list[str]:
+    """Every import, at the top or inside a function, that breaks a rule, as ``module imports
+    X: why``; an ``allowed`` pair ``(module, imported)`` is left out."""
     mods = modules(root)
     out = []
     for name, path in mods.items():
         for imported in sorted(imports(name, path)):
+            if any(name == a and _within(imported, b) for a, b in allowed):
+                continue
             top = imported.split(".")[0]
             for rule in RULES:
                 if not _within(name, rule.room) or any(_within(name, e) for e in rule.exempt):
                     continue
                 ours = top in PACKAGES
-                allowed = any(_within(imported, p) for p in rule.may_import)
-                if ours and not allowed and any(_within(imported, m) for m in mods):
+                may = any(_within(imported, p) for p in rule.may_import)
+                if ours and not may and any(_within(imported, m) for m in mods):
                     out.append(f"{name} imports {imported}: {rule.why or rule.room}")
                 if not ours and top in rule.never:
                     out.append(f"{name} imports {imported}: {rule.why}")

@@ -16,13 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from coordinator.core.schedule import Window
+from coordinator.core.state import CoordinatorState
 from coordinator.core.window_plan import WindowPlan
-
-if TYPE_CHECKING:
-    from coordinator.core.run import Run
 
 Key = tuple[str, int]
 
@@ -156,9 +153,8 @@ def _mine(cap: Capture, rank: int, not_mine: set[int]) -> None:
         not_mine.add(cap.window.index)
 
 
-def apply_misses(run: Run, index: int, misses: dict[Key, str]) -> None:
-    """Window ``index`` is partial for each missed rank, with its reason."""
-    st = run.state
+def apply_misses(st: CoordinatorState, index: int, misses: dict[Key, str]) -> None:
+    """Window ``index`` of a run's state is partial for each missed rank, with its reason."""
     w = st.windows.get(index)
     if w is None:
         return

@@ -11,15 +11,12 @@ import asyncio
 import logging
 from typing import Any
 
-from coordinator.core.run import Run
-from coordinator.core.schedule import Window
 from coordinator.core.validate import (
     MAX_WORLD,
     flag_problem,
     is_int,
     is_number,
     is_rank,
-    span,
     step_problem,
 )
 from coordinator.protocol.replies import (
@@ -27,7 +24,13 @@ from coordinator.protocol.replies import (
     AutoTrigger,
     CancelReply,
     CaptureReply,
-    MissedRank,
+)
+from coordinator.service.capture_rules import (
+    accepted,
+    auto_refused,
+    capture_keys,
+    count_capture,
+    refusal,
 )
 from coordinator.service.rank_calls import fan_out
 from coordinator.service.shell import CONFIGURE_TIMEOUT_S, CaptureRequest, CoordinatorShell, Key
@@ -45,7 +48,7 @@ class Captures:
 
     def __init__(self, shell: CoordinatorShell) -> None:
         self.shell = shell
-        self.spmd = SpmdCaptures(shell, self)
+        self.spmd = SpmdCaptures(shell)
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def request_capture(
@@ -73,7 +76,7 @@ class Captures:
         if spmd_stepping(self.shell):  # ranks that step themselves: through their node agents
             return await self.spmd.plan(req, wait_s)
         async with self.shell.lock:
-            no = self.refusal(req)
+            no = refusal(self.shell, req)
             if no:
                 return self.shell.capture_no(no)
             if self.shell.next_report_waits:
@@ -91,117 +94,24 @@ class Captures:
                 "(is it in a long step, or stalled?); ask again"
             )
 
-    def refusal(self, req: CaptureRequest) -> str | None:
-        """Why ``req`` cannot be planned now, or None."""
-        run, st = self.shell.run, self.shell.run.state
-        tid = st.stepping_trainer
-        if tid is None:
-            return "no trainer is registered with the coordinator"
-        if not run.config.enable:
-            return "profiling is disabled in this coordinator's config"
-        if run.lifecycle == "stopped":
-            return f"no trainer is running: {run.ended_reason}"
-        if run.lifecycle != "running":
-            return f"no trainer is running: trainer {tid!r} has not started"
-        world = st.trainers[tid].ranks
-        if req.ranks is not None:
-            unknown = sorted(set(req.ranks) - set(world))
-            if unknown:
-                return f"unknown ranks {unknown}: trainer {tid!r} has ranks {span(world)}"
-        keys = self.keys(req)
-        down = [r for (t, r) in keys if st.ranks[(t, r)].selected and not st.ranks[(t, r)].active]
-        if req.kind == "auto" and not keys:
-            return "no rank the config selects can profile"
-        if down and req.kind != "auto":  # an auto capture profiles the ranks that can
-            return f"ranks {down} cannot profile: " + "; ".join(
-                f"rank {r} is {st.ranks[(tid, r)].state}" for r in down
-            )
-        idle = [r for t, r in keys if st.trainers[t].spmd and not st.ranks[(t, r)].selected]
-        if idle:  # (no call reaches an SPMD rank to configure it for one window)
-            return (
-                f"ranks {span(idle)} are SPMD ranks the config does not select: they have no "
-                "profiler to record with; select them in the config's roles"
-            )
-        return None
-
-    def keys(self, req: CaptureRequest) -> list[Key]:
-        st = self.shell.run.state
-        tid = st.stepping_trainer
-        assert tid is not None
-        if req.ranks is None:  # every role's selected ranks, so they share the window
-            cfg = self.shell.run.config
-            keys = [
-                (t.trainer_id, r)
-                for t in st.trainers.values()
-                for r in t.ranks
-                if cfg.selects(r, t.role)
-            ]
-        else:  # ranks named by the operator: the stepping trainer's
-            keys = [(tid, r) for r in sorted(set(req.ranks))]
-        if req.kind == "auto":
-            keys = [k for k in keys if st.ranks[k].active]
-        return keys
-
     async def _plan(self, req: CaptureRequest) -> CaptureReply:
         """Plan ``req`` now: the trainer learns of it before it runs another step."""
         run = self.shell.run
-        no = self.refusal(req)
+        no = refusal(self.shell, req)
         if no is None:
             planned = run.plan.request_capture(req.warmup, req.active, req.start_step, req.kind)
             no = planned if isinstance(planned, str) else None
         if no is not None:
-            return self.auto_refused(req, no) if req.kind == "auto" else self.shell.capture_no(no)
+            if req.kind == "auto":
+                return auto_refused(self.shell, req, no)
+            return self.shell.capture_no(no)
         assert not isinstance(planned, str)
-        keys = self.keys(req)
+        keys = capture_keys(self.shell, req)
         await configure_for_capture(self.shell, keys)
         run.capture_ranks[planned.index] = keys
-        self.count(req, planned)
+        count_capture(self.shell, req, planned)
         self.shell.save()
-        return self.accepted(run, planned, keys, [])
-
-    def count(self, req: CaptureRequest, planned: Window) -> None:
-        """A capture was planned: its counter, and an auto capture's trigger."""
-        run = self.shell.run
-        if req.trigger is not None and run.detector is not None:
-            run.auto_triggers[planned.index] = req.trigger
-            run.detector.accepted(req.trigger)
-            run.state.counters["auto_captures"] += 1
-        else:
-            run.state.counters["captures_requested"] += 1
-
-    @staticmethod
-    def accepted(
-        run: Run, planned: Window, keys: list[Key], missed: list[MissedRank]
-    ) -> CaptureReply:
-        """The reply to a planned capture."""
-        return {
-            "accepted": True,
-            "reason": None,
-            "run": run.name,
-            "window": planned.index,
-            "steps": [planned.first, planned.last],
-            "warmup_start": planned.warmup_start,
-            "ranks": [r for _, r in keys],
-            "missed": missed,
-        }
-
-    def auto_refused(self, req: CaptureRequest, why: str) -> CaptureReply:
-        """An auto capture that cannot be planned now (another window is in the way): the
-        detector tries again a little later; nobody waits for this answer."""
-        run = self.shell.run
-        if req.trigger is not None and run.detector is not None:
-            run.detector.refused(req.trigger["step"])
-        run.state.counters["auto_captures_deferred"] += 1
-        return {
-            "accepted": False,
-            "reason": why,
-            "run": run.name,
-            "window": None,
-            "steps": None,
-            "warmup_start": None,
-            "ranks": None,
-            "missed": [],
-        }
+        return accepted(run, planned, keys, [])
 
     def request_auto(self, trigger: AutoTrigger) -> None:
         """The run is slow: ask for an auto capture, planned at the trainer's next waited

@@ -93,7 +93,7 @@ async def run_commands(
             opened.trigger = run.auto_triggers.pop(cmd.window.index, None)
             planned = run.spmd_captures.get(cmd.window.index)
             if planned is not None and planned.missed:  # SPMD ranks that never took it
-                apply_misses(run, cmd.window.index, planned.missed)
+                apply_misses(st, cmd.window.index, planned.missed)
             w = cmd.window.to_dict()
             await send(run, keys, "start_profile", (w, cmd.step), nodes)
             continue

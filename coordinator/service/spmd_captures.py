@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 from coordinator.core.run import Run
 from coordinator.core.schedule import Window
@@ -28,10 +27,14 @@ from coordinator.protocol.names import agent_name
 from coordinator.protocol.plan_board import Board, BoardEntry, board_id, encode_board
 from coordinator.protocol.replies import CaptureReply, MissedRank
 from coordinator.raylink.agents import AgentHandles
+from coordinator.service.capture_rules import (
+    accepted,
+    auto_refused,
+    capture_keys,
+    count_capture,
+    refusal,
+)
 from coordinator.service.shell import CaptureRequest, CoordinatorShell, Key
-
-if TYPE_CHECKING:
-    from coordinator.service.captures import Captures
 
 AGENT_MARGIN_S = 10.0  # beyond the acknowledgement wait: the agent's own answer
 
@@ -39,9 +42,8 @@ AGENT_MARGIN_S = 10.0  # beyond the acknowledgement wait: the agent's own answer
 class SpmdCaptures:
     """Plans and delivers captures for SPMD ranks (see the module docstring)."""
 
-    def __init__(self, shell: CoordinatorShell, captures: Captures) -> None:
+    def __init__(self, shell: CoordinatorShell) -> None:
         self.shell = shell
-        self.captures = captures
         self._agents = AgentHandles()
         self._version = 0
 
@@ -65,12 +67,12 @@ class SpmdCaptures:
             sh.save()
         if posts:
             await self._send(posts, AGENT_MARGIN_S)
-        return self.captures.accepted(run, planned, keys, _missed(misses))
+        return accepted(run, planned, keys, _missed(misses))
 
     def _reserve(self, req: CaptureRequest) -> Window | CaptureReply:
         """Step 1: the planned window, or the refusal."""
         sh, run = self.shell, self.shell.run
-        no = self.captures.refusal(req)
+        no = refusal(sh, req)
         if no is None:
             watch = sh.stall_watch
             since = None if watch.last_at is None else time.monotonic() - watch.last_at
@@ -81,15 +83,15 @@ class SpmdCaptures:
             no = planned if isinstance(planned, str) else None
         if no is not None:
             if req.kind == "auto":
-                return self.captures.auto_refused(req, no)
+                return auto_refused(sh, req, no)
             return sh.capture_no(no)
         assert isinstance(planned, Window)
-        run.capture_ranks[planned.index] = keys = self.captures.keys(req)
+        run.capture_ranks[planned.index] = keys = capture_keys(sh, req)
         run.spmd_captures[planned.index] = PlannedCapture(planned, keys)
         opened = [i for i in run.spmd_captures if i not in run.plan.promised]
         for i in opened[: max(0, len(opened) - MAX_KEPT)]:
             del run.spmd_captures[i]  # (the oldest opened)
-        self.captures.count(req, planned)
+        count_capture(sh, req, planned)
         sh.save()
         return planned
 
@@ -163,7 +165,7 @@ def note_misses(run: Run, planned: PlannedCapture, misses: dict[Key, str]) -> No
     it opens (or now, if it already has)."""
     planned.missed.update(misses)
     if run.state.windows.get(planned.window.index) is not None:
-        apply_misses(run, planned.window.index, misses)
+        apply_misses(run.state, planned.window.index, misses)
 
 
 def _misses(
