@@ -1,0 +1,206 @@
+"""A window's collectives matched across ranks (``coordinator/core/collectives.py``, pure): who
+arrived last and who waited, transfer apart from waiting, nccl-tests' bus bandwidth, clocks set
+against one rank's, and what cannot be matched said, never dropped in silence."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from msgspec.structs import replace
+
+from coordinator.core.collectives import (
+    busbw_factor,
+    kind_of,
+    match_window,
+)
+from coordinator.protocol.collective_replies import RankCollective
+
+MS = 1_000.0  # microseconds
+
+
+def gloo_window(
+    ranks=(0, 1, 2, 3),
+    n=12,
+    late=None,
+    clock=None,
+    transfer=200.0,
+    group="0",
+    first_seq=0,
+    jitter=0.0,
+    kinds=("all_reduce",),
+    group_ranks=(),
+    seed=0,
+):
+    """``n`` blocking collectives of one group as each rank's trace has them (a gloo op: its
+    work is from its arrival to its end): every rank arrives at ``t``, rank ``r`` ``late[r]``
+    later; all leave together at the last arrival plus ``transfer``; rank ``r``'s clock reads
+    ``clock[r]`` more than the reference's; ``jitter`` us of noise on each time."""
+    rng, late, clock = random.Random(seed), late or {}, clock or {}
+    out = {r: [] for r in ranks}
+    for k in range(n):
+        t = 1e12 + k * 50 * MS
+        arrive = {r: t + late.get(r, 0.0) + rng.uniform(0, jitter) for r in ranks}
+        end = max(arrive.values()) + transfer
+        for r in ranks:
+            e = end + rng.uniform(0, jitter) + clock.get(r, 0.0)
+            a = arrive[r] + clock.get(r, 0.0)
+            kind = kinds[k % len(kinds)]
+            out[r].append(
+                RankCollective(group, first_seq + k, kind, 4 << 20, "float32", k // 2, a, e - a, e,
+                               tuple(group_ranks))
+            )  # fmt: skip
+    return out
+
+
+def by_rank(reply):
+    return {p["rank"]: p for p in reply["ranks"]}
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("c10d::allreduce_", "all_reduce"),
+        ("gloo:all_reduce", "all_reduce"),
+        ("allreduce", "all_reduce"),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "all_reduce"),
+        ("_allgather_base", "all_gather"),
+        ("c10d::_reduce_scatter_base_", "reduce_scatter"),
+        ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", "reduce_scatter"),
+        ("c10d::alltoall_", "all_to_all"),
+        ("c10d::broadcast_", "broadcast"),
+        ("c10d::barrier", "barrier"),
+        ("nccl:send", "send"),
+        ("aten::mm", None),
+        ("Optimizer.step#SGD.step", None),
+    ],
+)
+def test_kinds_are_read_from_torch_s_op_kernel_and_nccl_names(name, kind):
+    assert kind_of(name) == kind
+
+
+def test_bus_bandwidth_uses_nccl_tests_factors():
+    assert busbw_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert busbw_factor("all_gather", 4) == pytest.approx(0.75)
+    assert busbw_factor("reduce_scatter", 8) == pytest.approx(7 / 8)
+    assert busbw_factor("broadcast", 8) == 1.0 and busbw_factor("send", 2) == 1.0
+    reply = match_window(gloo_window(transfer=1_000.0))  # 4 MiB in 1 ms
+    c = reply["collectives"][0]
+    assert c["transfer_us"] == pytest.approx(1_000.0)
+    assert c["algbw_gbps"] == pytest.approx((4 << 20) / 1e9 / 1e-3)
+    assert c["busbw_gbps"] == pytest.approx(c["algbw_gbps"] * 1.5)
+
+
+def test_the_rank_slowed_before_its_collectives_arrives_last_and_the_others_wait_its_delay():
+    reply = match_window(gloo_window(late={2: 30 * MS}, jitter=50.0))
+    assert reply["matched"] == 12 and reply["problems"] == []
+    for c in reply["collectives"]:
+        assert c["last_rank"] == 2 and c["ranks"] == [0, 1, 2, 3]
+        assert c["skew_us"] == pytest.approx(30 * MS, rel=0.01)
+        assert c["wait_us"]["0"] == pytest.approx(30 * MS, rel=0.01) and c["wait_us"]["2"] == 0
+        assert c["transfer_us"] == pytest.approx(200.0, abs=60)  # the waiting is not transfer
+    parts = by_rank(reply)
+    assert parts[2]["arrived_last"] == 12 and parts[0]["arrived_last"] == 0
+    assert parts[1]["wait_us"] == pytest.approx(12 * 30 * MS, rel=0.01)
+    assert parts[1]["wait_us_per_step"]["0"] == pytest.approx(2 * 30 * MS, rel=0.01)
+    json.dumps(reply)  # (JSON as it is)
+
+
+def test_below_the_skew_floor_no_rank_is_counted_last():
+    parts = by_rank(match_window(gloo_window(jitter=5.0)))
+    assert all(p["arrived_last"] == 0 for p in parts.values())
+
+
+def test_a_rank_whose_clock_is_seconds_off_is_set_by_its_offset_and_the_answers_do_not_change():
+    plain = match_window(gloo_window(late={1: 8 * MS}, jitter=40.0))
+    shifted = match_window(gloo_window(late={1: 8 * MS}, jitter=40.0, clock={3: 4.2e6}))
+    assert shifted["problems"] == []
+    assert by_rank(shifted)[3]["clock_offset_us"] == pytest.approx(4.2e6, abs=3 * MS)
+    for a, b in zip(plain["collectives"], shifted["collectives"], strict=True):
+        assert a["last_rank"] == b["last_rank"] == 1
+        for r in "0123":
+            assert b["wait_us"][r] == pytest.approx(a["wait_us"][r], abs=100)
+
+
+def test_within_one_node_a_small_offset_is_jitter_and_across_nodes_it_is_corrected():
+    window = gloo_window(clock={1: 400.0}, jitter=30.0)
+    same = match_window(window, nodes={0: "a", 1: "a", 2: "a", 3: "a"})
+    assert by_rank(same)[1]["clock_offset_us"] == 0.0
+    assert by_rank(same)[1]["clock_spread_us"] is not None
+    other = match_window(window, nodes={0: "a", 1: "b", 2: "a", 3: "a"})
+    assert by_rank(other)[1]["clock_offset_us"] == pytest.approx(400.0, abs=40)
+    assert all(c["skew_us"] < 60 for c in other["collectives"])  # (not 400: its clock, set)
+
+
+def test_subset_groups_are_matched_within_their_group_and_clocks_chain_through_them():
+    window = {r: [] for r in range(4)}
+    for group, ranks, late in (("tp0", (0, 1), {1: 5 * MS}), ("tp1", (2, 3), {2: 7 * MS}),
+                               ("dp0", (0, 2), {}), ("dp1", (1, 3), {})):  # fmt: skip
+        part = gloo_window(ranks, n=4, late=late, group=group, group_ranks=ranks,
+                           clock={3: 2e6} if 3 in ranks else {})  # fmt: skip
+        for r, cs in part.items():
+            window[r] += cs
+    reply = match_window(window)
+    assert reply["problems"] == [] and reply["matched"] == 16
+    last = {(c["group"], c["last_rank"]) for c in reply["collectives"]}
+    assert ("tp0", 1) in last and ("tp1", 2) in last
+    assert all(len(c["ranks"]) == 2 for c in reply["collectives"])
+    assert by_rank(reply)[3]["clock_offset_us"] == pytest.approx(2e6, abs=MS)
+
+
+def test_ranks_whose_counts_disagree_are_matched_as_far_as_they_agree_and_the_rest_said():
+    window = gloo_window(late={3: 3 * MS})
+    window[1] = window[1][:9]  # rank 1's window cut short
+    reply = match_window(window)
+    assert reply["matched"] == 12
+    assert [c["missing"] for c in reply["collectives"]][-3:] == [[1], [1], [1]]
+    assert reply["collectives"][-1]["ranks"] == [0, 2, 3]
+    assert reply["problems"] == [
+        "group 0: rank 1 lacks 3 of its 12 collectives (9-11); the others matched without it"
+    ]
+
+
+def test_bad_input_is_said_line_by_line_and_the_rest_still_answers():
+    window = gloo_window(ranks=(0, 1, 2), late={0: 2 * MS}, group_ranks=(0, 1, 2, 5))
+    bad = window[2][0]
+    window[2][0] = RankCollective("0", 0, "all_reduce", 1, "float32", 0, bad.arrive_us,
+                                  10.0, bad.arrive_us - 5)  # fmt: skip
+    window[4] = []  # a rank whose trace has no collective
+    window[6] = gloo_window(ranks=(6,), group="lonely")[6]  # one rank of a group
+    kinds = gloo_window(ranks=(0, 1), group="odd", kinds=("all_reduce", "broadcast"))
+    window[0] += kinds[0]
+    one, two = kinds[1][:2]  # rank 1 ran them in the other order: its sequence numbers differ
+    window[1] += [replace(two, seq=0), replace(one, seq=1)] + kinds[1][2:]
+    reply = match_window(window)
+    said = "\n".join(reply["problems"])
+    assert "rank 2: 1 collective(s) with times that cannot be a collective's" in said
+    assert "group 0: ranks 5 of the group were not recorded in this window" in said
+    assert "ranks 4: no collective in their traces" in said
+    assert "group lonely: only rank 6 recorded it; nothing to match" in said
+    assert "group odd: the ranks disagree on the kind of collectives 0-1" in said
+    group0 = [c for c in reply["collectives"] if c["group"] == "0"]
+    assert len(group0) == 12 and group0[0]["ranks"] == [0, 1] and group0[1]["last_rank"] == 0
+    assert len([c for c in reply["collectives"] if c["group"] == "odd"]) == 10
+
+
+def test_a_window_with_no_collectives_answers_empty():
+    reply = match_window({0: [], 1: []})
+    assert reply["collectives"] == [] and reply["matched"] == 0 and reply["problems"] == []
+    assert [p["wait_us"] for p in reply["ranks"]] == [0.0, 0.0]
+
+
+def test_the_list_is_bounded_to_the_largest_skews_and_every_one_is_counted():
+    late = {1: 1 * MS}
+    window = gloo_window(n=40, late=late)
+    for k in (7, 21):  # two collectives where rank 1 is 20 ms late
+        for r in window:
+            c = window[r][k]
+            if r == 1:
+                window[r][k] = replace(
+                    c, arrive_us=c.arrive_us + 19 * MS, end_us=c.end_us + 19 * MS
+                )
+    reply = match_window(window, shown=2)
+    assert reply["matched"] == 40 and reply["shown"] == 2
+    assert [c["seq"] for c in reply["collectives"]] == [7, 21]
+    assert by_rank(reply)[1]["arrived_last"] == 40
