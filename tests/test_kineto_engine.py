@@ -94,6 +94,14 @@ def test_a_late_config_is_a_partial_window_that_says_so(tmp_path, kdir):
                for e in out["errors"]), out["errors"]  # fmt: skip
 
 
+def test_a_loop_s_end_waits_until_libkineto_wrote_its_last_window(tmp_path, kdir):
+    # libkineto writes from the rank's process, on a thread that wakes once a second: a
+    # process that ends at once after its last window (a Ray Train worker) would lose it.
+    plan = {"steps": 14, "sleep_s": 0.1, "finish_s": 30, "windows": [["kineto", 0, 11, 13]]}
+    out = run(tmp_path, kdir, plan)
+    assert out["unwritten"] == [] and [s["steps"] for s in out["summaries"]] == [[11, 13]], out
+
+
 def test_the_user_s_own_torch_profiler_is_detected_and_training_goes_on(tmp_path, kdir):
     # Window 1's warm-up lasts 18 steps of 0.1 s: its config's lead must outlast libkineto's
     # poll (1 s) and the hand-off under load, or it starts late (a schedule with warm-up of

@@ -375,6 +375,9 @@ def print_status(status: dict[str, Any]) -> None:
                 f"{f', busy {busy:.1f} ms/step' if busy is not None else ''}"
                 f" -> {part['trace_dir']}"
             )
+            for r, t in sorted(part["traces"].items()):  # a rank's trace lost: why
+                if t["error"]:
+                    print(f"      rank {r}: no trace: {t['error']['message']}")
 
 
 def print_kernels(kernels: dict[str, Any]) -> None:

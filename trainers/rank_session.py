@@ -45,6 +45,7 @@ from worker_ext.rank.board_reader import BoardReader
 from worker_ext.rank.step_file import keep_last_steps
 
 log = logging.getLogger(__name__)
+FINISH_S = 30.0  # the most the loop's end waits for traces its process still writes
 _ATTACHED: dict[int, RankSession] = {}  # pid -> the session attached in this process (one)
 _ATTACHED_LOCK = threading.Lock()
 _clock = time.perf_counter
@@ -276,6 +277,8 @@ class RankSession:
         if self._plan is None or self.disabled_reason:
             return
         self._run(self._plan.stop(), self._last_step)
+        if self._profiler is not None:  # (engine kineto: libkineto writes from this process)
+            self._profiler.finish(FINISH_S)
         if self.rank == 0 and end_run:
             _end_run(self)
         reports = self._reports

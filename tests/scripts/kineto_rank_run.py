@@ -5,8 +5,10 @@
 The plan: ``{"steps": N, "sleep_s": s, "windows": [[engine, warmup_start, first, last], ...],
 "user_profiler_at": k | null}``. Each window is run by a rank profiler of its engine (the local
 agent plays the daemon); a ``torch.profiler`` of the script's own runs during step
-``user_profiler_at``. Prints one JSON line: every summary, failure, skip and agent error, and
-the files left in the run directory.
+``user_profiler_at``; with ``"finish_s"``, the profilers' ``finish`` is called after the last
+step, as a loop's end does, and the windows libkineto had still not written are said. Prints
+one JSON line: every summary, failure, skip and agent error, and the files left in the run
+directory.
 """
 
 from __future__ import annotations
@@ -82,6 +84,10 @@ def main(run_dir: str, plan: dict) -> None:
         time.sleep(plan["sleep_s"])
         for rp in profilers.values():
             keep(rp.step(k))
+    if plan.get("finish_s") is not None:  # as a loop's end does: then what is left unwritten
+        for rp in profilers.values():
+            rp.finish(plan["finish_s"])
+        out["unwritten"] = sorted(i for rp in profilers.values() for i in (rp._writing or {}))
     for rp in profilers.values():
         keep(rp.wait_for_summaries(90))
     out["files"] = sorted(

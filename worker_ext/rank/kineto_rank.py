@@ -19,7 +19,7 @@ libkineto takes a config only while it neither records nor writes, and asks once
 at a scheduled window's end the rank posts the next scheduled window's config itself
 (``_post_ahead``), which libkineto takes at its first poll after this trace is written. A
 window whose config libkineto never got by its end is taken back and lost, with why and the gap
-the schedule needs (``_lost_why``).
+the schedule needs (``lost_why``).
 """
 
 from __future__ import annotations
@@ -172,6 +172,28 @@ class _Ended:
     index: int
     at: float  # wall clock
     log_file: str
+
+
+def lost_why(w: Window, run: _Run, prev: _Ended | None, step_s: float | None) -> str:
+    """Why libkineto never got window ``w``'s config (``prev``: the window it last wrote, if
+    any; ``step_s``: a step's time lately), and the gap the schedule needs."""
+    step = f"{step_s:.2f} s" if step_s is not None else "a step"
+    now = time.time()
+    if run.behind and prev is not None:
+        need = now - prev.at + POLL_S
+        return (
+            f"lost: window {w.index}'s config never reached libkineto before the window "
+            f"ended: libkineto was still writing window {prev.index}'s trace when it "
+            f"started, takes one config at a time and asks for one every {POLL_S} s; "
+            f"engine 'kineto' needs at least about {need:.1f} s between a window's last step "
+            f"and the next one's first (wait + warmup steps of {step} each)"
+        )
+    return (
+        f"lost: window {w.index}'s config never reached libkineto before the window ended "
+        f"({now - run.started_at:.1f} s after its start): libkineto asks for one every "
+        f"{POLL_S} s; engine 'kineto' needs a window's warm-up and recorded steps (of {step} "
+        f"each) to last at least about {2 * POLL_S} s"
+    )
 
 
 class KinetoRankProfiler(RankProfiler):
@@ -365,6 +387,20 @@ class KinetoRankProfiler(RankProfiler):
                 )
                 self._cancel_file(log_file, why)
 
+    def finish(self, timeout_s: float) -> None:
+        """Up to ``timeout_s`` until libkineto wrote every ended window's trace: it writes them
+        from this process, on a thread that wakes once a second, so a process that ends
+        sooner (a Ray Train worker, a few steps after its last window) loses them."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._watch_writing(False)
+            if not self._writing or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)  # (libkineto writes a file, it signals nothing)
+        if self._writing:
+            log.warning("rank %d: libkineto had not written windows %s after %.0f s",
+                        self.rank, sorted(self._writing), timeout_s)  # fmt: skip
+
     def _stop_if_open(self) -> None:
         if isinstance(self._prof, _Run):
             self._end(partial=True)
@@ -381,7 +417,7 @@ class KinetoRankProfiler(RankProfiler):
         if not run.submitted:
             self._cancel(run, f"window {w.index} ended before libkineto counted an iteration")
         elif not self._taken(run):
-            self._cancel(run, self._lost_why(w, run))
+            self._cancel(run, lost_why(w, run, self._ended, self._step_s))
         else:
             self._let_libkineto_write(w, run)
         self._closed = ClosedWindow(
@@ -416,26 +452,6 @@ class KinetoRankProfiler(RankProfiler):
         self._ended = _Ended(w.index, time.time(), run.log_file)
         with contextlib.suppress(OSError):
             write_atomic(ended_path(run.log_file), b"")
-
-    def _lost_why(self, w: Window, run: _Run) -> str:
-        """Why libkineto never got window ``w``'s config, and the gap the schedule needs."""
-        step = f"{self._step_s:.2f} s" if self._step_s is not None else "a step"
-        prev, now = self._ended, time.time()
-        if run.behind and prev is not None:
-            need = now - prev.at + POLL_S
-            return (
-                f"lost: window {w.index}'s config never reached libkineto before the window "
-                f"ended: libkineto was still writing window {prev.index}'s trace when it "
-                f"started, takes one config at a time and asks for one every {POLL_S} s; "
-                f"engine 'kineto' needs at least about {need:.1f} s between a window's last step "
-                f"and the next one's first (wait + warmup steps of {step} each)"
-            )
-        return (
-            f"lost: window {w.index}'s config never reached libkineto before the window ended "
-            f"({now - run.started_at:.1f} s after its start): libkineto asks for one every "
-            f"{POLL_S} s; engine 'kineto' needs a window's warm-up and recorded steps (of {step} "
-            f"each) to last at least about {2 * POLL_S} s"
-        )
 
     def _cancel(self, run: _Run, why: str) -> None:
         """Tell the agent this window's trace will not come, and why."""

@@ -140,6 +140,10 @@ class RankProfiler:
         """Stop the open window now as a partial window; a no-op when none is open."""
         return self._guarded("stop_window", self._stop_if_open)
 
+    def finish(self, timeout_s: float) -> None:
+        """Before this process ends: up to ``timeout_s`` for what only it can still write
+        (nothing here: torch wrote each window's trace at the window's end)."""
+
     def wait_for_summaries(self, timeout_s: float) -> RankReply:
         """Wait up to ``timeout_s`` for pending summaries, then return the status."""
         self.hand_off.wait(timeout_s)
