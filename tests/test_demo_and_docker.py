@@ -126,6 +126,16 @@ def test_the_attach_demo_profiles_a_job_that_imports_nothing_of_ours(tmp_path):
     assert "  attached.PolicyWorker rank 1: ok, windows 2" in out
     assert "== top kernels, policy, window 1 steps [7, 8], ranks [0, 1]" in out
     assert "Optimizer.step#Adam.step" in out
+    # rank 0's last steps came from its node agent after its process was killed; the run ends
+    # with the demo's job (issue 54 item 5), and its record says so
+    assert ", run stopped (the run stopped at step 16)" in out and "\nglobal step 16," in out
+    assert "; 15 steps seen" in out, out
+    cli = [sys.executable, "-m", "coordinator", "status", "--from", str(tmp_path / "at" / "record"),
+           "--json"]  # fmt: skip
+    done = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, check=True)
+    got = json.loads(done.stdout)
+    assert (got["global_step"], got["run"]["lifecycle"], got["record"]["steps"]) == (
+        16, "stopped", 15)  # fmt: skip
 
 
 def test_demo_config_file_and_flags(tmp_path):

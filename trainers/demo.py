@@ -302,6 +302,8 @@ def run_attached(args: argparse.Namespace, cfg: ProfilerConfig) -> int:
             print("no coordinator: no process attached (see the workers' logs)")
             return 1
         wait_for_step(coordinator, len(losses))  # (rank 0's losses: one an optimizer step)
+        if args.address is None:
+            end_with_this_job(coordinator)
         report(coordinator, args.top_k)
         if args.address is None:
             ray.kill(coordinator)
@@ -320,6 +322,17 @@ def wait_for_step(coordinator: Any, step: int, timeout_s: float = 30.0) -> None:
             print(f"the run has not reached optimizer step {step} after {timeout_s:.0f} s")
             return
         time.sleep(0.2)
+
+
+def end_with_this_job(coordinator: Any) -> None:
+    """The job is this driver, and its cluster ends with it: no coordinator is left to see the
+    job's end (``rank_exits``), so the run ends here, before the record is flushed. (On a
+    cluster that outlives the driver, ``--address``, the coordinator ends it with the job.)"""
+    import ray
+
+    trainer = ray.get(coordinator.status.remote())["run"]["stepping_trainer"]
+    if trainer is not None:
+        ray.get(coordinator.stop.remote(trainer))
 
 
 def report(coordinator: Any, top_k: int) -> None:
@@ -350,11 +363,13 @@ def report(coordinator: Any, top_k: int) -> None:
 
 def print_status(status: dict[str, Any]) -> None:
     """The status summary: the step, every rank, every window with each role's part."""
-    c = status["counters"]
+    c, run = status["counters"], status["run"]
+    ended = f" ({run['ended_reason']})" if run["ended_reason"] else ""
     print("\n== profiler status ==")
     print(
         f"global step {status['global_step']}, phase {status['phase']}, "
-        f"windows closed {len(status['windows'])}, worker RPCs {c.get('worker_rpcs', 0)}"
+        f"windows closed {len(status['windows'])}, worker RPCs {c.get('worker_rpcs', 0)}, "
+        f"run {run['lifecycle']}{ended}"
     )
     for r in status["ranks"]:
         why = f" ({r['reason']['message']})" if r.get("reason") else ""
