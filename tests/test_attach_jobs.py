@@ -303,3 +303,48 @@ def test_an_attached_job_that_slows_down_is_captured_by_itself_on_every_rank(hea
     assert w["trigger"]["ratio"] > 1.5 and w["trigger"]["step"] >= 60, w["trigger"]
     kill = f"import ray; ray.init(); ray.kill(ray.get_actor({name!r}, namespace='profiler'))"
     subprocess.run([sys.executable, "-c", kill], env=head["env"], timeout=120, check=True)
+
+
+LAST = """
+import json, subprocess, sys, time, ray
+ray.init(address="auto", log_to_driver=False)
+coord = ray.get_actor(sys.argv[1], namespace="profiler")
+t0, deadline = time.monotonic(), time.monotonic() + 120
+while ray.get(coord.status.remote())["run"]["lifecycle"] == "running":
+    assert time.monotonic() < deadline, "the run did not end with its job"
+    time.sleep(0.2)
+ended_s = time.monotonic() - t0
+st = ray.get(coord.status.remote())
+seen = ray.get(coord.phase_times.remote(last=1000))["steps_seen"]
+record = ray.get(coord.flush_record.remote(30.0))
+ray.kill(coord)
+cli = [sys.executable, "-m", "coordinator", "status", "--from", record["dir"], "--json"]
+recorded = json.loads(subprocess.run(cli, capture_output=True, text=True, check=True).stdout)
+print(json.dumps({"status": st, "seen": seen, "recorded": recorded, "ended_s": ended_s},
+                 default=str))
+"""
+
+
+def test_an_attached_job_s_last_steps_and_end_reach_its_run_and_its_record(head, tmp_path):
+    """16 global steps of 2 optimizer steps as fast as they go; the driver kills its actors
+    (``ray.kill``: nothing runs in them) and exits. Rank 0's node agent reports the steps it
+    had not reported, and the run ends with the job, in seconds (the stall threshold, 300 s,
+    plays no part), in ``status()`` and in the record."""
+    name = "attach-last"
+    config = f"{{enable: true, save_path: {tmp_path / 'p'}, {SCHEDULE}, stall_min_s: 300, " \
+             f"attach: {{name: {name}}}}}"  # fmt: skip
+    _run(head, ["tests.scripts.attach_job", "single", str(tmp_path / "job"), "--hook"], tmp_path,
+         config, PACE_S="0", GLOBAL_STEPS="16")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", LAST, name], cwd=ROOT, env=head["env"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    st, recorded = got["status"], got["recorded"]
+    why = "the job of attached.PolicyWorker ended after step 32"
+    assert (st["global_step"], st["run"]["lifecycle"], st["run"]["ended_reason"]) == (
+        32, "stopped", why), st["run"]  # fmt: skip
+    assert got["seen"] == 31  # (every optimizer step's wall time but the first, spent attaching)
+    assert got["ended_s"] < 60, got["ended_s"]
+    assert (recorded["global_step"], recorded["run"]["lifecycle"]) == (32, "stopped")
+    assert recorded["run"]["ended_reason"] == why and recorded["record"]["steps"] == 31
+    assert st["stalls"] == []
