@@ -1,9 +1,11 @@
 """Who makes the others wait: a window's collectives matched across each group's ranks (pure).
 
-Each rank's summary carries its collectives (``RankCollective``: group, sequence, kind, bytes,
-arrival, work, end). A collective is keyed by (group, sequence): ``Seq`` where the trace has it,
-else its order within the group, as TraceLens's ``NcclAnalyser`` keys them. For each one matched
-on two or more of its group's ranks:
+Each rank's summary carries its collectives (``RankCollective``: group, ``Seq``, kind, bytes,
+arrival, work, end, step) in the order it ran them. A collective is keyed within its group by the
+trace's ``Seq`` where every rank's trace has one (TraceLens's ``NcclAnalyser`` keys them so);
+else by its step and its order among the group's collectives of that step: windows begin and end
+on step boundaries, so a rank whose window was cut short lacks whole steps, and never shifts
+every later collective by one. For each collective matched on two or more of its group's ranks:
 
 - ``last_rank``: the rank that arrived last; ``skew_us``: the latest arrival minus the earliest;
   ``wait_us[r]``: the latest arrival minus rank r's (what r spent waiting for the others);
@@ -11,26 +13,28 @@ on two or more of its group's ranks:
   TraceLens's reading: the rank that waited least was moving data all along);
 - ``algbw_gbps`` = bytes / transfer time and ``busbw_gbps`` = algbw x nccl-tests' factor:
   2(n-1)/n for all_reduce; (n-1)/n for all_gather, reduce_scatter, all_to_all, gather, scatter;
-  1 for broadcast, reduce, send and recv.
+  1 for broadcast, reduce; n is the group's size.
 
 Clocks: every rank leaves a blocking collective at nearly the same instant, so a rank's clock
-offset against the reference rank (the lowest) is the median difference of their ends over the
-window's blocking collectives, with its spread (the median absolute deviation). Groups that share
-no rank with the reference are reached through a rank they share with a group that does. A rank
-on another node is always set by its offset; one on the reference's node (or of an unknown node)
-only when the offset is over ``max(3 x spread, SAME_CLOCK_US)``: one host has one clock, and
-below that the estimate is the ends' own jitter.
+offset against its reference (the lowest rank its blocking collectives link it to, through any
+groups) is the median difference of their ends, with its spread (the median absolute deviation,
+added along the chain). A rank on another node than its reference is always set by its offset;
+one on the same node (or of an unknown node) only when the offset is over
+``max(3 x spread, SAME_CLOCK_US)``: one host has one clock, and below that the estimate is the
+ends' own jitter. Every estimate is reported, applied or not.
 
 Nothing is dropped in silence: ranks whose counts disagree are matched as far as they agree and
 the rest is a line in ``problems``, as is each entry that is not a collective's (an end before
-its arrival), a group naming ranks the window did not record, and a group recorded by one rank.
+its arrival), a step whose ranks ran different numbers of a group's collectives, a group naming
+ranks the window did not record, a group recorded by one rank, and point-to-point ops (send,
+recv: two ranks of a group, keyed by their peers, not matched in this version).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from coordinator.protocol.collective_replies import (
     CollectivesReply,
@@ -41,6 +45,7 @@ from coordinator.protocol.collective_replies import (
 
 # Kinds after which every rank of the group has what the others sent: their ends line up.
 BLOCKING = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "barrier"})
+POINT_TO_POINT = frozenset({"send", "recv"})
 # Within one host the ranks share a clock: an offset below this is the ends' jitter, not a clock.
 SAME_CLOCK_US = 1_000.0
 # A collective whose arrivals spread less than this has no rank that made the others wait (the
@@ -49,32 +54,46 @@ SKEW_FLOOR_US = 10.0
 # The most matched collectives a reply lists (the largest skews kept); every one is counted.
 SHOWN = 500
 
-# Names as torch writes them (NCCL's "Collective name", gloo's op and thread names, c10d's ops),
-# lowercased with "_" removed; the longest match wins, so "reducescatter" is not "scatter".
-_KINDS = (
-    ("allreduce", "all_reduce"),
-    ("reducescatter", "reduce_scatter"),
-    ("allgather", "all_gather"),
-    ("alltoall", "all_to_all"),
-    ("broadcast", "broadcast"),
-    ("barrier", "barrier"),
-    ("gather", "gather"),
-    ("scatter", "scatter"),
-    ("reduce", "reduce"),
-    ("send", "send"),
-    ("recv", "recv"),
-)
+# The names torch writes, lowercased without "_": c10d's ops (``c10d::_allgather_base_``),
+# gloo's (``gloo:all_reduce``), ``nccl:`` record functions, NCCL's kernels
+# (``ncclDevKernel_AllReduce_Sum_f32_RING_LL``: the part before the first "_") and NCCL's
+# "Collective name" argument (``allreduce``, ``_allgather_base``).
+_KINDS = {
+    "allreduce": "all_reduce",
+    "allreducecoalesced": "all_reduce",
+    "allgather": "all_gather",
+    "allgatherbase": "all_gather",
+    "allgathercoalesced": "all_gather",
+    "allgatherintotensorcoalesced": "all_gather",
+    "reducescatter": "reduce_scatter",
+    "reducescatterbase": "reduce_scatter",
+    "reducescattertensorcoalesced": "reduce_scatter",
+    "alltoall": "all_to_all",
+    "alltoallbase": "all_to_all",
+    "broadcast": "broadcast",
+    "barrier": "barrier",
+    "gather": "gather",
+    "scatter": "scatter",
+    "reduce": "reduce",
+    "send": "send",
+    "recv": "recv",
+    "recvanysource": "recv",
+    "sendrecv": "send",
+}
+_PREFIXES = ("c10d::", "gloo:", "nccl:", "nccldevkernel_", "ncclkernel_")
 
 
 def kind_of(name: str) -> str | None:
-    """The collective's kind for an op or kernel name (``c10d::allreduce_``,
-    ``gloo:all_reduce``, ``_allgather_base``, ``ncclDevKernel_AllReduce_Sum_f32_RING_LL``,
-    NCCL's "Collective name" ``allreduce``); None for a name that is no collective."""
-    flat = name.lower().replace("_", "")
-    for part, kind in _KINDS:
-        if part in flat:
-            return kind
-    return None
+    """The collective's kind for an op, kernel or NCCL "Collective name" (module table); None
+    for any other name (``aten::gather`` and ``aten::broadcast_tensors`` are no collectives)."""
+    low = name.strip().lower()
+    for prefix in _PREFIXES:
+        if low.startswith(prefix):
+            rest = low[len(prefix) :].split(" ")[0]
+            if prefix.startswith("nccl") and prefix.endswith("_"):
+                rest = rest.split("_")[0]
+            return _KINDS.get(rest.replace("_", ""))
+    return _KINDS.get(low.replace("_", "")) if "::" not in low and ":" not in low else None
 
 
 def busbw_factor(kind: str, n: int) -> float:
@@ -88,96 +107,134 @@ def busbw_factor(kind: str, n: int) -> float:
     return 1.0
 
 
-Keyed = dict[str, dict[int, dict[int, RankCollective]]]  # group -> seq -> rank -> collective
+Key = tuple[int, int]  # (SEQ, Seq), or (step, order among the group's collectives of the step)
+Keyed = dict[str, dict[Key, dict[int, RankCollective]]]  # group -> key -> rank -> collective
+SEQ = -(2**62)  # (the key's first part when the trace's Seq keys the group)
+NO_STEP = -1  # (a collective outside every step, keyed by its order there)
 
 
 def index(per_rank: Mapping[int, Sequence[RankCollective]], problems: list[str]) -> Keyed:
-    """The window's collectives by group, sequence and rank; an entry that cannot be a
-    collective's (times not finite, work or end before arrival) and a sequence a rank recorded
-    twice are left out, a line for each rank saying how many."""
-    keyed: Keyed = {}
+    """The window's collectives by group, key and rank (module docstring); an entry that
+    cannot be a collective's (times not finite, work or end before arrival), a ``Seq`` a rank
+    recorded twice, and point-to-point ops are left out, a line for each rank saying how many."""
+    kept: dict[int, dict[str, list[RankCollective]]] = {}
     for rank in sorted(per_rank):
-        bad = twice = 0
-        for c in per_rank[rank]:
+        bad = p2p = 0
+        for c in sorted(per_rank[rank], key=lambda c: c.arrive_us):
             times = (c.arrive_us, c.work_us, c.end_us)
             if not all(math.isfinite(t) for t in times) or c.work_us < 0 or c.end_us < c.arrive_us:
                 bad += 1
-                continue
-            at = keyed.setdefault(c.group, {}).setdefault(c.seq, {})
-            if rank in at:
-                twice += 1
-                continue
-            at[rank] = c
+            elif c.name in POINT_TO_POINT:
+                p2p += 1
+            else:
+                kept.setdefault(rank, {}).setdefault(c.group, []).append(c)
         if bad:
             problems.append(
-                f"rank {rank}: {bad} collective(s) with times that cannot be a "
-                "collective's (not finite, or ending before they start) left out"
+                f"rank {rank}: {bad} collective(s) with times that cannot be a collective's "
+                "(not finite, or ending before they start) left out"
             )
-        if twice:
-            problems.append(
-                f"rank {rank}: {twice} collective(s) recorded twice with one "
-                "sequence number: the first kept"
-            )
+        if p2p:
+            problems.append(f"rank {rank}: {p2p} point-to-point op(s) (send, recv) not matched")
+    by_seq = {
+        group: all(c.seq is not None for cs in kept.values() for c in cs.get(group, ()))
+        for group in {g for cs in kept.values() for g in cs}
+    }
+    keyed: Keyed = {}
+    for rank, groups in kept.items():
+        for group, cs in groups.items():
+            twice = _key_rank(keyed.setdefault(group, {}), rank, cs, by_seq[group])
+            if twice:
+                problems.append(
+                    f"rank {rank}: {twice} collective(s) of group {group} recorded twice with "
+                    "one Seq: the first kept"
+                )
     return keyed
 
 
-def members(keyed: Keyed, window: Iterable[int], problems: list[str]) -> dict[str, list[int]]:
-    """Each group's ranks in this window: those its traces name (``group_ranks``), else those
-    that recorded it. Ranks a group names that the window did not record are said."""
+def _key_rank(at: dict[Key, dict[int, RankCollective]], rank: int, cs: list[RankCollective],
+              by_seq: bool) -> int:  # fmt: skip
+    """Rank ``rank``'s collectives of one group (in the order it ran them) under their keys;
+    how many had a ``Seq`` already taken."""
+    twice, order = 0, dict[int, int]()
+    for c in cs:
+        if by_seq:
+            key = (SEQ, int(c.seq or 0))
+        else:
+            step = NO_STEP if c.step is None else c.step
+            key = (step, order.get(step, 0))
+            order[step] = key[1] + 1
+        if rank in at.setdefault(key, {}):
+            twice += 1
+        else:
+            at[key][rank] = c
+    return twice
+
+
+def members(
+    keyed: Keyed,
+    window: Sequence[int],
+    named: Mapping[str, Sequence[int]],
+    problems: list[str],
+) -> dict[str, list[int]]:
+    """Each group's ranks in this window: those the traces' process groups name
+    (``named``), else those that recorded it. Ranks a group names that the window did not record
+    are said; the group's size stays what it names."""
     ranks, out = set(window), {}
-    for group, seqs in sorted(keyed.items()):
-        named = {r for at in seqs.values() for c in at.values() for r in c.group_ranks}
-        seen = {r for at in seqs.values() for r in at}
-        outside = sorted(named - ranks)
+    for group, keys in sorted(keyed.items()):
+        seen = {r for at in keys.values() for r in at}
+        outside = sorted(set(named.get(group, ())) - ranks)
         if outside:
             problems.append(
-                f"group {group}: ranks {_ranges(outside)} of the group were not "
-                "recorded in this window; matched among the ranks that were"
+                f"group {group}: ranks {_ranges(outside)} of the group were not recorded in "
+                "this window; matched among the ranks that were"
             )
-        out[group] = sorted((named & ranks) | seen)
+        out[group] = sorted((set(named.get(group, ())) & ranks) | seen)
     return out
 
 
 def clock_offsets(
     keyed: Keyed, groups: Mapping[str, list[int]], problems: list[str]
-) -> tuple[int | None, dict[int, tuple[float, float | None]]]:
-    """The reference rank and each rank's (offset, spread), microseconds: its clock minus the
-    reference's, from the ends of the blocking collectives it shares with a rank already set
-    (module docstring). A rank no blocking collective links to the reference is (0.0, None),
-    and said."""
-    ranks = sorted({r for g in groups.values() for r in g})
-    if not ranks:
-        return None, {}
-    ref, set_ = ranks[0], {ranks[0]: (0.0, 0.0)}
-    grew = True
-    while grew:  # (each pass sets at least one rank, or stops: at most len(ranks) passes)
-        grew = False
-        for group, seqs in sorted(keyed.items()):
-            known = [r for r in groups[group] if r in set_]
-            for r in groups[group]:
-                if r in set_ or not known:
+) -> dict[int, tuple[int, float, float | None]]:
+    """Each rank's (reference, offset, spread), microseconds: its clock minus its reference's,
+    from the ends of the blocking collectives it shares with a rank already set (module
+    docstring); a rank no blocking collective links to another is its own reference, spread None."""
+    out: dict[int, tuple[int, float, float | None]] = {}
+    for start in sorted({r for g in groups.values() for r in g}):
+        if start in out:
+            continue
+        out[start] = (start, 0.0, 0.0)
+        grew = True
+        while grew:  # (each pass sets a rank or stops: at most as many passes as ranks)
+            grew = False
+            for group, keys in sorted(keyed.items()):
+                known = next((r for r in groups[group] if out.get(r, (None,))[0] == start), None)
+                if known is None:
                     continue
-                est = _offset(seqs, known[0], r)
-                if est is not None:
-                    set_[r] = (set_[known[0]][0] + est[0], est[1])
-                    grew = True
-    unlinked = [r for r in ranks if r not in set_]
-    if unlinked:
+                for r in groups[group]:
+                    est = None if r in out else _offset(keys, known, r)
+                    if est is not None:
+                        base = out[known]
+                        out[r] = (start, base[1] + est[0], (base[2] or 0.0) + est[1])
+                        grew = True
+        if all(r == start or out[r][0] != start for r in out):  # alone: nothing links it
+            out[start] = (start, 0.0, None)
+    refs = sorted({ref for ref, _, _ in out.values() if ref != min(out, default=0)})
+    if out and refs:
         problems.append(
-            f"ranks {_ranges(unlinked)}: no blocking collective links their clocks "
-            f"to rank {ref}'s; their arrivals are read as recorded"
+            f"ranks {_ranges(refs)}: no blocking collective links their clocks to rank "
+            f"{min(out)}'s; each is set against its own reference (clock_reference)"
         )
-    return ref, {r: set_.get(r, (0.0, None)) for r in ranks}
+    return out
 
 
 def _offset(
-    seqs: Mapping[int, Mapping[int, RankCollective]], known: int, rank: int
+    keys: Mapping[Key, Mapping[int, RankCollective]], known: int, rank: int
 ) -> tuple[float, float] | None:
     """Rank ``rank``'s clock minus rank ``known``'s and its spread, from the ends of the
     blocking collectives both recorded; None when they share none."""
     diffs = [
         at[rank].end_us - at[known].end_us
-        for at in seqs.values()
+        for at in keys.values()
         if rank in at and known in at and at[rank].name in BLOCKING
     ]
     if not diffs:
@@ -187,24 +244,20 @@ def _offset(
 
 
 def corrections(
-    offsets: Mapping[int, tuple[float, float | None]],
-    ref: int | None,
-    nodes: Mapping[int, str] | None,
+    offsets: Mapping[int, tuple[int, float, float | None]], nodes: Mapping[int, str] | None
 ) -> dict[int, float]:
     """What to take off each rank's times: its offset, where the module docstring says so."""
     out = {}
-    for r, (off, spread) in offsets.items():
-        other_node = (
-            nodes is not None and ref is not None and r in nodes and ref in nodes
-            and nodes[r] != nodes[ref]
-        )  # fmt: skip
-        if spread is not None and (other_node or abs(off) > max(3 * spread, SAME_CLOCK_US)):
+    for r, (ref, off, spread) in offsets.items():
+        other_node = nodes is not None and r in nodes and ref in nodes and nodes[r] != nodes[ref]
+        judged = spread is not None and r != ref
+        if judged and (other_node or abs(off) > max(3 * (spread or 0.0), SAME_CLOCK_US)):
             out[r] = off
     return out
 
 
 def match_one(
-    group: str, seq: int, at: Mapping[int, RankCollective], size: int, shift: Mapping[int, float]
+    group: str, key: Key, at: Mapping[int, RankCollective], size: int, shift: Mapping[int, float]
 ) -> MatchedCollective:
     """One collective recorded by two or more ranks of its group, matched (module docstring);
     ``shift``: what to take off each rank's times, ``size``: the group's size."""
@@ -218,7 +271,7 @@ def match_one(
     factor = busbw_factor(first.name, size)
     return {
         "group": group,
-        "seq": seq,
+        "seq": key[1],
         "name": first.name,
         "ranks": sorted(at),
         "missing": [],
@@ -235,31 +288,33 @@ def match_one(
 
 def match_window(
     per_rank: Mapping[int, Sequence[RankCollective]],
+    groups: Mapping[str, Sequence[int]] | None = None,
     nodes: Mapping[int, str] | None = None,
     shown: int = SHOWN,
     skew_floor_us: float = SKEW_FLOOR_US,
 ) -> CollectivesReply:
     """A window's collectives matched across each group's ranks, and each rank's part;
-    ``per_rank``: each recorded rank's collectives (a rank with none: an empty list), ``nodes``:
-    each rank's node where known. What could not be matched is in ``problems``."""
+    ``per_rank``: each recorded rank's collectives (a rank with none: an empty list),
+    ``groups``: the ranks of each process group where the traces name them (``pg_config``),
+    ``nodes``: each rank's node where known. What could not be matched is in ``problems``."""
     problems: list[str] = []
     keyed = index(per_rank, problems)
-    groups = members(keyed, per_rank, problems)
-    ref, offsets = clock_offsets(keyed, groups, problems)
-    shift = corrections(offsets, ref, nodes)
+    member = members(keyed, sorted(per_rank), groups or {}, problems)
+    offsets = clock_offsets(keyed, member, problems)
+    shift = corrections(offsets, nodes)
     matched: list[MatchedCollective] = []
-    for group, seqs in sorted(keyed.items()):
-        matched += _match_group(group, seqs, groups[group], shift, problems)
+    for group, keys in sorted(keyed.items()):
+        size = max(len(member[group]), len((groups or {}).get(group, ())))
+        matched += _match_group(group, keys, member[group], size, shift, problems)
     silent = sorted(r for r, cs in per_rank.items() if not cs)
     if silent and keyed:
         problems.append(f"ranks {_ranges(silent)}: no collective in their traces")
     ranks = _rank_parts(matched, per_rank, offsets, shift, skew_floor_us)
     kept = sorted(matched, key=lambda m: -m["skew_us"])[: max(0, shown)]
-    kept.sort(key=lambda m: (m["group"], m["seq"]))
+    kept.sort(key=lambda m: (m["group"], m["step"] if m["step"] is not None else NO_STEP, m["seq"]))
     return {
         "collectives": kept,
         "ranks": ranks,
-        "reference_rank": ref,
         "matched": len(matched),
         "shown": len(kept),
         "problems": problems,
@@ -268,66 +323,107 @@ def match_window(
 
 def _match_group(
     group: str,
-    seqs: Mapping[int, Mapping[int, RankCollective]],
+    keys: Mapping[Key, Mapping[int, RankCollective]],
     member: list[int],
+    size: int,
     shift: Mapping[int, float],
     problems: list[str],
 ) -> list[MatchedCollective]:
     """A group's collectives matched as far as its ranks agree; the rest said."""
-    if len({r for at in seqs.values() for r in at}) < 2:
-        only = sorted({r for at in seqs.values() for r in at})
-        problems.append(f"group {group}: only rank {_ranges(only)} recorded it; nothing to match")
+    seen = sorted({r for at in keys.values() for r in at})
+    if len(seen) < 2:
+        problems.append(f"group {group}: only rank {_ranges(seen)} recorded it; nothing to match")
         return []
-    out, lacking, disagree = [], dict[int, list[int]](), []
-    for seq, at in sorted(seqs.items()):
+    counts = _step_counts(keys)
+    uneven = sorted(s for s, per in counts.items() if len(set(per.values())) > 1)
+    out, lacking, disagree = [], dict[int, int](), []
+    for key, at in sorted(keys.items()):
+        if key[0] != SEQ and key[0] in uneven:
+            continue
         for r in member:
             if r not in at:
-                lacking.setdefault(r, []).append(seq)
+                lacking[r] = lacking.get(r, 0) + 1
         if len({c.name for c in at.values()}) > 1:
-            disagree.append(seq)
+            disagree.append(key)
         elif len(at) >= 2:
-            m = match_one(group, seq, at, len(member), shift)
+            m = match_one(group, key, at, size, shift)
             m["missing"] = [r for r in member if r not in at]
             out.append(m)
-    for r, seqs_ in sorted(lacking.items()):
+    _said(group, len(keys), lacking, uneven, disagree, counts, problems)
+    return out
+
+
+def _step_counts(keys: Mapping[Key, Mapping[int, RankCollective]]) -> dict[int, dict[int, int]]:
+    """Order-keyed steps -> rank -> how many of the group's collectives it ran in the step."""
+    counts: dict[int, dict[int, int]] = {}
+    for (step, _), at in keys.items():
+        if step != SEQ:
+            for r in at:
+                counts.setdefault(step, {})[r] = counts.setdefault(step, {}).get(r, 0) + 1
+    return counts
+
+
+def _said(
+    group: str,
+    total: int,
+    lacking: Mapping[int, int],
+    uneven: list[int],
+    disagree: list[Key],
+    counts: Mapping[int, Mapping[int, int]],
+    problems: list[str],
+) -> None:
+    """The lines for what of a group could not be matched whole."""
+    for r, n in sorted(lacking.items()):
         problems.append(
-            f"group {group}: rank {r} lacks {len(seqs_)} of its {len(seqs)} "
-            f"collectives ({_ranges(seqs_)}); the others matched without it"
+            f"group {group}: rank {r} lacks {n} of its {total} collectives; the others matched "
+            "without it"
+        )
+    for step in uneven:
+        per = ", ".join(f"rank {r}: {n}" for r, n in sorted(counts[step].items()))
+        problems.append(
+            f"group {group}: in step {step} the ranks ran different numbers of its collectives "
+            f"({per}); that step is not matched"
         )
     if disagree:
+        where = ", ".join(_where(k) for k in disagree[:8])
         problems.append(
-            f"group {group}: the ranks disagree on the kind of collectives "
-            f"{_ranges(disagree)} (their orders differ); those are not matched"
+            f"group {group}: the ranks disagree on the kind of {len(disagree)} collective(s) "
+            f"({where}): their orders differ; those are not matched"
         )
-    return out
+
+
+def _where(key: Key) -> str:
+    return f"Seq {key[1]}" if key[0] == SEQ else f"step {key[0]} #{key[1]}"
 
 
 def _rank_parts(
     matched: Sequence[MatchedCollective],
     per_rank: Mapping[int, Sequence[RankCollective]],
-    offsets: Mapping[int, tuple[float, float | None]],
+    offsets: Mapping[int, tuple[int, float, float | None]],
     shift: Mapping[int, float],
     skew_floor_us: float,
 ) -> list[RankCollectives]:
     """Each recorded rank's waits, last arrivals and clock, from the matched collectives."""
-    parts: dict[int, RankCollectives] = {
-        r: {
+    parts: dict[int, RankCollectives] = {}
+    for r in sorted(per_rank):
+        ref, off, spread = offsets.get(r, (r, 0.0, None))
+        parts[r] = {
             "rank": r,
             "collectives": 0,
             "arrived_last": 0,
             "wait_us": 0.0,
             "wait_us_per_step": {},
-            "clock_offset_us": shift.get(r, 0.0),
-            "clock_spread_us": offsets.get(r, (0.0, None))[1],
+            "clock_reference": ref,
+            "clock_offset_us": off,
+            "clock_spread_us": spread,
+            "clock_corrected": r in shift,
         }
-        for r in sorted(per_rank)
-    }
     for m in matched:
+        step = str(m["step"]) if m["step"] is not None else "none"
         for key, wait in m["wait_us"].items():
             p = parts[int(key)]
             p["collectives"] += 1
             p["wait_us"] += wait
-            step = str(m["step"]) if m["step"] is not None else "none"
             p["wait_us_per_step"][step] = p["wait_us_per_step"].get(step, 0.0) + wait
         if m["skew_us"] > skew_floor_us:
             parts[m["last_rank"]]["arrived_last"] += 1
@@ -336,10 +432,10 @@ def _rank_parts(
 
 def _ranges(values: Sequence[int]) -> str:
     """``[1, 2, 3, 7]`` -> ``1-3, 7``."""
-    out: list[str] = []
+    out: list[list[int]] = []
     for v in sorted(values):
-        if out and out[-1].split("-")[-1] == str(v - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        if out and out[-1][-1] == v - 1:
+            out[-1] = [out[-1][0], v]
         else:
-            out.append(str(v))
-    return ", ".join(out)
+            out.append([v])
+    return ", ".join("-".join(map(str, run)) for run in out)

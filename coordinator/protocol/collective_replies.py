@@ -14,26 +14,25 @@ import msgspec
 
 
 class RankCollective(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    """One collective as one rank's trace shows it. Times are microseconds on the rank's own
-    clock (its trace's base plus ``ts``)."""
+    """One collective as one rank's trace shows it, in the order the rank ran them. Times are
+    microseconds on the rank's own clock (its trace's base plus ``ts``)."""
 
     group: str  # the process group's name ("0" for the default group)
-    seq: int  # its ``Seq`` where the trace has one, else its order within the group
+    seq: int | None  # the trace's ``Seq`` for it, where the trace has one
     name: str  # the kind, as ``collectives.kind_of`` names it: all_reduce, broadcast, ...
-    nbytes: int  # the bytes it moves from this rank (its input message)
-    dtype: str
+    nbytes: int  # the size nccl-tests measures it by: the larger of its input and output
+    dtype: str  # (all_gather's output, reduce_scatter's input, all_reduce's buffer)
     step: int | None  # the step it fell in (None: outside every step)
     arrive_us: float  # its start on the calling thread (a GPU rank: its launch)
     work_us: float  # how long its work took (the NCCL kernel; gloo's op)
     end_us: float  # the end of its work
-    group_ranks: tuple[int, ...] = ()  # the group's ranks, where the trace names them
 
 
 class MatchedCollective(TypedDict):
     """One collective matched across the ranks of its group that recorded it."""
 
     group: str
-    seq: int
+    seq: int  # its ``Seq``, or its order among its group's collectives of that step
     name: str
     ranks: list[int]  # the ranks matched, ascending
     missing: list[int]  # ranks of the group that did not record it (a window cut short)
@@ -55,8 +54,10 @@ class RankCollectives(TypedDict):
     arrived_last: int  # of those, how many it arrived last at (with a skew over the floor)
     wait_us: float  # its wait in them, all together
     wait_us_per_step: dict[str, float]  # step (as a string) -> its wait in that step
-    clock_offset_us: float  # its clock minus the reference rank's (0.0: not corrected)
-    clock_spread_us: float | None  # the spread of the estimate (None: not estimated)
+    clock_reference: int  # the rank its clock is estimated against (itself: none links them)
+    clock_offset_us: float  # its clock minus the reference's, as estimated
+    clock_spread_us: float | None  # the spread of that estimate (None: not estimated)
+    clock_corrected: bool  # whether its times were set by the offset before matching
 
 
 class CollectivesReply(TypedDict):
@@ -66,7 +67,6 @@ class CollectivesReply(TypedDict):
 
     collectives: list[MatchedCollective]
     ranks: list[RankCollectives]
-    reference_rank: int | None  # the rank whose clock the others are set against
     matched: int  # collectives matched in all
     shown: int  # of those, how many ``collectives`` lists
     problems: list[str]
