@@ -7,7 +7,7 @@ applies to every module under its prefix; every rule that matches a module must 
 from __future__ import annotations
 
 import ast
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,17 +180,13 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     return graph
 
 
-def circles(graph: dict[str, set[str]], allowed: Collection[Sequence[str]] = ()) -> list[str]:
+def circles(graph: dict[str, set[str]]) -> list[str]:
     """Every circle of imports in ``graph``, one line per group of modules that reach each
     other (a strongly connected component): its shortest circle, ``a -> b -> a``, then the
-    group's other arrows. A group is left out when each of its arrows is an arrow of an
-    ``allowed`` circle (written ``(a, b, ...)`` for ``a -> b -> ... -> a``)."""
-    tolerated = {(c[i], c[(i + 1) % len(c)]) for c in allowed for i in range(len(c))}
+    group's other arrows."""
     out = []
     for group in _strong_groups(graph):
         arrows = {(a, b) for a in group for b in graph[a] if b in group}
-        if arrows <= tolerated:
-            continue
         circle = _circle_through(min(group), group, graph)
         rest = sorted(arrows - set(zip(circle, circle[1:], strict=False)))
         more = f" (and {', '.join(f'{a} -> {b}' for a, b in rest)})" if rest else ""

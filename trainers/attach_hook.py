@@ -14,10 +14,8 @@ than the first step's never touch the profiler (torch.profiler is not safe acros
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -27,39 +25,43 @@ from coordinator.core.attach import CONFIG_ENV, Attach, Identity, identify, read
 from coordinator.core.config import ProfilerConfig
 from coordinator.protocol.names import DEFAULT_NAME, DEFAULT_NAMESPACE
 from trainers.rank_session import RankSession, with_train_storage
-from worker_ext.attach import nothing
+from worker_ext.rank.process_place import actor_rank, dist_rank, process_where, train_rank
 
 log = logging.getLogger(__name__)
 Step = Callable[[Any], None]
 _thread_id = threading.get_ident
 
 
-def first_step(optimizer: Any) -> Step:
-    """Attach this process at its first optimizer step; returns what each later step runs."""
+def first_step(optimizer: Any) -> Step | None:
+    """Attach this process at its first optimizer step; returns what each later step runs, or
+    None when the process is left alone (the hook's own ``nothing`` then: this module never
+    imports the hook, which Ray runs below trainers)."""
     try:
         mapping = read_source(os.environ.get(CONFIG_ENV))
         if not mapping.get("enable") or skyrl_switch(mapping):
-            return nothing  # (off; or SkyRL's profiler calls drive it: trainers.skyrl_profiler)
+            return None  # (off; or SkyRL's profiler calls drive it: trainers.skyrl_profiler)
         cfg = ProfilerConfig.from_dict(with_train_storage(mapping))
     except ValueError as exc:
-        return _refused(str(exc), process_where(), DEFAULT_NAME, DEFAULT_NAMESPACE)
+        _refused(str(exc), process_where(), DEFAULT_NAME, DEFAULT_NAMESPACE)
+        return None
     who = identify(cfg.attach, dist_rank(), train_rank(), actor_rank())
     name, namespace = cfg.attach.name, cfg.attach.namespace
     if isinstance(who, str):
         if cfg.attach.actor_classes is not None and "attach.actor_classes" in who:
             log.info("profiler: not attached: %s", who)  # (left alone, as asked)
-            return nothing
-        return _refused(who, process_where(), name, namespace)
+            return None
+        _refused(who, process_where(), name, namespace)
+        return None
     attached = {**process_where(), "source": who.source, "optimizer": type(optimizer).__name__}
     session = RankSession.attach(
         cfg, who.trainer_id, cfg.attach.role, who.rank, who.world_size, name, namespace, attached
     )
     if _is_off(session):
-        return nothing  # (RankSession said why, once)
+        return None  # (RankSession said why, once)
     done = steps_taken(optimizer) or 1  # (resumed from a checkpoint: its count goes on)
     session.start(first_step=done + 1)  # (this first step was spent attaching)
     if _is_off(session):
-        return nothing
+        return None
     session.keep_last_steps()  # (its process ends with no loop end: its agent reports it)
     log.info("profiler: attached as %s at optimizer step %d, counting %s steps",
              who.describe(), done, attached["optimizer"])  # fmt: skip
@@ -132,10 +134,11 @@ def steps_taken(optimizer: Any, look_at: int = 64) -> int | None:
     return None
 
 
-def skyrl_loaded(module: Any) -> None:
+def skyrl_loaded(module: Any, driven_elsewhere: Callable[[Step], None]) -> None:
     """SkyRL's profiler module has run in this process: with ``attach.skyrl`` on, its
-    ``Profiler`` (what ``build_profiler_from_policy_cfg`` builds) becomes the coordinated one;
-    otherwise it is left as SkyRL ships it."""
+    ``Profiler`` (what ``build_profiler_from_policy_cfg`` builds) becomes the coordinated one,
+    which hands the hook's ``driven_elsewhere`` its optimizer step count; otherwise it is left
+    as SkyRL ships it."""
     try:
         mapping = read_source(os.environ.get(CONFIG_ENV))
         on = bool(mapping.get("enable")) and skyrl_switch(mapping)
@@ -143,9 +146,10 @@ def skyrl_loaded(module: Any) -> None:
         log.error("profiler: SkyRL's profiler is left as it is: %s", exc)
         return
     if on:
-        from trainers.skyrl_profiler import SkyRLProfiler
+        from trainers import skyrl_profiler
 
-        module.Profiler = SkyRLProfiler
+        skyrl_profiler.optimizer_steps_to = driven_elsewhere
+        module.Profiler = skyrl_profiler.SkyRLProfiler
 
 
 def skyrl_switch(mapping: Any) -> bool:
@@ -162,7 +166,7 @@ def tell_problem(coordinator: Any, where: dict[str, Any], problem: str) -> None:
         log.debug("profiler: attach problem not sent: %s", exc)
 
 
-def _refused(problem: str, where: dict[str, Any], name: str, namespace: str) -> Step:
+def _refused(problem: str, where: dict[str, Any], name: str, namespace: str) -> None:
     """Not profiled: one error in this worker's log, and in the coordinator's ``status()``
     when one is running (none is started for it)."""
     log.error("profiler: this process is not profiled (%s); training goes on", problem)
@@ -175,80 +179,7 @@ def _refused(problem: str, where: dict[str, Any], name: str, namespace: str) -> 
         log.debug("profiler: no coordinator %s/%s to tell: %s", namespace, name, exc)
     except Exception as exc:  # (anything else is a fault of ours: said, never raised)
         log.warning("profiler: could not tell coordinator %s/%s: %r", namespace, name, exc)
-    return nothing
 
 
 def _is_off(session: RankSession) -> bool:
     return session.disabled_reason is not None
-
-
-def process_where(who: Identity | None = None) -> dict[str, Any]:
-    """This process: pid, node, job, actor class (and its rank, once known)."""
-    out: dict[str, Any] = {"pid": os.getpid()}
-    try:
-        import ray
-
-        if ray.is_initialized():
-            ctx = ray.get_runtime_context()
-            out["node_id"], out["job_id"] = ctx.get_node_id(), ctx.get_job_id()
-            actor = actor_place(ctx)
-            out["actor_class"] = actor[0] if actor else None
-    except Exception:  # (not in Ray: the pid says enough)
-        pass
-    if who is not None:
-        out["trainer_id"], out["rank"] = who.trainer_id, who.rank
-    return out
-
-
-def dist_rank() -> tuple[int, int] | None:
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank()), int(dist.get_world_size())
-    return None
-
-
-def train_rank() -> tuple[int, int, str] | None:
-    train = sys.modules.get("ray.train")  # (loaded when Ray Train runs this process)
-    if train is None:
-        return None
-    try:
-        ctx = train.get_context()
-        return int(ctx.get_world_rank()), int(ctx.get_world_size()), ctx.get_experiment_name()
-    except Exception:  # not inside a Ray Train worker
-        return None
-
-
-def actor_rank() -> tuple[str, int, int] | None:
-    """(class, index, count) of this actor among the job's live actors of its class, in
-    actor-id order, from Ray's actor table; None outside an actor."""
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    return actor_place(ray.get_runtime_context())
-
-
-def actor_place(ctx: Any) -> tuple[str, int, int] | None:
-    me = ctx.get_actor_id()
-    if me is None:
-        return None
-    table = ray_actor_table(ctx.get_job_id())
-    mine = table.get(me)
-    if mine is None:
-        return None
-    cls = mine["ActorClassName"]
-    peers = sorted(a for a, info in table.items() if info["ActorClassName"] == cls)
-    return cls, peers.index(me), len(peers)
-
-
-@functools.cache
-def ray_actor_table(job_id: str) -> dict[str, dict[str, Any]]:
-    """The job's actors not dead, by id (read once per process: the first step's)."""
-    import ray
-
-    table = ray._private.state.state.actor_table(None)
-    return {
-        aid: info
-        for aid, info in table.items()
-        if info.get("JobID") == job_id and info.get("State") != "DEAD"
-    }

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from coordinator.core.attach import CONFIG_ENV, Attach, identify, read_source
 from coordinator.core.config import ProfilerConfig
-from trainers.attach_hook import actor_rank, dist_rank, process_where
 from trainers.rank_session import RankSession
-from worker_ext import attach as attach_hook
+from worker_ext.rank.process_place import actor_rank, dist_rank, process_where
 
 log = logging.getLogger(__name__)
 SKYRL_FIELDS = ("enable", "ranks", "save_path", "skip_first", "wait", "warmup", "active",
@@ -42,6 +42,10 @@ SKYRL_FIELDS = ("enable", "ranks", "save_path", "skip_first", "wait", "warmup", 
 DUMP_TIMEOUT_S = 60.0
 ALL_ROWS = 100_000
 KEPT_STEPS = 100_000  # global steps whose optimizer step count is kept (a window's span)
+optimizer_steps_to: Callable[[Callable[[Any], None]], None] | None = None
+"""The attach hook's ``driven_elsewhere``, handed over when it swaps SkyRL's ``Profiler`` for
+``SkyRLProfiler`` (never imported: the hook sits below trainers): a profiler built then has the
+process's optimizer steps counted here, not attached."""
 
 
 class SkyRLProfiler:
@@ -57,7 +61,8 @@ class SkyRLProfiler:
         self._after: dict[int, int] = {}  # global step -> optimizer steps done by its end
         if not self.enable:
             return
-        attach_hook.driven_elsewhere(self._optimizer_step)  # (they attach nothing: counted)
+        if optimizer_steps_to is not None:  # (they attach nothing: counted)
+            optimizer_steps_to(self._optimizer_step)
         try:
             self._config = merged_config(config, read_source(os.environ.get(CONFIG_ENV)))
         except ValueError as exc:

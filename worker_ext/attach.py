@@ -161,7 +161,7 @@ def _first(optimizer: Any) -> None:
             return
         from trainers.attach_hook import first_step
 
-        _step = first_step(optimizer)
+        _step = first_step(optimizer) or nothing
 
 
 def _off(why: str) -> None:
@@ -212,7 +212,7 @@ def _skyrl(module: ModuleType) -> None:
     coordinated one (``trainers.skyrl_profiler``)."""
     from trainers.attach_hook import skyrl_loaded
 
-    skyrl_loaded(module)
+    skyrl_loaded(module, driven_elsewhere)
 
 
 WATCHED: dict[str, Callable[[ModuleType], None]] = {
