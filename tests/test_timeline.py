@@ -277,3 +277,36 @@ def test_a_rank_s_overlapping_events_are_a_lane_of_their_thread_named_for_it():
     # the lane right after its thread; every event kept, on process 3
     assert sorted(names, key=order.__getitem__) == [1, track["aten::add_85.0"], track["worker0.0"]]
     assert count["kept"] == 8 and {e["pid"] for e in events} == {3} and steps == {3: 0.0, 4: 100.0}
+
+
+def test_a_flow_event_goes_to_the_lane_of_the_slice_it_binds_to():
+    # kineto's ac2g arrow starts at a cudaLaunchKernel inside Optimizer.step, which crosses
+    # ProfilerStep#3 and so moves to lane 2: its 's' must move too, or Perfetto binds it to
+    # ProfilerStep#3 (or to nothing); an arrow outside the moved slice stays on lane 0
+    from coordinator.core.timeline import rank_process
+
+    def x(name: str, ts: float, dur: float, tid: int = 7) -> dict:
+        return {"ph": "X", "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}
+
+    def flow(ph: str, ts: float, id_: int, tid: int = 7) -> dict:
+        return {"ph": ph, "id": id_, "pid": 7, "tid": tid, "ts": ts, "cat": "ac2g",
+                "name": "ac2g", "bp": "e"}  # fmt: skip
+
+    trace = {"traceEvents": [
+        x("ProfilerStep#3", 0.0, 100.0), x("cudaLaunchKernel", 10.0, 5.0),
+        x("Optimizer.step#Adam.step", 80.0, 50.0), x("cudaLaunchKernel", 85.0, 5.0),
+        x("ProfilerStep#4", 100.0, 100.0), x("aten::add_", 120.0, 8.0),
+        x("gemm", 20.0, 8.0, tid=9), x("gemm", 95.0, 8.0, tid=9),
+        flow("s", 10.0, 1), flow("f", 20.0, 1, tid=9),
+        flow("s", 85.0, 2), flow("f", 95.0, 2, tid=9),
+        flow("s", 90.0, 3), flow("t", 125.0, 3)]}  # fmt: skip
+    events, _, _ = rank_process(trace, label(0), pid=3, origin=0.0)
+    track = {(e["name"], e["ph"], e["ts"]): e["tid"] for e in events if e["ph"] != "M"}
+    moved = track[("Optimizer.step#Adam.step", "X", 80.0)]
+    assert moved != track[("ProfilerStep#3", "X", 0.0)]  # the slice went to a lane
+    assert track[("ac2g", "s", 85.0)] == track[("cudaLaunchKernel", "X", 85.0)] == moved
+    assert track[("ac2g", "s", 90.0)] == moved  # at the launch's end, still in the step
+    # past ProfilerStep#4's start (inside the optimizer's step) with the op there
+    assert track[("ac2g", "t", 125.0)] == track[("aten::add_", "X", 120.0)] != moved
+    assert track[("ac2g", "s", 10.0)] == track[("ProfilerStep#3", "X", 0.0)]
+    assert track[("ac2g", "f", 20.0)] == track[("ac2g", "f", 95.0)] == track[("gemm", "X", 20.0)]

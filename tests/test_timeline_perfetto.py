@@ -27,10 +27,22 @@ LOST = """async () => {
   for (const it = stats.iter({}); it.valid(); it.next())
     rows.push([it.name, it.severity, Number(it.value)]);
   const slices = await trace.engine.query("select count(*) as n from slice");
-  return {lost: rows, slices: Number(slices.firstRow({}).n)};
+  const flowStats = await trace.engine.query(
+    "select name, value from stats where name like 'flow%' and value > 0 order by name");
+  const flowLost = [];
+  for (const it = flowStats.iter({}); it.valid(); it.next())
+    flowLost.push([it.name, Number(it.value)]);
+  const flows = await trace.engine.query(
+    "select o.name as out_name, o.ts as out_ts, i.name as in_name, i.ts as in_ts " +
+    "from flow f join slice o on f.slice_out = o.id join slice i on f.slice_in = i.id");
+  const arrows = [];
+  for (const it = flows.iter({}); it.valid(); it.next())
+    arrows.push([it.out_name, Number(it.out_ts), it.in_name, Number(it.in_ts)]);
+  return {lost: rows, slices: Number(slices.firstRow({}).n), flow_stats: flowLost, arrows};
 }"""
-"""Perfetto's import errors and data losses (its ``#!/info`` page lists the same table), and
-the slices it kept; null until the trace is loaded."""
+"""Perfetto's import errors and data losses (its ``#!/info`` page lists the same table), the
+slices it kept, its flow stats that are not zero, and each arrow's two slices (name, ns);
+null until the trace is loaded."""
 OPEN = """([b64, name]) => {
   const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
   window.app.openTraceFromFile(new File([bytes], name));
@@ -39,7 +51,9 @@ OPEN = """([b64, name]) => {
 
 def hooked_trace(path: str) -> str:
     """A real trace of a small training loop whose profiler steps in the optimizer's step
-    hook: the step spans and the optimizer's spans overlap without nesting."""
+    hook: the step spans and the optimizer's spans overlap without nesting. Every other step
+    runs its forward and backward in a closure that the optimizer's step calls, so autograd's
+    ``fwdbwd`` arrows start and end inside the optimizer's spans, as well as outside them."""
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -51,9 +65,18 @@ def hooked_trace(path: str) -> str:
         on_trace_ready=lambda p: p.export_chrome_trace(path),
     ) as prof:
         hook = opt.register_step_post_hook(lambda *_: prof.step())
-        for _ in range(6):
-            model(torch.randn(32, 64)).sum().backward()
-            opt.step()
+
+        def closure() -> torch.Tensor:
+            loss = model(torch.randn(32, 64)).sum()
+            loss.backward()
+            return loss
+
+        for i in range(6):
+            if i % 2:
+                opt.step(closure)
+            else:
+                closure()
+                opt.step()
             opt.zero_grad()
         hook.remove()
     return path
@@ -132,8 +155,20 @@ def test_the_merged_timeline_imports_in_the_served_perfetto_with_no_error_and_no
             got = perfetto_import(browser, web.url, out)
     finally:
         web.close()
-    assert got["lost"] == []
-    assert got["slices"] == slices(_events(out))  # every complete and instant event
+    assert got["lost"] == [] and got["flow_stats"] == []
+    merged = _events(out)
+    assert got["slices"] == slices(merged)  # every complete and instant event
+    # every arrow kept, and bound to the op that starts where it does (torch's fwdbwd starts
+    # at the forward op and ends at its backward op), inside a lane or not
+    assert sorted(a[1] for a in got["arrows"]) == at_ns(merged, "s")
+    assert sorted(a[3] for a in got["arrows"]) == at_ns(merged, "f")
+    outer = ("ProfilerStep#", "Optimizer.step")
+    assert not [a for a in got["arrows"] if a[0].startswith(outer) or a[2].startswith(outer)]
+
+
+def at_ns(events: list[dict], ph: str) -> list[int]:
+    """The times of the flow events of phase ``ph``, in nanoseconds as Perfetto reads them."""
+    return sorted(round(e["ts"] * 1000) for e in events if e["ph"] == ph)
 
 
 def perfetto_import(browser, url: str, path: str, timeout_s: float = 120.0) -> dict:

@@ -22,7 +22,9 @@ trace. Pure: the caller reads each rank's trace and writes what this returns
   one that starts inside another and ends after it (``slice_drop_overlapping_complete_event``:
   an attached job's ``ProfilerStep#N`` ends inside ``Optimizer.step``, where the optimizer hook
   counts the step). Such an event, and what nests in it, goes to a lane of its own
-  (``overlap_lanes``): one more track of the same thread, named ``thread 9 · lane 2``.
+  (``overlap_lanes``): one more track of the same thread, named ``thread 9 · lane 2``. A flow
+  event (a ``fwdbwd`` or ``ac2g`` arrow's end) goes with the innermost complete event open at
+  its time (``enclosing_lanes``), the slice Perfetto binds it to, so no arrow loses its slice.
 
 >>> t = {"baseTimeNanoseconds": 2_000_000_000, "traceEvents": [
 ...     {"ph": "X", "name": "ProfilerStep#3", "cat": "user_annotation", "pid": 9, "tid": 9,
@@ -195,20 +197,55 @@ def overlap_lanes(spans: list[tuple[int, int]]) -> list[int]:
     return lanes
 
 
+def enclosing_lanes(spans: list[tuple[int, int]], lanes: list[int], times: list[int]) -> list[int]:
+    """For each time, the lane of the innermost of ``spans`` open at it (the latest started,
+    then the shortest; open from its start to its end, both included), 0 where none is: where
+    Perfetto binds a flow event (to the innermost slice open on its track), so an arrow goes
+    to the lane its slice went to.
+
+    >>> enclosing_lanes([(0, 100), (80, 130), (85, 95)], [0, 1, 1], [5, 85, 120, 200])
+    [0, 1, 1, 0]
+    """
+    order = sorted(range(len(spans)), key=lambda i: (spans[i][0], -spans[i][1]))
+    stacks: dict[int, list[tuple[int, int]]] = {}  # per lane, its open spans, innermost last
+    out, k = [0] * len(times), 0
+    for j in sorted(range(len(times)), key=times.__getitem__):
+        t = times[j]
+        while k < len(order) and spans[order[k]][0] <= t:
+            stacks.setdefault(lanes[order[k]], []).append(spans[order[k]])
+            k += 1
+        inner: tuple[int, int] = (-1, 0)  # the innermost open span's (start, -end)
+        for lane, stack in stacks.items():
+            while stack and stack[-1][1] < t:
+                stack.pop()
+            if stack and (stack[-1][0], -stack[-1][1]) > inner:
+                inner, out[j] = (stack[-1][0], -stack[-1][1]), lane
+    return out
+
+
 def _lanes(events: list[dict[str, Any]]) -> list[int]:
-    """Each event's lane on its track (``overlap_lanes``, over the track's complete events in
-    whole nanoseconds, as Perfetto reads them); 0 for an event without a duration."""
-    by_track: dict[tuple[Any, Any], tuple[list[int], list[tuple[int, int]]]] = {}
+    """Each event's lane on its track: a complete event's from ``overlap_lanes`` (over the
+    track's complete events in whole nanoseconds, as Perfetto reads them), a flow event's
+    (``s``, ``t``, ``f``) that of the innermost complete event open at its time
+    (``enclosing_lanes``); 0 for any other event."""
+    tracks: dict[tuple[Any, Any], tuple[list[int], list[tuple[int, int]], list[int]]] = {}
     for i, e in enumerate(events):
-        ts, dur = e.get("ts"), e.get("dur")
-        if e.get("ph") == "X" and _number(ts) and _number(dur):
-            start = round(ts * 1000)
-            members, spans = by_track.setdefault((e.get("pid"), e.get("tid")), ([], []))
+        ts, dur, ph = e.get("ts"), e.get("dur"), e.get("ph")
+        if not _number(ts) or not (ph in ("s", "t", "f") or ph == "X" and _number(dur)):
+            continue
+        members, spans, flows = tracks.setdefault((e.get("pid"), e.get("tid")), ([], [], []))
+        start = round(ts * 1000)
+        if _number(dur) and ph == "X":
             members.append(i)
             spans.append((start, start + max(round(dur * 1000), 0)))
+        else:
+            flows.append(i)
     lanes = [0] * len(events)
-    for members, spans in by_track.values():
-        for i, lane in zip(members, overlap_lanes(spans), strict=True):
+    for members, spans, flows in tracks.values():
+        of_spans = overlap_lanes(spans)
+        times = [round(events[i]["ts"] * 1000) for i in flows]
+        for i, lane in zip(members + flows, of_spans + enclosing_lanes(spans, of_spans, times),
+                           strict=True):  # fmt: skip
             lanes[i] = lane
     return lanes
 
