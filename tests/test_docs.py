@@ -3,6 +3,7 @@ code says (every config field, command, flag and reply), no page is too long to 
 public entry points carry their examples."""
 
 import argparse
+import ast
 import dataclasses
 import doctest
 import re
@@ -91,6 +92,14 @@ def test_every_config_field_is_in_the_reference():
     assert [n for n in names if f"| `{n}` |" not in text] == []
 
 
+def test_a_rule_says_the_limit_not_the_value_it_was_probed_with():
+    text = (ROOT_PATH / "docs" / "reference.md").read_text()
+    rows = [r for r in text.splitlines() if r.startswith("| `")]
+    assert [r for r in rows if str(2**63) in r] == []
+    limited = [r.split("`")[1] for r in rows if r.endswith("; must be at most 2**62 steps |")]
+    assert limited == ["skip_first", "wait", "warmup", "active", "repeat", "max_capture_steps"]
+
+
 def test_every_command_and_flag_is_in_the_reference():
     text = (ROOT_PATH / "docs" / "reference.md").read_text()
     parser = cli.build_parser()
@@ -107,9 +116,24 @@ def test_every_command_and_flag_is_in_the_reference():
 def test_every_reply_type_is_in_the_replies_page():
     text = (ROOT_PATH / "docs" / "replies.md").read_text()
     declared = [
-        name for module in reference.REPLY_MODULES for name, _ in reference._declared(module)
+        name for module in reference.reply_modules() for name, _ in reference._declared(module)
     ]
     assert len(declared) > 50 and [n for n in declared if f"### `{n}`" not in text] == []
+
+
+def test_every_protocol_module_that_declares_a_typeddict_is_on_the_replies_page():
+    # read from the source, not from the generator: a module its search misses fails here
+    text = (ROOT_PATH / "docs" / "replies.md").read_text()
+    declaring = []
+    for path in sorted((ROOT_PATH / "coordinator" / "protocol").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        classes = [c for c in tree.body if isinstance(c, ast.ClassDef)]
+        typed = [c.name for c in classes if "TypedDict" in {ast.unparse(b) for b in c.bases}]
+        if typed:
+            declaring.append(path.stem)
+            assert f"## `coordinator.protocol.{path.stem}`" in text, path.stem
+            assert [n for n in typed if f"### `{n}`" not in text] == [], path.stem
+    assert {"replies", "collective_replies", "timeline"} <= set(declaring)
 
 
 def test_the_glossary_names_the_window_lifecycle_words():

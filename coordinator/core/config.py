@@ -295,7 +295,8 @@ class ProfilerConfig:
         for name in ("skip_first", "wait", "warmup", "active", "repeat", "max_capture_steps"):
             if getattr(self, name) > 2**62:
                 raise ValueError(
-                    f"profiler config: {name!r} is {getattr(self, name)}, beyond 2**62 steps"
+                    f"profiler config: {name!r} must be at most 2**62 steps, "
+                    f"got {getattr(self, name)}"
                 )
         for name, section in SECTIONS.items():
             setattr(self, name, section.from_value(getattr(self, name)).validate())

@@ -36,7 +36,8 @@ def ui_dir() -> Path | None:
 
 def policy(index_html: bytes) -> str:
     """The Content-Security-Policy of the UI's pages: the web view's own ``'self'`` rules,
-    relaxed only where Perfetto needs it (see docs/views.md, "Perfetto, served here").
+    relaxed only where Perfetto needs it (``docs/views.md#the-web-view-and-its-http-api``, its
+    item "Perfetto, served here").
 
     - ``'wasm-unsafe-eval'``: its trace processor is WebAssembly. Not ``'unsafe-eval'``, which
       Perfetto's own policy asks for: its timeline works without it;
