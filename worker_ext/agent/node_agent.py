@@ -294,6 +294,8 @@ class NodeAgent(AgentRPC):
         if lost is not None:
             if job.report_to:
                 await self._notify(job, lost.errors[-1])
+            if job.report_to and job.final_path is not None:  # (else the window waits for it)
+                self._stored(job, lost, lost.errors[-1])
             return lost
         # A kineto window's summary yields the CPU to training (the point of that engine).
         lane = self._summaries if job.kineto is None else self._quiet
@@ -351,15 +353,16 @@ class NodeAgent(AgentRPC):
             res.errors.append(reason("publish", exc))
             return False
 
-    def _stored(self, job: TraceJob, res: JobResult) -> None:
-        """Tell the coordinator where the trace is now, or why it is not (in a batch)."""
+    def _stored(self, job: TraceJob, res: JobResult, lost: Reason | None = None) -> None:
+        """Tell the coordinator where the trace is now, or why it is not (in a batch); ``lost``:
+        why no trace came at all (a kineto window libkineto never wrote)."""
         assert job.report_to is not None
         files = [e for e in res.errors if e["where"] not in ("summary", "publish", "relay")]
         report: dict[str, Any] = {
             "rank": job.rank,
             "window": job.window,
             "path": res.trace_path,
-            "error": files[-1] if files else None,
+            "error": lost or (files[-1] if files else None),
             "local_path": res.local_path,
             "node": self._node,
         }
