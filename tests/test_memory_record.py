@@ -21,12 +21,15 @@ from coordinator.core.config import ProfilerConfig
 from coordinator.core.memory import SERIES_POINTS, MemoryBook
 from coordinator.core.memory_view import culprit_lines, marks, rank_entry
 from coordinator.core.run import new_run
+from coordinator.ops.cli import EXIT_ERROR
+from coordinator.ops.cli import main as cli_main
 from coordinator.ops.recorded import RecordedCoordinator, call, open_record
 from coordinator.protocol.memory_replies import MemoryReply
 from coordinator.service.phase_store import PhaseStore
 from coordinator.service.run_recorder import RunRecorder
 
 MiB = 1 << 20
+NAN, INF = float("nan"), float("inf")
 V1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "record-v1")
 
 
@@ -112,6 +115,25 @@ def test_the_file_is_bounded_however_many_the_ranks_and_the_peaks_stay():
         (lambda raw: raw["ranks"][1]["series"].append([1.0, "a lot"]), "$.ranks[1].series"),
         (lambda raw: raw["ranks"][1].update(series=[[1.0, 1]] * 601), "$.ranks[1].series"),
         (lambda raw: raw.pop("ranks"), "missing required field `ranks`"),
+        (lambda raw: raw["ranks"][1]["growth"].update(since=NAN), "$.ranks[1].growth.since"),
+        (lambda raw: raw["ranks"][1]["growth"].update(since=1e300), "$.ranks[1].growth.since"),
+        (lambda raw: raw["ranks"][1]["growth"].update(bytes_per_min=INF), "bytes_per_min"),
+        (lambda raw: raw["ranks"][1]["growth"].update(time_left_s=-1.0), "time_left_s"),
+        (lambda raw: raw["ranks"][0].update(samples=-5), "$.ranks[0].samples"),
+        (lambda raw: raw["ranks"][0].update(pid=1 << 40), "$.ranks[0].pid"),
+        (lambda raw: raw["ranks"][0].update(last_at=NAN), "$.ranks[0].last_at"),
+        (lambda raw: raw["ranks"][0]["series"].append([NAN, 1]), "$.ranks[0].series"),
+        (lambda raw: raw.update(taken_at=INF), "$.taken_at"),
+        (lambda raw: raw["nodes"]["node-a"].update(at=NAN), "$.nodes"),
+        (lambda raw: raw["snapshots"][0].update(at=-INF), "$.snapshots[0].at"),
+        (
+            lambda raw: raw.update(ranks=[{**raw["ranks"][0], "series": None}] * 31_251),
+            "31251 ranks, over the 31250 read",
+        ),
+        (
+            lambda raw: raw.update(ranks=[{**raw["ranks"][0], "series": [[1.0, 1]] * 600}] * 900),
+            "540000 points in its ranks' series, over the 500000 read",
+        ),
     ],
 )
 def test_a_malformed_memory_file_is_refused_naming_the_field(change, said):
@@ -219,3 +241,69 @@ def test_while_the_run_goes_the_memory_is_made_at_most_every_interval(tmp_path):
 
     asyncio.run(go())
     assert os.path.isfile(os.path.join(run.run_dir, "record", "memory.msgpack"))
+
+
+@pytest.mark.parametrize("since", [NAN, 1e300])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_memory_from_a_record_of_a_nan_or_huge_time_says_so_without_a_traceback(
+    tmp_path, capsys, since, as_json
+):
+    """``memory --from`` on a memory file whose leak began at NaN or 1e300 (ValueError and
+    OverflowError from ``time.localtime`` before, and NaN printed as ``--json``): one line
+    naming the field, the CLI's error exit; the rest of the record still read."""
+    record = tmp_path / "record"
+    shutil.copytree(V1, record)
+    raw = msgspec.msgpack.decode(codec.encode(mr.memory_file(book_reply(), codec.VERSION, 1.0)))
+    raw["ranks"][1]["growth"]["since"] = since
+    (record / "memory.msgpack").write_bytes(msgspec.msgpack.encode(raw))
+    code = cli_main(["memory", "--from", str(record), *(["--json"] if as_json else [])])
+    out, err = capsys.readouterr()
+    assert code == EXIT_ERROR and out == "", out
+    assert "malformed 'memory' file" in err and "$.ranks[1].growth.since" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert cli_main(["status", "--from", str(record), "--json"]) == 0
+    assert [w["index"] for w in json.loads(capsys.readouterr().out)["windows"]] == [4]
+
+
+def test_record_text_is_printed_with_its_control_characters_escaped(tmp_path, capsys):
+    """A record's culprits, reasons, snapshots' paths and errors and node ids may hold escape
+    sequences (anyone who can write ``save_path`` made it): the table prints them escaped,
+    never raw to the reader's terminal."""
+    esc = "\x1b]0;owned\x07\x1b[2J\u202e"
+    reply = book_reply()
+    reply["culprits"] = [f"rank 1 {esc}"]
+    reply["ranks"][0] = {**reply["ranks"][0], "state": "lost", "reason": f"gone {esc}"}
+    reply["snapshots"][0] = {**reply["snapshots"][0], "path": f"/r/{esc}", "error": f"no {esc}"}
+    reply["gpu"] = {f"n{esc}": f"no NVML {esc}"}
+    record = tmp_path / "record"
+    shutil.copytree(V1, record)
+    (record / "memory.msgpack").write_bytes(codec.encode(mr.memory_file(reply, codec.VERSION, 1.0)))
+    assert cli_main(["memory", "--from", str(record)]) == 0
+    out = capsys.readouterr().out
+    for c in "\x1b\x07\u202e":
+        assert c not in out, repr(out)
+    assert out.count("\\x1b]0;owned\\x07") == 6, out
+    for said in (
+        "leak: rank 1 \\x1b",
+        "(gone \\x1b",
+        "/r/\\x1b",
+        "FAILED: no \\x1b",
+        "node n\\x1b",
+    ):
+        assert said in out, (said, out)
+
+
+def test_the_file_keeps_within_the_points_it_may_hold_whatever_the_rank_count():
+    """Past 31,250 ranks the 16 points a rank keeps would pass the 500,000 a reader takes: the
+    file keeps the first ``MAX_RANKS`` ranks, and it reads back."""
+    reply = book_reply(ranks=1)
+    long = [(1e6 + i, 10**9 + i) for i in range(SERIES_POINTS)]
+    reply["ranks"] = [{**reply["ranks"][0], "rank": r, "series": long} for r in range(40_000)]
+    blob = codec.encode(mr.memory_file(reply, codec.VERSION, 3e6))
+    f = codec.decode(blob)
+    assert isinstance(f, mr.MemoryFile) and len(f.ranks) == mr.MAX_RANKS == 31_250
+    assert sum(len(r["series"] or []) for r in f.ranks) <= mr.MAX_POINTS
+    assert {len(r["series"] or []) for r in f.ranks} == {mr.MIN_POINTS}
+    assert mr.oversized(blob) is None
+    double = mr.merged(f, f)  # (a run going on from its record: bounded the same)
+    assert mr.oversized(codec.encode(double)) is None and len(double.ranks) == mr.MAX_RANKS

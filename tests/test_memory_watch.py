@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import time
 from types import SimpleNamespace
 
@@ -18,8 +19,11 @@ from coordinator.core.config import ProfilerConfig
 from coordinator.core.records import RankRecord, TrainerRecord
 from coordinator.core.run import new_run
 from coordinator.ops.memory_table import render_memory
+from coordinator.ops.recorded import RecordedCoordinator, call, open_record
 from coordinator.protocol.names import agent_name
 from coordinator.service.memory_watch import MemoryWatcher
+from coordinator.service.phase_store import PhaseStore
+from coordinator.service.run_recorder import RunRecorder
 from tests.test_memory_sampler import child
 from worker_ext.agent.memory_sampler import MemorySampler, check_watch
 
@@ -41,14 +45,22 @@ class SamplerAgent:
         return await asyncio.get_running_loop().run_in_executor(None, self.sampler.watch, watch)
 
 
-def watcher_of(pids, reads):
-    run = new_run(ProfilerConfig.from_dict({"memory": MEMORY}), set())
+def run_of(pids, save_path=None, taken=()):
+    cfg = {"memory": MEMORY, **({"save_path": str(save_path)} if save_path else {})}
+    run = new_run(ProfilerConfig.from_dict(cfg), set(taken))
     run.lifecycle = "running"
     run.state.trainers["sft"] = TrainerRecord("sft", "policy", list(range(len(pids))), {}, None)
     for r, pid in enumerate(pids):
         run.state.ranks[("sft", r)] = RankRecord("sft", r, True, node_id="node-a", pid=pid)
+    return run
+
+
+def watcher_of(pids, reads, save_path=None):
     metrics = SimpleNamespace(marks=[], memory=lambda m: metrics.marks.append(m))
-    shell = SimpleNamespace(run=run, reads=reads, metrics=metrics, namespace="t", name="c")
+    shell = SimpleNamespace(
+        run=run_of(pids, save_path), previous=[], reads=reads, metrics=metrics, namespace="t",
+        name="c", restored={}, stalls=[], phases=PhaseStore(lambda *a: "", print),
+    )  # fmt: skip
     watcher = MemoryWatcher(shell)
     return watcher, metrics
 
@@ -107,3 +119,48 @@ def test_a_run_that_ends_before_the_first_pull_is_recorded_with_no_samples():
         assert asyncio.run(watcher.recorded("another-run")) is None
     finally:
         reads.shutdown()
+
+
+def test_runs_that_follow_one_another_before_a_pull_each_get_their_last_memory(tmp_path):
+    """Runs A, B, C follow one another with no pull between (issue 54 item 4, a review): A's
+    record gets its memory as it was when B began (its second sample, folded after the
+    recorder's last look at A), and B's, current only between two looks, its ranks with no
+    sample; before, the watcher caught up only at a pull, and both files were lost or stale."""
+    reads = concurrent.futures.ThreadPoolExecutor(1)
+    watcher, _ = watcher_of([11, 12], reads, save_path=tmp_path)
+    shell = watcher.shell
+    a = shell.run
+
+    async def mark(_run):
+        return None
+
+    def sample(at):  # (one sample of rank 0 of A, on the reads thread as a fold adds it)
+        reads.submit(
+            watcher.book.add, ("sft", 0), 11, [(at, 10**9, None, None)], None, "n"
+        ).result()
+
+    async def go():
+        recorder = RunRecorder(shell, mark)  # type: ignore[arg-type]
+        sample(time.time())
+        await recorder.look()  # A running: its memory made (one sample)
+        sample(time.time() + 1)
+        for _ in range(2):  # B begins, ends; C begins: no pull, no look between
+            shell.run.lifecycle = "stopped"
+            shell.previous.append(shell.run)
+            shell.run = run_of([21], tmp_path, taken={r.name for r in shell.previous})
+        assert await recorder.flush(30.0)
+
+    try:
+        asyncio.run(go())
+    finally:
+        reads.shutdown()
+    b = shell.previous[1]
+    assert len({a.name, b.name, shell.run.name}) == 3
+    got = {}
+    for run in (a, b):
+        record = os.path.join(run.run_dir, "record")
+        assert os.path.isfile(os.path.join(record, "memory.msgpack")), run.name
+        got[run.name] = call(RecordedCoordinator(open_record(record)), "memory", series=True)
+    assert [r["samples"] for r in got[a.name]["ranks"]] == [2, 0]
+    assert got[a.name]["run"] == a.name and got[b.name]["run"] == b.name
+    assert [(r["rank"], r["samples"]) for r in got[b.name]["ranks"]] == [(0, 0)]

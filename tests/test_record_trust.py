@@ -236,6 +236,60 @@ print(len(blob), peak, len(real.participants), said)
     assert int(ranks) == 10000
 
 
+@pytest.mark.subprocess
+def test_a_memory_file_of_millions_of_points_is_refused_for_a_few_times_its_size(tmp_path):
+    """A memory file of 30,000 ranks' series of 600 points each (3 bytes a point: ints where
+    floats go), 54 MB under the 64 MiB cap, took 29 s and 1.8 GB to decode (a review of issue
+    54 item 4): its points are counted from the headers and it is refused, in a fresh process,
+    for a few times its size, naming why; a real file of as many points as a file keeps reads,
+    and the costliest file taken (as many ranks and points as a file keeps, 3 bytes a point)
+    costs under 10x its size, under 80 MB."""
+    code = f"""
+import sys, time, tracemalloc
+sys.path[:0] = [{ROOT!r}]
+import msgspec
+from coordinator.core import memory_record as mr, record_codec as codec
+from tests.test_memory_record import book_reply
+reply = book_reply(ranks=1)
+raw = msgspec.msgpack.decode(codec.encode(mr.memory_file(reply, codec.VERSION, 1.0)))
+raw["ranks"] = [{{**raw["ranks"][0], "series": [[1, 1]] * 600}}] * 30_000
+blob = msgspec.msgpack.encode(raw)
+del raw
+import gc; gc.collect()
+tracemalloc.start()
+t0 = time.monotonic()
+try:
+    codec.decode(blob, "memory.msgpack")
+    said = "read"
+except codec.RecordError as exc:
+    said = str(exc)
+took = time.monotonic() - t0
+peak = tracemalloc.get_traced_memory()[1]
+tracemalloc.stop()
+long = [(1e6 + i, 10**9 + i) for i in range(600)]
+reply["ranks"] = [{{**reply["ranks"][0], "rank": r, "series": long}} for r in range(2000)]
+real = codec.decode(codec.encode(mr.memory_file(reply, codec.VERSION, 1.0)))
+raw = msgspec.msgpack.decode(codec.encode(mr.memory_file(reply, codec.VERSION, 1.0)))
+raw["ranks"] = [{{**raw["ranks"][0], "series": [[1, 1]] * 16}}] * mr.MAX_RANKS
+costly = msgspec.msgpack.encode(raw)
+del raw, reply, long
+gc.collect()
+tracemalloc.start()
+taken = codec.decode(costly)
+cost = tracemalloc.get_traced_memory()[1]
+tracemalloc.stop()
+print(len(blob), peak, took, sum(len(r["series"]) for r in real.ranks), len(costly), cost, said)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    size, peak, took, points, costly, cost, said = out.stdout.split(maxsplit=6)
+    assert int(size) > 50 << 20 and float(took) < 5.0, (size, took)
+    assert int(peak) < 2 * int(size), f"{size} bytes took {peak} ({int(peak) / int(size):.1f}x)"
+    assert "18000000 points in its ranks' series, over the 500000 read" in said, said
+    assert int(points) == 500_000
+    assert int(cost) < min(10 * int(costly), 80 << 20), f"{costly} bytes took {cost}"
+
+
 # ------------------------------------------------------------------ two users
 
 

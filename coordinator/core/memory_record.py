@@ -6,7 +6,10 @@ The file is bounded however long the run and however many its ranks: each rank's
 the live one (``RankMemory.series``: bucketed, at most ``SERIES_POINTS``), thinned further so
 that all ranks together keep at most ``MAX_POINTS`` (peaks kept); the last ``MAX_SNAPSHOTS``
 snapshots' notes and ``MAX_BANDS`` windows; every text cut to ``MAX_TEXT``. Its fields are
-checked on read as every record file's are (``record_fields``).
+checked on read as every record file's are (``record_fields``): every float finite and
+non-negative, every time within ``MAX_SECONDS``. A file holding more than ``MAX_RANKS`` ranks
+or ``MAX_POINTS`` points is refused before it is decoded (``memory_counts`` reads them from
+the msgpack headers): the record is data anyone who can write ``save_path`` made.
 
 >>> reply = empty_reply("job")
 >>> f = memory_file(reply, version=1, now=5.0)
@@ -21,7 +24,8 @@ from typing import Annotated, Literal, TypedDict
 import msgspec
 
 from coordinator.core.memory import SERIES_POINTS, Key, thin
-from coordinator.core.record_fields import MAX_KEYS, Name, Node, Path, Rank, RunName, Text
+from coordinator.core.msgpack_head import array_length
+from coordinator.core.record_fields import Name, Node, Path, Rank, RunName, Text
 from coordinator.core.validate import MAX_TEXT
 from coordinator.protocol.memory_replies import (
     MemoryRankEntry,
@@ -35,20 +39,33 @@ MAX_POINTS = 500_000
 """The (t, rss) points of all ranks' series together in one file (about 10 MB)."""
 MIN_POINTS = 16
 """The fewest points a rank's series keeps however many its ranks."""
+MAX_RANKS = MAX_POINTS // MIN_POINTS
+"""The most ranks one file holds (31,250: three times the 10,000-rank scale target); with
+``MIN_POINTS`` each they keep within ``MAX_POINTS`` together."""
 MAX_SNAPSHOTS = 256
 MAX_BANDS = 256
-MAX_NODES = 1 << 16
-Bytes = Annotated[int, msgspec.Meta(ge=0)] | None
-Series = Annotated[list[tuple[float, int]], msgspec.Meta(max_length=SERIES_POINTS)]
+MAX_NODES = 4096
+"""The most nodes (a 10,000-rank run of 8 GPUs a node has 1,250)."""
+MAX_SECONDS = 1e11
+"""The latest time (epoch seconds, about the year 5000) and the longest span a file holds."""
+MAX_RATE = 1e18
+"""The steepest growth a file holds, in bytes a minute (an exabyte)."""
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)]
+"""A time or a span: finite, non-negative (NaN and 1e300 are refused: a table prints it)."""
+Rate = Annotated[float, msgspec.Meta(ge=0, le=MAX_RATE)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Bytes = Count | None
+Pid = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+Series = Annotated[list[tuple[Seconds, Count]], msgspec.Meta(max_length=SERIES_POINTS)]
 
 
 class GrowthFile(TypedDict):
     """``memory_replies.Growth`` as a record holds it."""
 
-    bytes_per_min: float
-    since: float
-    span_s: float
-    time_left_s: float | None
+    bytes_per_min: Rate
+    since: Seconds
+    span_s: Seconds
+    time_left_s: Seconds | None
 
 
 class RankMemoryFile(TypedDict):
@@ -58,7 +75,7 @@ class RankMemoryFile(TypedDict):
     role: Name
     rank: Rank
     node_id: Node | None
-    pid: int | None
+    pid: Pid | None
     state: MemoryState
     reason: Text | None
     rss_bytes: Bytes
@@ -68,8 +85,8 @@ class RankMemoryFile(TypedDict):
     peak_gpu_bytes: Bytes
     growth: GrowthFile | None
     culprit: bool
-    samples: int
-    last_at: float | None
+    samples: Count
+    last_at: Seconds | None
     series: Series | None
 
 
@@ -81,15 +98,15 @@ class SnapshotFile(TypedDict):
     on: Literal["window", "oom", "demand"]
     path: Path | None
     error: Text | None
-    at: float
+    at: Seconds
 
 
 class NodeMemoryFile(TypedDict):
     """``memory_replies.NodeMemory`` as a record holds it."""
 
-    total_bytes: int
-    available_bytes: int
-    at: float
+    total_bytes: Count
+    available_bytes: Count
+    at: Seconds
     source: Literal["host", "cgroup"]
 
 
@@ -99,20 +116,50 @@ class MemoryFile(msgspec.Struct, tag="memory", tag_field="kind"):
 
     version: int
     run: RunName
-    written_at: float
-    sample_s: float
-    leak_span_s: float
-    leak_min_bytes_per_min: float
-    leak_fast_span_s: float
-    leak_fast_min_bytes_per_min: float
-    taken_at: float
-    ranks: Annotated[list[RankMemoryFile], msgspec.Meta(max_length=MAX_KEYS)]
-    culprits: Annotated[list[Text], msgspec.Meta(max_length=MAX_KEYS)]
-    windows: Annotated[list[tuple[int, float, float]], msgspec.Meta(max_length=MAX_BANDS)]
+    written_at: Seconds
+    sample_s: Seconds
+    leak_span_s: Seconds
+    leak_min_bytes_per_min: Rate
+    leak_fast_span_s: Seconds
+    leak_fast_min_bytes_per_min: Rate
+    taken_at: Seconds
+    ranks: Annotated[list[RankMemoryFile], msgspec.Meta(max_length=MAX_RANKS)]
+    culprits: Annotated[list[Text], msgspec.Meta(max_length=MAX_RANKS)]
+    windows: Annotated[list[tuple[Count, Seconds, Seconds]], msgspec.Meta(max_length=MAX_BANDS)]
     gpu: Annotated[dict[Node, Text], msgspec.Meta(max_length=MAX_NODES)]
-    agent_cpu_s: Annotated[dict[Node, float], msgspec.Meta(max_length=MAX_NODES)]
+    agent_cpu_s: Annotated[dict[Node, Seconds], msgspec.Meta(max_length=MAX_NODES)]
     snapshots: Annotated[list[SnapshotFile], msgspec.Meta(max_length=MAX_SNAPSHOTS)]
     nodes: Annotated[dict[Node, NodeMemoryFile], msgspec.Meta(max_length=MAX_NODES)]
+
+
+class _Ranks(msgspec.Struct):
+    """A memory file's ranks, left undecoded (``msgspec.Raw``: a slice of the file)."""
+
+    ranks: msgspec.Raw = msgspec.Raw(b"\x90")
+
+
+class _Series(msgspec.Struct):
+    """A rank's series, left undecoded (its other fields are skipped, nothing made of them)."""
+
+    series: msgspec.Raw = msgspec.Raw(b"\xc0")
+
+
+_RANKS = msgspec.msgpack.Decoder(_Ranks)
+_SERIES = msgspec.msgpack.Decoder(list[_Series])
+
+
+def oversized(blob: bytes) -> str | None:
+    """Why a memory file's bytes hold more than a file may (``MAX_RANKS`` ranks,
+    ``MAX_POINTS`` points in all), counted from the msgpack headers alone before anything is
+    decoded; None when they do not. msgspec's errors pass (the full decode names them)."""
+    ranks = _RANKS.decode(blob).ranks
+    count = array_length(ranks)
+    if count > MAX_RANKS:
+        return f"{count} ranks, over the {MAX_RANKS} read"
+    points = sum(array_length(r.series) for r in _SERIES.decode(ranks)) if count else 0
+    if points > MAX_POINTS:
+        return f"{points} points in its ranks' series, over the {MAX_POINTS} read"
+    return None
 
 
 def empty_reply(run: str) -> MemoryReply:
@@ -128,7 +175,7 @@ def empty_reply(run: str) -> MemoryReply:
 def memory_file(reply: MemoryReply, version: int, now: float) -> MemoryFile:
     """The record's file of ``reply`` (``memory(series=True)``), bounded (module docstring)."""
     ranks = reply["ranks"]
-    per_rank = min(SERIES_POINTS, max(MIN_POINTS, MAX_POINTS // max(1, len(ranks))))
+    per_rank = _per_rank(min(len(ranks), MAX_RANKS))
     return MemoryFile(
         version=version,
         run=reply["run"],
@@ -139,14 +186,19 @@ def memory_file(reply: MemoryReply, version: int, now: float) -> MemoryFile:
         leak_fast_span_s=reply["leak_fast_span_s"],
         leak_fast_min_bytes_per_min=reply["leak_fast_min_bytes_per_min"],
         taken_at=reply["taken_at"],
-        ranks=[_rank_file(r, per_rank) for r in ranks[:MAX_KEYS]],
-        culprits=[c[:MAX_TEXT] for c in reply["culprits"][:MAX_KEYS]],
+        ranks=[_rank_file(r, per_rank) for r in ranks[:MAX_RANKS]],
+        culprits=[c[:MAX_TEXT] for c in reply["culprits"][:MAX_RANKS]],
         windows=[(int(i), a, b) for i, a, b in reply["windows"][-MAX_BANDS:]],
-        gpu={n: why[:MAX_TEXT] for n, why in reply["gpu"].items()},
-        agent_cpu_s=dict(reply["agent_cpu_s"]),
+        gpu={n: why[:MAX_TEXT] for n, why in list(reply["gpu"].items())[:MAX_NODES]},
+        agent_cpu_s=dict(list(reply["agent_cpu_s"].items())[:MAX_NODES]),
         snapshots=[_snapshot_file(s) for s in reply["snapshots"][-MAX_SNAPSHOTS:]],
-        nodes={n: {**m} for n, m in reply["nodes"].items()},
+        nodes={n: {**m} for n, m in list(reply["nodes"].items())[:MAX_NODES]},
     )
+
+
+def _per_rank(ranks: int) -> int:
+    """The points each of ``ranks`` ranks keeps: all of them within ``MAX_POINTS``."""
+    return min(SERIES_POINTS, max(MIN_POINTS, MAX_POINTS // max(1, ranks)))
 
 
 def _rank_file(r: MemoryRankEntry, points: int) -> RankMemoryFile:
@@ -215,8 +267,8 @@ def merged(old: MemoryFile, new: MemoryFile) -> MemoryFile:
     for r in new.ranks:
         was = before.pop((r["trainer_id"], r["rank"]), None)
         ranks.append(r if was is None else _joined(was, r))
-    ranks = [*before.values(), *ranks][-MAX_KEYS:]
-    per_rank = min(SERIES_POINTS, max(MIN_POINTS, MAX_POINTS // max(1, len(ranks))))
+    ranks = [*before.values(), *ranks][-MAX_RANKS:]
+    per_rank = _per_rank(len(ranks))
     bands = {w[0]: w for w in [*old.windows, *new.windows]}
     return msgspec.structs.replace(
         new,

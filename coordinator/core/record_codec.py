@@ -33,7 +33,8 @@ import msgspec
 
 from coordinator.core.aggregate import restored_aggregate, saved_aggregate
 from coordinator.core.marks import WindowProfile
-from coordinator.core.memory_record import MemoryFile
+from coordinator.core.memory_record import MemoryFile, oversized
+from coordinator.core.msgpack_head import array_length
 from coordinator.core.record_fields import (
     MAX_KEYS,
     MAX_TRAINERS,
@@ -237,6 +238,8 @@ def decode(blob: bytes, where: str = "a record file") -> RecordFile:
                 f"{where}: malformed 'window' file ({keys} ranks' keys in its rank sets, over "
                 f"the {MAX_KEYS} read)"
             )
+        if tag.kind == "memory" and (why := oversized(blob)):
+            raise RecordError(f"{where}: malformed 'memory' file ({why})")
         return _DECODER.decode(blob)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise RecordError(f"{where}: malformed {tag.kind!r} file ({exc})") from None
@@ -259,21 +262,7 @@ def window_keys(blob: bytes) -> int:
     """How many keys a window file's rank sets hold together, read from their headers alone
     (nothing of them is decoded: a file of millions of keys costs no more than its size)."""
     sets = _WINDOW_KEYS.decode(blob)
-    return sum(
-        _length(bytes(memoryview(getattr(sets, f))[:5])) for f in _WindowKeys.__struct_fields__
-    )
-
-
-def _length(head: bytes) -> int:
-    """The length of the msgpack array starting with ``head`` (0 for anything else: the full
-    decode names its type)."""
-    if head and 0x90 <= head[0] <= 0x9F:
-        return head[0] & 0x0F
-    if head[:1] == b"\xdc":
-        return int.from_bytes(head[1:3], "big")
-    if head[:1] == b"\xdd":
-        return int.from_bytes(head[1:5], "big")
-    return 0
+    return sum(array_length(getattr(sets, f)) for f in _WindowKeys.__struct_fields__)
 
 
 # ------------------------------------------------------------------ windows

@@ -1,4 +1,7 @@
-"""``ray-profiler memory``: every rank's memory as a table, the leaks named first. Pure."""
+"""``ray-profiler memory``: every rank's memory as a table, the leaks named first. Pure.
+
+Its texts (culprits, reasons, snapshots' paths and errors, node ids) may come from a record
+anyone who can write ``save_path`` made: each is printed through ``printable``."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import time
 from typing import Any
 
 from coordinator.core.memory_view import how_long
+from coordinator.core.printable import printable
 from coordinator.protocol.memory_replies import MemoryReply, SnapshotReply
 
 MiB = 1 << 20
@@ -30,7 +34,7 @@ def render_memory(m: MemoryReply) -> str:
         f"{m['sample_s']:g} s; a leak: steady growth over {m['leak_span_s']:g} s at "
         f"{m['leak_min_bytes_per_min'] / MiB:g} MiB/min or more{steep})"
     ]
-    lines += [f"  leak: {c}" for c in m["culprits"]]
+    lines += [f"  leak: {printable(c)}" for c in m["culprits"]]
     marked = [r for r in m["ranks"] if r["growth"] and not r["culprit"]]
     if marked:
         lines.append(f"  {len(marked)} more ranks grow with the others of their role")
@@ -48,19 +52,19 @@ def render_memory(m: MemoryReply) -> str:
             else (r["state"] if r["state"] != "sampled" else "flat")
         )
         if r["reason"] and r["state"] != "sampled":
-            growth += f" ({r['reason'][:80]})"
+            growth += f" ({printable(r['reason'][:80])})"
         lines.append(
             f"  {r['role'][:10]:<10} {r['rank']:>5} {_mib(r['rss_bytes']):>12} "
             f"{_mib(r['peak_rss_bytes']):>12} {_mib(r['uss_bytes']):>12} "
             f"{_mib(r['gpu_bytes']):>12}  {growth}"
         )
     for node, why in sorted(m["gpu"].items()):
-        lines.append(f"  node {node[:12]}: GPU memory not sampled: {why}")
+        lines.append(f"  node {printable(node[:12])}: GPU memory not sampled: {printable(why)}")
     for s in m["snapshots"][-10:]:
         lines.append(
             f"  snapshot ({s['on']}) rank {s['rank']}: "
-            + (s["path"] or "-")
-            + (f"  FAILED: {s['error']}" if s["error"] else "")
+            + printable(s["path"] or "-")
+            + (f"  FAILED: {printable(s['error'])}" if s["error"] else "")
         )
     return "\n".join(lines)
 
@@ -72,12 +76,12 @@ def render_snapshot(asked: SnapshotReply, written: list[Any]) -> str:
     for a in asked["ranks"]:
         s = done.get((a["trainer_id"], a["rank"]))
         if not a["asked"]:
-            lines.append(f"  rank {a['rank']}: not asked: {a['reason']}")
+            lines.append(f"  rank {a['rank']}: not asked: {printable(str(a['reason']))}")
         elif s is None:
-            lines.append(f"  rank {a['rank']}: asked, no file yet ({a['path']})")
+            lines.append(f"  rank {a['rank']}: asked, no file yet ({printable(a['path'])})")
         else:
             lines.append(
                 f"  rank {a['rank']}: "
-                + (f"FAILED: {s['error']}" if s["error"] else str(s["path"]))
+                + printable(f"FAILED: {s['error']}" if s["error"] else str(s["path"]))
             )
     return "\n".join(lines)

@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from coordinator.core.memory import MemoryBook
@@ -43,6 +44,18 @@ SNAPSHOTS = 256
 MiB = 1 << 20
 
 
+@dataclass
+class _Kept:
+    """The last run's book, kept when the next run began: the recorder makes that run's last
+    memory file from it (a run that ends and is followed before the recorder looks)."""
+
+    run: Any  # (its ``Run``: its trainers and config)
+    book: MemoryBook
+    where: dict[Key, tuple[str | None, int | None, str | None]]
+    snapshots: list[SnapshotEntry]
+    bands: dict[int, tuple[float, float]]
+
+
 def pull_every(sample_s: float) -> float:
     """Seconds between two watches: five samples, within 1..5 s."""
     return min(5.0, max(1.0, 5 * sample_s))
@@ -56,6 +69,8 @@ class MemoryWatcher:
         self.agents = AgentHandles()
         self.book = MemoryBook()
         self.run_name = shell.run.name
+        self.book_run: Any = shell.run  # (the run the book is of)
+        self.kept: _Kept | None = None  # the run before it (``_follow``)
         self.where: dict[Key, tuple[str | None, int | None, str | None]] = {}  # node, pid, why
         self.gpu: dict[str, str] = {}
         self.cpu_s: dict[str, float] = {}
@@ -86,11 +101,7 @@ class MemoryWatcher:
 
     async def pull(self) -> None:
         """One watch to every node with ranks of the live run; their samples folded."""
-        run = self.shell.run
-        if run.name != self.run_name:  # a new run: a new book (the old one is left to readers)
-            self.book, self.run_name, self.where = MemoryBook(), run.name, {}
-            self.snapshots = collections.deque(maxlen=SNAPSHOTS)
-            self.bands, self._entry = {}, None
+        run = self._follow()
         cfg = run.config.memory
         if not cfg.sample_s or run.lifecycle not in ("configured", "running"):
             return
@@ -107,14 +118,28 @@ class MemoryWatcher:
         if whole:
             self._evaluated_whole = now
         fold = functools.partial(
-            self._fold_all, by_node, got, now if evaluate else None, roles, whole
+            self._fold_all, self.book, by_node, got, now if evaluate else None, roles, whole
         )
         marked = await asyncio.get_running_loop().run_in_executor(self.shell.reads, fold)
         if marked is not None:
             self.shell.metrics.memory(marked)
 
+    def _follow(self) -> Any:
+        """The current run, its book begun if it is new (wherever a new run is seen first: a
+        pull, the recorder's look); the last run's book kept for its record (``_Kept``)."""
+        run = self.shell.run
+        if run.name != self.run_name:  # (read on the event loop; the reads thread folds into
+            self.kept = _Kept(  # the book a pull handed it, never ``self.book`` anew)
+                self.book_run, self.book, self.where, list(self.snapshots), self.bands
+            )
+            self.book, self.run_name, self.book_run, self.where = MemoryBook(), run.name, run, {}
+            self.snapshots = collections.deque(maxlen=SNAPSHOTS)
+            self.bands, self._entry = {}, None
+        return run
+
     def _fold_all(
         self,
+        book: MemoryBook,
         by_node: dict[str, dict[int, Key]],
         got: list[AgentMemoryReply | None],
         evaluate_at: float | None,
@@ -126,17 +151,19 @@ class MemoryWatcher:
         twentieth of it apart, the short one at every pull), ``status()["memory"]`` made
         anew; the marks when made."""
         pid_key = {pid: key for pids in by_node.values() for pid, key in pids.items()}
-        pid_key.update({rm.pid: k for k, rm in self.book.ranks.items() if rm.pid is not None})
+        pid_key.update({rm.pid: k for k, rm in book.ranks.items() if rm.pid is not None})
         for node, reply in zip(by_node, got, strict=True):
             if reply is not None:
-                self._fold(node, reply, pid_key)
+                self._fold(book, node, reply, pid_key)
         cfg = self.shell.run.config.memory
         if evaluate_at is not None:
-            self.book.evaluate(
+            book.evaluate(
                 evaluate_at, cfg.leak_span_s, cfg.leak_min_bytes_per_s, cfg.leak_fast(), whole
             )
-        self._entry = status_entry(self.book, roles, cfg.sample_s, list(self.snapshots))
-        return self._entry["marked"] if evaluate_at is not None else None
+        entry = status_entry(book, roles, cfg.sample_s, list(self.snapshots))
+        if book is self.book:  # (not a run that ended meanwhile)
+            self._entry = entry
+        return entry["marked"] if evaluate_at is not None else None
 
     async def _place(self) -> dict[str, dict[int, Key]]:
         """node -> {pid: rank} of the run's ranks; ``where`` says why a rank has no place."""
@@ -203,25 +230,27 @@ class MemoryWatcher:
                 self.where[key] = (node_, pid, why)
             return None
 
-    def _fold(self, node: str, reply: AgentMemoryReply, pid_key: dict[int, Key]) -> None:
+    def _fold(
+        self, book: MemoryBook, node: str, reply: AgentMemoryReply, pid_key: dict[int, Key]
+    ) -> None:
         if reply.get("gpu"):
             self.gpu[node] = str(reply["gpu"])
         else:
             self.gpu.pop(node, None)
         self.cpu_s[node] = float(reply.get("cpu_s") or 0.0)
         if nm := reply.get("node_memory"):  # (an older agent sends none)
-            self.book.nodes[node] = nm
+            book.nodes[node] = nm
         for p in reply.get("processes") or []:
             key = pid_key.get(p["pid"])
             if key is None:
                 continue
             if p["samples"]:
-                self.book.add(key, p["pid"], p["samples"], p.get("error"), node)
+                book.add(key, p["pid"], p["samples"], p.get("error"), node)
             if p.get("gone"):
-                self.book.lose(key, str(p["gone"]))
+                book.lose(key, str(p["gone"]))
         for note in reply.get("snapshots") or []:
             key = pid_key.get(note.get("pid", -1))
-            if key is not None:
+            if key is not None and book is self.book:
                 self.snapshots.append(
                     {"trainer_id": key[0], "rank": key[1], "on": note["on"],
                      "path": note.get("path"), "error": note.get("error"),
@@ -273,11 +302,11 @@ class MemoryWatcher:
 
     # ------------------------------------------------------------------ readers
 
-    def _roles(self) -> dict[Key, str]:
+    def _roles(self, run: Any = None) -> dict[Key, str]:
         """Each registered rank's role (read on the event loop, which owns the trainers)."""
         return {
             (t.trainer_id, r): t.role
-            for t in self.shell.run.state.trainers.values()
+            for t in (run or self.shell.run).state.trainers.values()
             for r in set(t.ranks) | set(t.handles)
         }
 
@@ -291,58 +320,77 @@ class MemoryWatcher:
     async def recorded(self, run: str) -> MemoryReply | None:
         """``memory(series=True)`` for run ``run``'s record (``run_recorder``); None while this
         watcher holds none of it (another run's). A run that ends before the first pull (a
-        short one) is recorded too: its ranks with no sample, not "memory was not recorded"."""
-        if run == self.run_name == self.shell.run.name:
+        short one) is recorded too: its ranks with no sample, not "memory was not recorded";
+        the run before the current one is answered from its kept book (it ended, and the next
+        began, before the recorder's look), so its record gets its last memory; an older kept
+        run this watcher never saw current, with its ranks and no sample."""
+        live = self._follow()  # (the run may have begun since the last pull)
+        if run == live.name:
             return await self.reply(True, None)
+        kept = self.kept
+        if kept is not None and kept.run.name == run:  # (the run before: its last memory)
+            _band(kept.bands, kept.run, time.time())
+            return await self._made(kept, True, None)
+        old = next((r for r in self.shell.previous if r.name == run), None)
+        if old is not None:  # (current only between two looks, never seen: its ranks, no sample)
+            return await self._made(_Kept(old, MemoryBook(), {}, [], {}), True, None)
         return None
 
     async def reply(self, series: bool, trainer_id: str | None) -> MemoryReply:
         """``memory()``: every rank of the run (of ``trainer_id``), oldest trainer first; made
         on the reads thread, where the book is folded."""
-        run = self.shell.run
-        if run.name == self.run_name:
-            _band(self.bands, run, time.time())
-        roles, where = self._roles(), dict(self.where)
+        run = self._follow()
+        _band(self.bands, run, time.time())
+        now = _Kept(run, self.book, self.where, list(self.snapshots), self.bands)
+        return await self._made(now, series, trainer_id)
+
+    async def _made(self, of: _Kept, series: bool, trainer_id: str | None) -> MemoryReply:
+        """``memory()`` of a run's book, made on the reads thread."""
+        roles = self._roles(of.run)
         wanted = [
             ((t.trainer_id, r), t.role)
-            for t in run.state.trainers.values()
+            for t in of.run.state.trainers.values()
             if trainer_id is None or t.trainer_id == trainer_id
             for r in sorted(set(t.ranks) | set(t.handles))
         ]
-        book = self.book if run.name == self.run_name else MemoryBook()
-        make = functools.partial(self._reply, book, roles, where, wanted, series)
+        of = _Kept(of.run, of.book, dict(of.where), list(of.snapshots), dict(of.bands))
+        nodes = (dict(self.gpu), dict(self.cpu_s))
+        make = functools.partial(_reply, of, nodes, roles, wanted, series)
         return await asyncio.get_running_loop().run_in_executor(self.shell.reads, make)
 
-    def _reply(
-        self,
-        book: MemoryBook,
-        roles: dict[Key, str],
-        where: dict[Key, Any],
-        wanted: list[tuple[Key, str]],
-        series: bool,
-    ) -> MemoryReply:
-        run, culprits = self.shell.run, book.culprits(roles)
-        cfg = run.config.memory
-        fast = cfg.leak_fast() or (0.0, 0.0)
-        return {
-            "run": run.name,
-            "sample_s": float(cfg.sample_s),
-            "leak_span_s": float(cfg.leak_span_s),
-            "leak_min_bytes_per_min": cfg.leak_min_mib_per_min * MiB,
-            "leak_fast_span_s": fast[0],
-            "leak_fast_min_bytes_per_min": fast[1] * 60.0,
-            "taken_at": time.time(),
-            "ranks": [
-                rank_entry(book, key, role, where.get(key), series, key in culprits)
-                for key, role in wanted
-            ],
-            "culprits": culprit_lines(marks(book, roles), roles),
-            "windows": [(i, a, b) for i, (a, b) in sorted(self.bands.items())],
-            "gpu": dict(self.gpu),
-            "agent_cpu_s": dict(self.cpu_s),
-            "snapshots": list(self.snapshots),
-            "nodes": dict(book.nodes),
-        }
+
+def _reply(
+    of: _Kept,
+    nodes: tuple[dict[str, str], dict[str, float]],
+    roles: dict[Key, str],
+    wanted: list[tuple[Key, str]],
+    series: bool,
+) -> MemoryReply:
+    """``memory()`` of a run's book (on the reads thread); ``nodes``: each node's GPU note
+    and its agent's CPU seconds."""
+    run, book = of.run, of.book
+    culprits = book.culprits(roles)
+    cfg = run.config.memory
+    fast = cfg.leak_fast() or (0.0, 0.0)
+    return {
+        "run": run.name,
+        "sample_s": float(cfg.sample_s),
+        "leak_span_s": float(cfg.leak_span_s),
+        "leak_min_bytes_per_min": cfg.leak_min_mib_per_min * MiB,
+        "leak_fast_span_s": fast[0],
+        "leak_fast_min_bytes_per_min": fast[1] * 60.0,
+        "taken_at": time.time(),
+        "ranks": [
+            rank_entry(book, key, role, of.where.get(key), series, key in culprits)
+            for key, role in wanted
+        ],
+        "culprits": culprit_lines(marks(book, roles), roles),
+        "windows": [(i, a, b) for i, (a, b) in sorted(of.bands.items())],
+        "gpu": dict(nodes[0]),
+        "agent_cpu_s": dict(nodes[1]),
+        "snapshots": list(of.snapshots),
+        "nodes": dict(book.nodes),
+    }
 
 
 def _band(bands: dict[int, tuple[float, float]], run: Any, now: float) -> None:

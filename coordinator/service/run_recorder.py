@@ -12,7 +12,9 @@ looks at each run it keeps that has a ``run_dir`` and ``record: true``, and queu
 - the run's file, when anything in it changed: it names only the windows already written;
 - the current run's memory (``memory.msgpack``: what ``memory(series=True)`` shows, bounded by
   ``memory_record``), when it changed, at most every ``MEMORY_EVERY_S``, and at once at the
-  run's end and at a flush; a run going on from its record keeps the memory recorded before.
+  run's end and at a flush (a run that ended as the next began, before a look: once more, from
+  the memory watcher's kept book); a run going on from its record keeps the memory recorded
+  before.
 
 A file the writer has no room for is queued again at a later look, never taken as written.
 What is kept per run is bounded: the marks and stalls of the windows and stalls the
@@ -129,8 +131,9 @@ class RunRecorder:
         memory too, whenever it was last made."""
         for run in [self.shell.run, *self.shell.previous]:
             rr = await self._record_of(run)
-            if rr is None or (rr.finished and run is not self.shell.run):  # (the current run's
-                continue  # stalls may still end, and the next run then keeps it for reading)
+            done = rr is not None and rr.finished and rr.memory_ended  # (the current run's
+            if rr is None or (done and run is not self.shell.run):  # stalls may still end, and
+                continue  # the next run then keeps it for reading)
             if any(self._due(rr, rec) for rec in run.state.windows.values()):
                 await self._mark(run)  # (marks first: a window is written once)
             self._windows(run, rr)
@@ -140,6 +143,8 @@ class RunRecorder:
             if run is self.shell.run:
                 self._stalls(run, rr)
                 await self._memory(run, rr, flushing or (ended and not rr.memory_ended), ended)
+            elif not rr.memory_ended:  # (it ended as the next began, before a look: its last
+                await self._memory(run, rr, True, True)  # memory, once)
             self._run_file(run, rr)
             rr.finished = ended and all(r.settled for r in run.state.windows.values())
         self.writes.kick()  # (a retry that is due)
@@ -248,13 +253,17 @@ class RunRecorder:
         """The run's memory file, when it changed since the last one queued (module
         docstring); ``now``: whenever the last was made."""
         made = getattr(self.shell, "memory_recorded", None)  # (None: no memory watcher)
-        if made is None or (not now and time.monotonic() < rr.memory_due):
+        if made is None:
+            rr.memory_ended = ended
+            return
+        if not now and time.monotonic() < rr.memory_due:
             return
         t0 = time.monotonic()
         reply = await made(run.name)
         took = time.monotonic() - t0
         rr.memory_due = time.monotonic() + max(MEMORY_EVERY_S, 20 * took)
-        if reply is None:
+        if reply is None:  # (no watcher holds it now: none will)
+            rr.memory_ended = ended
             return
         seen, base = _memory_seen(reply), rr.memory_base
         if seen != rr.memory_seen:
