@@ -141,8 +141,15 @@ def ray_head(dashboard: bool = False):
     the ``dashboard`` address it yields."""
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths are capped
     port, metrics_port, dash_port = free_port(), free_port(), free_port()
+    # (the job server's agent on a port of its own: another cluster on this machine may hold
+    # Ray's default, 52365, and ``ray job submit`` then answers "No available agent")
     board = (
-        ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}"]
+        [
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash_port}",
+            f"--dashboard-agent-listen-port={free_port()}",
+        ]
         if dashboard
         else ["--include-dashboard=false"]
     )
