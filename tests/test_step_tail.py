@@ -92,3 +92,25 @@ def test_the_watch_reports_a_gone_process_once_and_removes_its_file(tmp_path):
     assert [asyncio.run(watch.look()) for _ in range(2)] == [0, 0]
     assert sent == [("t", 0, 3, 20, (16, [0.016, 0.017, 0.018, 0.019, 0.02]))]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_step_file_that_cannot_be_made_is_said_once_and_changes_nothing(
+    tmp_path, monkeypatch, caplog
+):
+    """The node's folder is refused (a file where the folder should be): the attached rank
+    trains on without a step file, told why in its log; nothing raises into its step."""
+    from coordinator.client.rank_reports import StepReports
+    from worker_ext.rank.step_file import keep_last_steps
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("RAY_PROFILER_NODE_DIR", str(blocker))
+    reports = StepReports(None, "t")
+    with caplog.at_level("WARNING"):
+        why = keep_last_steps(reports, {"report_to": {}, "rank": 0, "generation": 1})
+    assert why is not None and str(blocker) in why, why
+    assert reports.tail is None and list(tmp_path.iterdir()) == [blocker]
+    assert [r.message for r in caplog.records if "no step file" in r.message] == [
+        f"profiler: no step file; the last steps before this process exits will not be "
+        f"reported ({why})"
+    ]
