@@ -307,3 +307,14 @@ def test_the_file_keeps_within_the_points_it_may_hold_whatever_the_rank_count():
     assert mr.oversized(blob) is None
     double = mr.merged(f, f)  # (a run going on from its record: bounded the same)
     assert mr.oversized(codec.encode(double)) is None and len(double.ranks) == mr.MAX_RANKS
+
+
+def test_a_time_left_past_what_a_reader_takes_is_written_as_the_longest_it_takes():
+    """A node of unbounded memory (a cgroup's ``max``) gives a leak a time left past
+    ``MAX_SECONDS``: the writer keeps its file readable, the time left said as the longest."""
+    reply = book_reply()
+    growth = reply["ranks"][1]["growth"]
+    assert growth is not None
+    growth["time_left_s"] = float(1 << 63) / 1e5
+    f = written(reply)
+    assert (f.ranks[1]["growth"] or {}).get("time_left_s") == mr.MAX_SECONDS

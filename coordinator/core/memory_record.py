@@ -28,6 +28,7 @@ from coordinator.core.msgpack_head import array_length
 from coordinator.core.record_fields import Name, Node, Path, Rank, RunName, Text
 from coordinator.core.validate import MAX_TEXT
 from coordinator.protocol.memory_replies import (
+    Growth,
     MemoryRankEntry,
     MemoryReply,
     MemoryState,
@@ -206,8 +207,20 @@ def _rank_file(r: MemoryRankEntry, points: int) -> RankMemoryFile:
     return {
         **r,
         "reason": r["reason"][:MAX_TEXT] if r["reason"] else r["reason"],
-        "growth": {**r["growth"]} if r["growth"] else None,
+        "growth": _growth_file(r["growth"]) if r["growth"] else None,
         "series": thin([(t, v) for t, v in series], points) if series is not None else None,
+    }
+
+
+def _growth_file(g: Growth) -> GrowthFile:
+    """``g`` within what a reader takes (a node of unbounded memory, a cgroup's ``max``, gives
+    a time left past ``MAX_SECONDS``: said as that)."""
+    left = g["time_left_s"]
+    return {
+        "bytes_per_min": min(g["bytes_per_min"], MAX_RATE),
+        "since": g["since"],
+        "span_s": g["span_s"],
+        "time_left_s": min(left, MAX_SECONDS) if left is not None else None,
     }
 
 
