@@ -354,19 +354,9 @@ class NodeAgent(AgentRPC):
             return False
 
     def _stored(self, job: TraceJob, res: JobResult, lost: Reason | None = None) -> None:
-        """Tell the coordinator where the trace is now, or why it is not (in a batch); ``lost``:
-        why no trace came at all (a kineto window libkineto never wrote)."""
+        """Tell the coordinator where the trace is now, or why it is not (in a batch)."""
         assert job.report_to is not None
-        files = [e for e in res.errors if e["where"] not in ("summary", "publish", "relay")]
-        report: dict[str, Any] = {
-            "rank": job.rank,
-            "window": job.window,
-            "path": res.trace_path,
-            "error": lost or (files[-1] if files else None),
-            "local_path": res.local_path,
-            "node": self._node,
-        }
-        self._traces.add(job.report_to, report)
+        self._traces.add(job.report_to, trace_report(job, res, self._node, lost))
 
     async def _send_traces(self, report_to: dict[str, str], reports: list[dict[str, Any]]) -> None:
         await self._call(report_to, "traces_stored", reports)
@@ -392,6 +382,20 @@ class NodeAgent(AgentRPC):
             why["message"] = (
                 f"{why['message']} [the coordinator could not be told at once: {told}]"
             )[:2000]
+
+
+def trace_report(job: TraceJob, res: JobResult, node: str, lost: Reason | None) -> dict[str, Any]:
+    """Where ``job``'s trace is now, or why it is not: a file's error, or ``lost``, why no
+    trace came at all (a kineto window libkineto never wrote)."""
+    files = [e for e in res.errors if e["where"] not in ("summary", "publish", "relay")]
+    return {
+        "rank": job.rank,
+        "window": job.window,
+        "path": res.trace_path,
+        "error": lost or (files[-1] if files else None),
+        "local_path": res.local_path,
+        "node": node,
+    }
 
 
 MAX_CHUNK = 8 << 20
