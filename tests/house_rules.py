@@ -2,6 +2,12 @@
 
 Rooms are the packages by the process their code runs in (see docs/architecture.md). A rule
 applies to every module under its prefix; every rule that matches a module must hold.
+
+An import is every ``import`` and ``from ... import`` statement, wherever it is (in a function,
+under ``TYPE_CHECKING``), and ``importlib.import_module`` of a literal name. Not seen: the
+``__import__`` builtin, ``import_module`` of a computed name, and dotted names in strings that
+another program imports (Ray's ``worker_process_setup_hook="worker_ext.attach.setup"``, entry
+points): none of those may be used to step around a rule.
 """
 
 from __future__ import annotations
