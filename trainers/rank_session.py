@@ -293,8 +293,7 @@ class RankSession:
         (``worker_ext.rank.step_file``). A failure is said once; nothing else changes."""
         if self._reports is None or self._report_to is None or self.disabled_reason:
             return
-        to = {k: v for k, v in self._report_to.items() if k != "run"}  # (judged by generation)
-        keep_last_steps(self._reports, {"report_to": to, "rank": self.rank,
+        keep_last_steps(self._reports, {"report_to": self._report_to, "rank": self.rank,
                                         "generation": self._generation})  # fmt: skip
 
     # ------------------------------------------------------------------ inside

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -35,30 +36,48 @@ class RankExits:
     def __init__(self, shell: CoordinatorShell, runs: RunCalls) -> None:
         self.shell, self._runs = shell, runs
         self._waits: dict[tuple[str, str], asyncio.Task[None]] = {}  # (run, trainer) -> its wait
+        self._said: set[str] = set()
 
     async def exited(
-        self, trainer_id: str, rank: int, generation: int, last_step: int, walls: Any
+        self,
+        trainer_id: str,
+        rank: int,
+        generation: int,
+        last_step: int,
+        walls: Any,
+        run_name: str | None = None,
+        pid: int | None = None,
     ) -> bool:
-        """The process of attached rank ``rank`` (its ``generation``) ended after ``last_step``;
-        ``walls``: ``(first_step, [wall_s, ...])`` of the steps it had not reported, or None.
-        True when the run took it; False for a rank the run does not know, an earlier process
-        of the rank, or a run that is not running."""
+        """The process ``pid`` of attached rank ``rank`` (its ``generation``), of the run
+        ``run_name``, ended after ``last_step``; ``walls``: ``(first_step, [wall_s, ...])`` of
+        the steps it had not reported, or None. True when the run took it; False (logged once)
+        for another run, a rank the run does not know, an earlier process of the rank, or a
+        run that is not running. Checked and stepped under the shell's lock."""
         if not all(is_int(v) for v in (rank, generation, last_step)):
             raise ValueError(f"rank_exited: rank {rank!r}, generation {generation!r} and "
                              f"last_step {last_step!r} must be ints")  # fmt: skip
-        run = self.shell.run
-        t = run.state.trainers.get(trainer_id) if isinstance(trainer_id, str) else None
-        if t is None or not t.spmd or t.attaches.get(rank) != generation:
-            return False
-        if run.lifecycle != "running":
-            return False
-        stepping, done = run.state.stepping_trainer == trainer_id, run.state.global_step
-        if stepping and rank == 0 and (done is None or last_step > done):
-            await self._runs.step(trainer_id, last_step, False, None, walls)
+        sh = self.shell
+        async with sh.lock:
+            await sh.recover()
+            run = sh.run
+            no = _not_this_process(run, trainer_id, rank, generation, run_name, pid)
+            if no:
+                self._refused(no)
+                return False
+            stepping, done = run.state.stepping_trainer == trainer_id, run.state.global_step
+            if stepping and rank == 0 and (done is None or last_step > done):
+                await self._runs.step_locked(
+                    trainer_id, last_step, False, None, walls, time.monotonic()
+                )
         log.info("attached rank %s of %s exited after step %s", rank, trainer_id, last_step)
         if stepping and rank == 0:
             self._wait_for_job(run, trainer_id)
         return True
+
+    def _refused(self, why: str) -> None:
+        if why not in self._said:  # (once: an agent tries a refused file no more)
+            self._said = {*list(self._said)[-63:], why}
+            log.warning("rank_exited refused: %s", why)
 
     def _wait_for_job(self, run: Run, trainer_id: str) -> None:
         key = (run.name, trainer_id)
@@ -84,6 +103,26 @@ class RankExits:
             except Exception:  # the wait must outlive its own faults
                 log.exception("the wait for the job of %s failed", trainer_id)
             every = min(every * 1.5, JOB_EVERY_MAX_S)
+
+
+def _not_this_process(
+    run: Run, trainer_id: Any, rank: int, generation: int, run_name: Any, pid: Any
+) -> str | None:
+    """Why the exit of process ``pid`` (rank ``rank``'s ``generation`` of ``run_name``) is
+    not one of this run's running ranks; None when it is. A step file can outlive its job,
+    and the next run's generations start at 1 again: the run and pid tell them apart."""
+    who = f"rank {rank} of {trainer_id!r} (pid {pid!r}, run {run_name!r})"
+    if run_name != run.name:
+        return f"{who}: not the current run {run.name}"
+    t = run.state.trainers.get(trainer_id) if isinstance(trainer_id, str) else None
+    if t is None or not t.spmd or t.attaches.get(rank) != generation:
+        return f"{who}: not a process of the run"
+    record = run.state.ranks.get((trainer_id, rank))
+    if record is None or record.pid is None or record.pid != pid:
+        return f"{who}: not the process the rank attached"
+    if run.lifecycle != "running":
+        return f"{who}: the run {run.name} is {run.lifecycle}"
+    return None
 
 
 async def end_if_job_ended(run: Run, end_run: EndRun) -> bool:

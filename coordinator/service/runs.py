@@ -239,51 +239,57 @@ class RunCalls:
             _say_why_cut(st.current_window(), first_step)
             await run_commands(run, run.plan.start(first_step), sh.nodes)
             reply = sh.step_reply(True)
-            self._expect_next_report(reply, first_step, waited=True)
+            _expect_next_report(sh, reply, first_step, waited=True)
             sh.save()
             return reply
 
     async def step(
         self, trainer_id: str, k: int, waiting: bool, phases: Any = None, walls: Any = None
     ) -> StepReply:
-        sh = self.shell
         arrived = time.monotonic()
-        async with sh.lock:
-            await sh.recover()
-            no = self._trainer_call_problem(trainer_id, "step", ("step", k), ("waiting", waiting))
-            if no:
-                return sh.step_reply(False, no)
-            if phases is not None or walls is not None:
-                sh.phases.keep(sh.run.name, (r.name for r in sh.previous), phases, walls)
-            run = sh.run
-            if run.lifecycle == "stopped":
-                why = f"the run {run.name} stopped; start() begins a new run first"
-                return sh.step_reply(False, sh.refuse("step", why))
-            plan = run.plan
-            fresh = plan.last_step is None or k > plan.last_step
-            if waiting and fresh and sh.requests:
-                await self.captures.plan_waiting()  # the trainer waits: it runs k+1 after this
-            in_window = plan.current is not None
-            spmd = run.state.trainers[trainer_id].spmd  # (its ranks ran every step)
-            result = replay(plan, k) if spmd else plan.step(k)
-            if isinstance(result, Ignored):
-                run.state.counters["ignored_steps"] += 1
-                run.state.counters[f"ignored_steps_{result.reason}"] += 1
-                return sh.step_reply(False, ignored=result.reason)
-            changed = bool(result) or run.lifecycle == "configured"
-            if run.lifecycle == "configured":
-                run.lifecycle, run.started_at = "running", time.time()
-            run.state.global_step = k
-            sh.stall_watch.observe(k, arrived)  # a stamp for the stall watchdog's timer
-            await run_commands(run, result, sh.nodes)
-            self._watch_for_slowdown(k, in_window or bool(result))
-            reply = sh.step_reply(True)
-            self._expect_next_report(reply, k + 1, waited=waiting)
-            if changed:
-                sh.save()  # a window started, stepped or stopped: the run, now
-            else:
-                sh.save_progress()  # only the step moved: its counters, soon
-            return reply
+        async with self.shell.lock:
+            await self.shell.recover()
+            return await self.step_locked(trainer_id, k, waiting, phases, walls, arrived)
+
+    async def step_locked(
+        self, trainer_id: str, k: int, waiting: bool, phases: Any, walls: Any, arrived: float
+    ) -> StepReply:
+        """``step``, for a caller that holds the shell's lock (and recovered)."""
+        sh = self.shell
+        no = self._trainer_call_problem(trainer_id, "step", ("step", k), ("waiting", waiting))
+        if no:
+            return sh.step_reply(False, no)
+        if phases is not None or walls is not None:
+            sh.phases.keep(sh.run.name, (r.name for r in sh.previous), phases, walls)
+        run = sh.run
+        if run.lifecycle == "stopped":
+            why = f"the run {run.name} stopped; start() begins a new run first"
+            return sh.step_reply(False, sh.refuse("step", why))
+        plan = run.plan
+        fresh = plan.last_step is None or k > plan.last_step
+        if waiting and fresh and sh.requests:
+            await self.captures.plan_waiting()  # the trainer waits: it runs k+1 after this
+        in_window = plan.current is not None
+        spmd = run.state.trainers[trainer_id].spmd  # (its ranks ran every step)
+        result = replay(plan, k) if spmd else plan.step(k)
+        if isinstance(result, Ignored):
+            run.state.counters["ignored_steps"] += 1
+            run.state.counters[f"ignored_steps_{result.reason}"] += 1
+            return sh.step_reply(False, ignored=result.reason)
+        changed = bool(result) or run.lifecycle == "configured"
+        if run.lifecycle == "configured":
+            run.lifecycle, run.started_at = "running", time.time()
+        run.state.global_step = k
+        sh.stall_watch.observe(k, arrived)  # a stamp for the stall watchdog's timer
+        await run_commands(run, result, sh.nodes)
+        self._watch_for_slowdown(k, in_window or bool(result))
+        reply = sh.step_reply(True)
+        _expect_next_report(sh, reply, k + 1, waited=waiting)
+        if changed:
+            sh.save()  # a window started, stepped or stopped: the run, now
+        else:
+            sh.save_progress()  # only the step moved: its counters, soon
+        return reply
 
     async def stop(self, trainer_id: str, why: str | None = None) -> StepReply:
         sh = self.shell
@@ -331,15 +337,6 @@ class RunCalls:
             return no
         problem = step_problem(*step) or flag_problem(*flag)
         return self.shell.refuse(what, problem) if problem else None
-
-    def _expect_next_report(self, reply: StepReply, next_step: int, waited: bool) -> None:
-        """Whether the trainer will wait for its next report's answer (a capture can then be
-        planned at once): always, unless it is throttled; then only if it read this answer
-        before running ``next_step`` and that answer told it to wait from ``next_step``."""
-        ns = reply["next_sync_step"]
-        self.shell.next_report_waits = not self.shell.throttled or (
-            waited and ns is not None and ns <= next_step
-        )
 
 
 def _say_why_cut(open_window: WindowRecord | None, first_step: int) -> None:
@@ -396,3 +393,13 @@ def _checked_registration(
     if problem:
         raise ValueError(problem)
     return handles
+
+
+def _expect_next_report(
+    sh: CoordinatorShell, reply: StepReply, next_step: int, waited: bool
+) -> None:
+    """Whether the trainer will wait for its next report's answer (a capture can then be
+    planned at once): always, unless it is throttled; then only if it read this answer
+    before running ``next_step`` and that answer told it to wait from ``next_step``."""
+    ns = reply["next_sync_step"]
+    sh.next_report_waits = not sh.throttled or (waited and ns is not None and ns <= next_step)

@@ -335,13 +335,17 @@ class SpmdRPCs:
         last_step: int,
         walls: Any = None,
         run: str | None = None,
+        pid: int | None = None,
     ) -> bool:
-        """The process of an attached rank has ended (its node agent says so, from the rank's
-        step file): rank 0's ``last_step`` and ``walls`` (the steps it had not reported) are
-        its last step report, and the run ends once Ray says the job has ended
-        (``rank_exits``). False for a rank or process the run does not know, or a run not
-        running. Raises ValueError for a rank, generation or step that is not an int."""
-        return await self._spmd.exits.exited(trainer_id, rank, generation, last_step, walls)
+        """The process ``pid`` of an attached rank, of the run ``run``, has ended (its node
+        agent says so, from the rank's step file): rank 0's ``last_step`` and ``walls`` (the
+        steps it had not reported) are its last step report, and the run ends once Ray says
+        the job has ended (``rank_exits``). False (logged once) for another run, a rank the
+        run does not know, a process other than the one the rank attached (``generation``,
+        ``pid``), or a run not running. Raises ValueError for a rank, generation or step that
+        is not an int."""
+        exits = self._spmd.exits
+        return await exits.exited(trainer_id, rank, generation, last_step, walls, run, pid)
 
     async def attach_problem(self, where: dict[str, Any], problem: str) -> None:
         """A process of a job attached by the setup hook (``worker_ext.attach``) is not

@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar, cast
 
@@ -121,7 +122,8 @@ class NodeAgent(AgentRPC):
         self._pieces = PieceStore()  # merged window traces of this node's ranks
         self._boards = BoardWriter(self._node)  # plan boards of this node's SPMD ranks
         self._memory = MemorySampler(self._node)  # the memory of this node's ranks
-        self._exits = ExitWatch(self._rank_exited)  # attached ranks' processes
+        session = ray.get_runtime_context().get_session_name()  # attached ranks' processes:
+        self._exits = ExitWatch(self._rank_exited, session=session, since=time.time())
 
     def _leave(self) -> None:
         """Idle with no live run: the merged pieces go with the agent (``IdleExit``)."""
@@ -226,11 +228,11 @@ class NodeAgent(AgentRPC):
         self._idle.touch()
         self._exits.watch()
 
-    async def _rank_exited(
-        self, report_to: dict[str, str], rank: int, generation: int, last: int, walls: Any
-    ) -> Any:
-        self._owners.add((report_to["namespace"], report_to["name"]))
-        return await self._call(report_to, "rank_exited", rank, generation, last, walls)
+    async def _rank_exited(self, owner: dict[str, Any], last: int, walls: Any) -> Any:
+        to = owner["report_to"]  # (its run, passed by _call, and the process: checked there)
+        self._owners.add((to["namespace"], to["name"]))
+        args = (owner["rank"], owner["generation"], last, walls)
+        return await self._call(to, "rank_exited", *args, pid=owner["pid"])
 
     async def serve_kineto(self, directory: str) -> int:
         """Play libkineto's daemon for this node's processes in ``directory`` (their
