@@ -127,9 +127,7 @@ def _gone_file(path: Path, **owner) -> None:
     tail.close(remove=False)
 
 
-def test_the_watch_skips_another_cluster_s_files_and_drops_stale_and_garbage_ones(
-    tmp_path, caplog
-):
+def test_the_watch_skips_another_cluster_s_files_and_drops_stale_and_garbage_ones(tmp_path, caplog):
     """One look, in the order the folder lists them: a file whose pid is 1e999 (OverflowError)
     or whose owner nests past Python's recursion limit is removed, logged, and the files after
     it are still looked at; a file of another Ray session stays (its own agent's); a gone
@@ -143,7 +141,7 @@ def test_the_watch_skips_another_cluster_s_files_and_drops_stale_and_garbage_one
     _gone_file(tmp_path / "a-inf.step", session="s", made=200.0, pid=float("inf"))
     _gone_file(tmp_path / "a-deep.step", session="s", made=200.0, pad="x" * 40000)
     data = (tmp_path / "a-deep.step").read_bytes()
-    blob = data[data.index(b"{"):]
+    blob = data[data.index(b"{") :]
     deep = b"[" * (len(blob) // 2) + b"]" * (len(blob) // 2) + b" " * (len(blob) % 2)
     (tmp_path / "a-deep.step").write_bytes(data[: data.index(b"{")] + deep)
     watch = ExitWatch(send, folder=lambda: tmp_path, session="s", since=100.0)
@@ -151,11 +149,13 @@ def test_the_watch_skips_another_cluster_s_files_and_drops_stale_and_garbage_one
     _gone_file(tmp_path / "c-stale.step", session="s", made=50.0)
     _gone_file(tmp_path / "d-new.step", session="s", made=200.0)
     with caplog.at_level("WARNING"):
-        assert asyncio.run(watch.look()) == 1
+        assert asyncio.run(watch.look()) == 0  # (the watch stops: none of its files is left)
     assert sent == [200.0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b-other.step"]
     removed = sorted(r.message.split(" is removed")[0] for r in caplog.records)
-    assert removed == [f"exit watch: {tmp_path / n}" for n in ("a-deep.step", "a-inf.step", "c-stale.step")]
+    assert removed == [
+        f"exit watch: {tmp_path / n}" for n in ("a-deep.step", "a-inf.step", "c-stale.step")
+    ]
 
 
 def test_a_refused_steps_folder_is_said_once_and_stops_the_watch(monkeypatch, caplog):

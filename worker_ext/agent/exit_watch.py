@@ -10,8 +10,8 @@ cannot be reached is tried again, ``TRIES`` times at most. A file of another Ray
 user's agents of two clusters on one node share the folder) is left to its own agent; a gone
 process's file made before this agent started and never seen live by it (its job outlived its
 watch) and a file that cannot be read as a step file are removed unreported, said once in the
-log. The watch stops when the folder is empty, or refused ``FOLDER_TRIES`` times in a row (said
-once), and starts again at the next ``watch``.
+log. The watch stops when the folder holds none of this session's files, or is refused
+``FOLDER_TRIES`` times in a row (said once), and starts again at the next ``watch``.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class ExitWatch:
         self.send, self.folder, self.session, self.since = send, folder, session, since
         self.failures: dict[str, int] = {}
         self._live: set[Path] = set()  # files whose process this agent saw running
+        self._others: set[Path] = set()  # files of another Ray session: not this watch's
         self._task: asyncio.Task[None] | None = None
 
     def watch(self) -> None:
@@ -71,7 +72,8 @@ class ExitWatch:
             await asyncio.sleep(EVERY_S)
 
     async def look(self) -> int:
-        """One look: report and remove the files of ended processes; how many files are left."""
+        """One look: report and remove the files of ended processes; how many files of this
+        session are left."""
         loop = asyncio.get_running_loop()
         gone = await loop.run_in_executor(None, self._ended, self.folder())
         for path, read in gone:
@@ -79,7 +81,8 @@ class ExitWatch:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
                 self._live.discard(path)
-        return len(await loop.run_in_executor(None, _files, self.folder()))
+        left = await loop.run_in_executor(None, _files, self.folder())
+        return len([p for p in left if p not in self._others])
 
     async def _report(self, path: Path, read: TailRead | None) -> bool:
         """Whether ``path`` is done with: reported, or never will be."""
@@ -109,6 +112,7 @@ class ExitWatch:
                 read: TailRead | None = got
                 owner = got.owner
                 if self.session is not None and owner.get("session") != self.session:
+                    self._others.add(path)
                     continue  # (another cluster's: its agent's)
                 if not is_gone(int(owner["pid"]), owner.get("started")):
                     self._live.add(path)
