@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from coordinator.service.record_reader import locate, open_record
 from tests.test_demo_and_docker import run_demo
 
 pytestmark = pytest.mark.subprocess
@@ -38,6 +39,12 @@ def test_the_rl_demo_on_kineto_records_its_policy_ranks_and_disables_none(tmp_pa
     assert "  window 0: steps [44, 45]\n" in out, out
     window = tmp_path / "k" / "window_0000_steps_44-45"
     assert sorted(os.listdir(window / "policy")) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+    # The generation worker's trace is reported lost, with why, so the window settles and
+    # reaches the record (else it waits for that trace for ever).
+    rec = open_record(locate(str(tmp_path / "k")))
+    w = rec.run.state.windows[0]
+    lost = w.traces[("rl.rollout", 0)]["error"]
+    assert lost and "steps no optimizer" in lost["message"], w.traces
 
 
 def test_the_ray_train_demo_on_kineto_records_both_workers(tmp_path):

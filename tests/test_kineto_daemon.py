@@ -10,11 +10,13 @@ import shutil
 import socket
 import stat
 import struct
+import subprocess
 import tempfile
 import time
 
 import pytest
 
+from coordinator.protocol.atomic_file import write_atomic
 from coordinator.protocol.summary_codec import (
     KernelRow,
     RankSummary,
@@ -401,6 +403,25 @@ def test_the_sweep_never_removes_a_live_client_s_socket_however_long_it_stays_si
         assert silent.answer() == ""
     finally:
         silent.close()
+        daemon.close()
+
+
+def test_the_sweep_removes_the_queued_files_of_processes_that_are_gone_only(kdir):
+    # A config posted ahead by a process whose loop then ended (or that died) is never sent
+    # to a later process given the same pid.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    daemon = Daemon(kdir, sweep_s=0.2)
+    try:
+        for pid in (gone.pid, os.getpid()):
+            ipc.post_config(kdir, pid, "X=1\n")
+            write_atomic(ipc.request_path(kdir, pid, "sent"), b"Y=1\n")
+        start = time.monotonic()
+        while os.path.exists(ipc.request_path(kdir, gone.pid)) and time.monotonic() - start < 10:
+            daemon.serve_once()  # (each waits 0.5 s for a datagram: a sweep each time)
+        left = sorted(os.listdir(os.path.join(kdir, "requests")))
+        assert left == [f"{os.getpid()}.conf", f"{os.getpid()}.sent"], left
+    finally:
         daemon.close()
 
 

@@ -102,6 +102,27 @@ def test_a_loop_s_end_waits_until_libkineto_wrote_its_last_window(tmp_path, kdir
     assert out["unwritten"] == [] and [s["steps"] for s in out["summaries"]] == [[11, 13]], out
 
 
+def test_a_window_of_a_process_that_steps_no_optimizer_is_reported_lost_with_why(tmp_path, kdir):
+    # libkineto counts iterations by optimizer steps: the window's config never goes out, yet
+    # its steps ran, so the coordinator waits for its trace until the agent says it is lost.
+    plan = {"steps": 8, "sleep_s": 0.05, "no_optimizer": True, "windows": [["kineto", 0, 2, 5]]}
+    out = run(tmp_path, kdir, plan)
+    assert out["closed"][-1]["steps"] == [2, 5] and out["summaries"] == [], out
+    assert any("this process steps no optimizer" in f for f in out["failures"]), out
+    assert out["hidden"] == [], out["hidden"]  # (the cancel file: gone with the report)
+
+
+def test_a_loop_that_ends_before_the_window_posted_ahead_leaves_no_config_queued(tmp_path, kdir):
+    # Window 0's end posts window 1's config (steps 48-49); the loop ends at step 29: that
+    # config, queued or taken by the daemon, is taken back, so nothing is sent later.
+    sched = {"skip_first": 2, "wait": 2, "warmup": 20, "active": 2, "repeat": 2}
+    plan = {"steps": 30, "sleep_s": 0.1, "finish_s": 30, "schedule": sched,
+            "windows": [["kineto", 4, 24, 25]]}  # fmt: skip
+    out = run(tmp_path, kdir, plan)
+    assert [s["steps"] for s in out["summaries"]] == [[24, 25]], out
+    assert out["queued"] == [], out["queued"]
+
+
 def test_the_user_s_own_torch_profiler_is_detected_and_training_goes_on(tmp_path, kdir):
     # Window 1's warm-up lasts 18 steps of 0.1 s: its config's lead must outlast libkineto's
     # poll (1 s) and the hand-off under load, or it starts late (a schedule with warm-up of

@@ -277,8 +277,12 @@ class RankSession:
         if self._plan is None or self.disabled_reason:
             return
         self._run(self._plan.stop(), self._last_step)
-        if self._profiler is not None:  # (engine kineto: libkineto writes from this process)
-            self._profiler.finish(FINISH_S)
+        try:  # (engine kineto: libkineto writes from this process; a loop that raised: no wait)
+            if self._profiler is not None:
+                self._profiler.finish(FINISH_S if end_run else 0.0)
+        except BaseException:  # (a second Ctrl-C while it waits: the slot is freed all the same)
+            _release(self)
+            raise
         if self.rank == 0 and end_run:
             _end_run(self)
         reports = self._reports

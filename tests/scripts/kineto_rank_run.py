@@ -5,8 +5,10 @@
 The plan: ``{"steps": N, "sleep_s": s, "windows": [[engine, warmup_start, first, last], ...],
 "user_profiler_at": k | null}``. Each window is run by a rank profiler of its engine (the local
 agent plays the daemon); a ``torch.profiler`` of the script's own runs during step
-``user_profiler_at``; with ``"finish_s"``, the profilers' ``finish`` is called after the last
-step, as a loop's end does, and the windows libkineto had still not written are said. Prints
+``user_profiler_at``; ``"schedule"``: the config's (its windows are posted ahead); with
+``"no_optimizer"``, no optimizer steps; with ``"finish_s"``, the profilers' ``finish`` is
+called after the last step, as a loop's end does, and the windows libkineto had still not
+written are said, and the files still queued for the process once the agent is done. Prints
 one JSON line: every summary, failure, skip and agent error, and the files left in the run
 directory.
 """
@@ -24,7 +26,7 @@ import torch
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.schedule import Window
 from coordinator.protocol.summary_codec import decode_summary
-from worker_ext.rank.kineto_rank import profiler_class
+from worker_ext.rank.kineto_rank import kineto_directory, profiler_class
 
 
 def main(run_dir: str, plan: dict) -> None:
@@ -41,6 +43,7 @@ def main(run_dir: str, plan: dict) -> None:
                 "engine": engine,
                 "export_type": "chrome_trace",
                 "save_path": os.path.dirname(run_dir),
+                **plan.get("schedule", {}),
             }  # fmt: skip
         )
         profilers[engine] = profiler_class(cfg)(0, cfg, run_dir)
@@ -77,7 +80,8 @@ def main(run_dir: str, plan: dict) -> None:
             user.start()
         loss = model(x).sum()
         loss.backward()
-        opt.step()
+        if not plan.get("no_optimizer"):  # (a process that only generates: no step hook)
+            opt.step()
         opt.zero_grad()
         if k == plan.get("user_profiler_at"):
             user.stop()
@@ -90,6 +94,9 @@ def main(run_dir: str, plan: dict) -> None:
         out["unwritten"] = sorted(i for rp in profilers.values() for i in (rp._writing or {}))
     for rp in profilers.values():
         keep(rp.wait_for_summaries(90))
+    if plan.get("finish_s") is not None:  # (the agent done: what it took back is gone)
+        requests = os.path.join(kineto_directory(), "requests")
+        out["queued"] = sorted(n for n in os.listdir(requests) if n.startswith(f"{os.getpid()}."))
     out["files"] = sorted(
         os.path.relpath(p, run_dir) for p in glob.glob(os.path.join(run_dir, "**"), recursive=True)
     )

@@ -49,6 +49,7 @@ from worker_ext.agent.kineto_ipc import (
     reply,
     request_path,
 )
+from worker_ext.agent.stack_reader import process_exited
 
 LATE_S = 0.05
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
@@ -164,6 +165,7 @@ class Daemon:
         if now - self._swept < self.sweep_s:
             return
         self._swept = now
+        self._sweep_requests()
         try:
             names = [n for n in os.listdir(self.directory) if n.startswith(CLIENT_PREFIX)]
         except OSError:
@@ -180,6 +182,20 @@ class Daemon:
                     os.unlink(addr)
                     self.seen.pop(addr, None)
                     self.skip_next.discard(addr)
+
+    def _sweep_requests(self) -> None:
+        """Remove the files (``requests/<pid>.*``) of processes that are gone: a config posted
+        ahead for a window that never came, else sent later to a process reusing the pid."""
+        folder = os.path.join(self.directory, "requests")
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return
+        for name in names:
+            pid = name.split(".", 1)[0]
+            if pid.isdigit() and int(pid) > 0 and process_exited(int(pid)):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, name))
 
 
 def _arrival(ancillary: list[tuple[int, int, bytes]]) -> float | None:

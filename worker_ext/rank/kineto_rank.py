@@ -48,11 +48,12 @@ from worker_ext.agent.kineto_ipc import (
     config_text,
     post_config,
     take_back,
+    withdraw_config,
 )
 from worker_ext.agent.kineto_traces import KinetoRequest, cancel_path, ended_path, written_path
 from worker_ext.agent.trace_jobs import TraceJob
 from worker_ext.rank.rank_profiler import RankProfiler, may_start
-from worker_ext.rank.torch_session import TraceTarget, trace_job
+from worker_ext.rank.torch_session import TraceTarget, role_name, trace_job
 
 log = logging.getLogger(__name__)
 CPU_ACTIVITIES = "cpu_op,user_annotation,cpu_instant_event,python_function"
@@ -138,6 +139,13 @@ def libkineto_count(injected: int) -> int:
     return int(autograd_profiler.KinetoStepTracker.current_step()) - 1 + injected
 
 
+def log_file_path(where: str, role: str, rank: int, tag: str) -> str:
+    """libkineto's file for a window of this process, which the agent's markers (``.cancel``,
+    ``.ended``) are named after: by role, rank and process too, as the ranks 0 of two roles
+    (policy, critic) share a directory (export ``none``; a window posted ahead)."""
+    return os.path.join(where, f".kineto.{role_name(role)}.rank{rank}.{os.getpid()}.{tag}.json")
+
+
 @dataclasses.dataclass
 class _Run:
     """The open window's libkineto side."""
@@ -191,8 +199,42 @@ def lost_why(w: Window, run: _Run, prev: _Ended | None, step_s: float | None) ->
     return (
         f"lost: window {w.index}'s config never reached libkineto before the window ended "
         f"({now - run.started_at:.1f} s after its start): libkineto asks for one every "
-        f"{POLL_S} s; engine 'kineto' needs a window's warm-up and recorded steps (of {step} "
-        f"each) to last at least about {2 * POLL_S} s"
+        f"{POLL_S:g} s; engine 'kineto' needs a window's warm-up (steps of {step} each) to "
+        f"last at least {POLL_S:g} s"
+    )
+
+
+def trace_metadata(rank: int, role: str) -> str:
+    """The trace's ``distributedInfo`` and ``rank``, as torch writes them."""
+    info: dict[str, Any] = {"backend": "none", "rank": rank, "role": role}
+    with contextlib.suppress(Exception):
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            info = {
+                "backend": str(torch.distributed.get_backend()),
+                "rank": int(torch.distributed.get_rank()),
+                "world_size": int(torch.distributed.get_world_size()),
+                "role": role,
+            }
+    return f'"distributedInfo": {json.dumps(info)}, "rank": {int(rank)}'
+
+
+def kineto_request(run: _Run, config: str, metadata: str) -> KinetoRequest:
+    """The agent's part of ``run``'s job: libkineto's config, and where it writes."""
+    return KinetoRequest(
+        pid=os.getpid(),
+        config=config,
+        log_file=run.log_file,
+        directory=kineto_directory(),
+        metadata=metadata,
+        posted=run.posted,
+    )
+
+
+def never_counted_why(index: int) -> str:
+    """Why window ``index`` ended before its job went to the agent."""
+    stepped = int(autograd_profiler.KinetoStepTracker.current_step()) > 0
+    return f"window {index} ended before libkineto counted an iteration: " + (
+        "its steps were too few to measure" if stepped else "this process steps no optimizer"
     )
 
 
@@ -233,7 +275,7 @@ class KinetoRankProfiler(RankProfiler):
         job = trace_job(self.config, target, window, (window.first, window.last), False, None)
         job = dataclasses.replace(job, report_to=self.report_to)
         where = os.path.dirname(job.raw_path)
-        log_file = os.path.join(where, f".kineto.{job.window}.rank{self.rank}.json")
+        log_file = log_file_path(where, self.role, self.rank, str(job.window))
         prev = self._ended
         behind = prev is not None and os.path.exists(ended_path(prev.log_file))
         run = _Run(job, log_file, started_at=time.time(), behind=behind)
@@ -254,14 +296,13 @@ class KinetoRankProfiler(RankProfiler):
             return
         if not run.posted:
             run.start, run.iterations = self._iterations(window, step)
-        request = KinetoRequest(
-            pid=os.getpid(),
-            config=self._config(run.log_file, run.start or 0, run.iterations),
-            log_file=run.log_file,
-            directory=kineto_directory(),
-            metadata=self._metadata(),
-            posted=run.posted,
-        )
+        self._hand_over(run)
+
+    def _hand_over(self, run: _Run) -> None:
+        """The window's job to the agent, which posts its config (unless posted ahead or
+        cancelled already) and waits for libkineto's trace, or reports why it is lost."""
+        config = self._config(run.log_file, run.start or 0, run.iterations)
+        request = kineto_request(run, config, trace_metadata(self.rank, self.role))
         run.submitted = True
         self.hand_off.submit(dataclasses.replace(run.job, kineto=request))
 
@@ -286,7 +327,7 @@ class KinetoRankProfiler(RankProfiler):
         if nxt is None or nxt.first <= done + 1 or not self._measured or self.fault is not None:
             return
         where = self.run_directory or os.path.dirname(kineto_directory())
-        log_file = os.path.join(where, f".kineto.ahead.rank{self.rank}.{nxt.first}-{nxt.last}.json")
+        log_file = log_file_path(where, self.role, self.rank, f"ahead.{nxt.first}-{nxt.last}")
         start, iterations = self._iterations(nxt, done + 1)
         try:
             post_config(kineto_directory(), os.getpid(), self._config(log_file, start, iterations))
@@ -311,19 +352,6 @@ class KinetoRankProfiler(RankProfiler):
             run.start, run.iterations = self._iterations(window, step)
             post_config(directory, pid, self._config(run.log_file, run.start, run.iterations))
         return run
-
-    def _metadata(self) -> str:
-        """The trace's ``distributedInfo`` and ``rank``, as torch writes them."""
-        info: dict[str, Any] = {"backend": "none", "rank": self.rank, "role": self.role}
-        with contextlib.suppress(Exception):
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                info = {
-                    "backend": str(torch.distributed.get_backend()),
-                    "rank": int(torch.distributed.get_rank()),
-                    "world_size": int(torch.distributed.get_world_size()),
-                    "role": self.role,
-                }
-        return f'"distributedInfo": {json.dumps(info)}, "rank": {int(self.rank)}'
 
     def _step(self, k: int) -> None:
         self._observe(k)
@@ -376,7 +404,10 @@ class KinetoRankProfiler(RankProfiler):
         say so to the agent, which stops waiting for it."""
         writing = self._writing or {}
         for index, log_file in list(writing.items()):
-            done = os.path.exists(written_path(log_file, os.getpid()))
+            # (the agent removes the end marker right after it copied libkineto's file)
+            done = not os.path.exists(ended_path(log_file)) or os.path.exists(
+                written_path(log_file, os.getpid())
+            )
             if done or not self.hand_off.is_pending(index):
                 del writing[index]
             elif other_profiler:
@@ -391,7 +422,14 @@ class KinetoRankProfiler(RankProfiler):
         """Up to ``timeout_s`` until libkineto wrote every ended window's trace: it writes them
         from this process, on a thread that wakes once a second, so a process that ends
         sooner (a Ray Train worker, a few steps after its last window) loses them."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # (the loop ended before it: never sent later; one libkineto
+            withdraw_config(kineto_directory(), os.getpid(), ahead.log_file)  # took waits)
         deadline = time.monotonic() + timeout_s
+        self._watch_writing(False)
+        if self._writing and timeout_s > 0:
+            log.info("rank %d: waiting up to %.0f s for libkineto to write windows %s",
+                     self.rank, timeout_s, sorted(self._writing))  # fmt: skip
         while True:
             self._watch_writing(False)
             if not self._writing or time.monotonic() > deadline:
@@ -415,7 +453,7 @@ class KinetoRankProfiler(RankProfiler):
         self._recorded_first = None
         steps = (first, last) if first is not None and last is not None and last >= first else None
         if not run.submitted:
-            self._cancel(run, f"window {w.index} ended before libkineto counted an iteration")
+            self._never_handed(run, w, steps is not None)
         elif not self._taken(run):
             self._cancel(run, lost_why(w, run, self._ended, self._step_s))
         else:
@@ -429,6 +467,18 @@ class KinetoRankProfiler(RankProfiler):
         if steps is not None and self.fault is None:
             self.windows_captured += 1
             self.last_trace_path = run.job.upload_to or run.job.final_path
+
+    def _never_handed(self, run: _Run, w: Window, recorded: bool) -> None:
+        """The window ended before its job went to the agent: its trace is lost, and when it
+        recorded steps (the coordinator then waits for the trace) the agent is handed the job,
+        cancelled, so that it reports the loss and why, and the window settles."""
+        why = never_counted_why(w.index)
+        if run.posted:
+            take_back(kineto_directory(), os.getpid(), run.log_file)
+        self._cancel(run, why)
+        if recorded and self.fault is None:
+            self._cancel_file(run.log_file, why)  # (first: the agent then posts no config)
+            self._hand_over(run)
 
     def _taken(self, run: _Run) -> bool:
         """Whether libkineto was sent the window's config: else it is taken back here, for good

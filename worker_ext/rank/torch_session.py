@@ -122,6 +122,11 @@ def export_trace(prof: Any, job: TraceJob) -> TraceJob:
     return job
 
 
+def role_name(role: str) -> str:
+    """``role`` as part of a file's name (a role is any string)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", role)
+
+
 def trace_job(
     config: ProfilerConfig,
     target: TraceTarget,
@@ -139,7 +144,7 @@ def trace_job(
         final, upload = None, None
         # Named by role and process too: the rank 0 of each role (policy, rollout) closes the
         # same window at the same moment in the same directory.
-        who = re.sub(r"[^A-Za-z0-9_.-]", "_", target.role)
+        who = role_name(target.role)
         name = f".{who}.rank{rank}.window{index:04d}.{os.getpid()}.json"
         raw = contained(target.run_directory, name)
     else:
