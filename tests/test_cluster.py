@@ -66,6 +66,7 @@ def test_two_nodes_upload_to_s3_and_collect_names_the_ranks_of_a_removed_node():
     assert rec["dir"] == "s3://traces/multi/run/record" and rec["windows"] == 2, rec
     assert rec["pending"] == 0 and rec["error"] is None, rec
     assert [p for p in out["recorded"] if not p.startswith("phases/")] == [
+        "memory.msgpack",  # (every rank's memory: issue 54 item 4)
         "run.msgpack",
         "windows/000000.msgpack",
         "windows/000001.msgpack",
