@@ -54,4 +54,5 @@ def test_the_ray_train_demo_on_kineto_records_both_workers(tmp_path):
         assert f"  ray-train rank {r}: ok, windows 1" in out, out
     assert "  window 0: steps [44, 45]\n" in out, out
     window = tmp_path / "k" / "window_0000_steps_44-45" / "policy"
-    assert sorted(os.listdir(window)) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+    got = sorted(os.listdir(window))  # (the demo's output says why a rank has no trace)
+    assert got == ["rank0.pt.trace.json", "rank1.pt.trace.json"], out[-3000:]
