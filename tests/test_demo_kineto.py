@@ -15,7 +15,9 @@ from tests.test_demo_and_docker import run_demo
 
 pytestmark = pytest.mark.subprocess
 # libkineto's clients poll the node agent once a second: the warm-up is the lead a window's
-# config needs to reach every rank before its first step (a demo step takes tens of ms).
+# config needs to reach every rank before its first step. A demo step takes about 20 ms here,
+# so 40 steps (0.8 s) was under a poll and lost a rank's window now and then ("needs a
+# window's warm-up ... to last at least 1 s"); 100 steps give 2 s.
 KINETO = "engine: kineto\nexport_type: chrome_trace\nskip_first: 2\nwait: 2\nactive: 2\nrepeat: 1\n"
 
 
@@ -33,11 +35,11 @@ def test_the_rl_demo_on_kineto_records_its_policy_ranks_and_disables_none(tmp_pa
     """The policy ranks and the generation worker (role ``rollout``) are started in libkineto's
     daemon mode. (A generation worker steps no optimizer, so libkineto counts no iteration in
     it and records none of its windows: only the policy's traces are checked.)"""
-    out = kineto_demo(tmp_path, 40, "--trainer", "rl", "--steps", "50")
+    out = kineto_demo(tmp_path, 100, "--trainer", "rl", "--steps", "110")
     for who in ("rl rank 0", "rl rank 1", "rl.rollout rank 0"):
         assert f"  {who}: ok, windows 1" in out, out
-    assert "  window 0: steps [44, 45]\n" in out, out
-    window = tmp_path / "k" / "window_0000_steps_44-45"
+    assert "  window 0: steps [104, 105]\n" in out, out
+    window = tmp_path / "k" / "window_0000_steps_104-105"
     assert sorted(os.listdir(window / "policy")) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
     # The generation worker's trace is reported lost, with why, so the window settles and
     # reaches the record (else it waits for that trace for ever).
@@ -49,10 +51,10 @@ def test_the_rl_demo_on_kineto_records_its_policy_ranks_and_disables_none(tmp_pa
 
 def test_the_ray_train_demo_on_kineto_records_both_workers(tmp_path):
     """Ray Train starts its workers itself: the job's ``runtime_env`` carries the variables."""
-    out = kineto_demo(tmp_path, 40, "--trainer", "ray-train", "--steps", "50")
+    out = kineto_demo(tmp_path, 100, "--trainer", "ray-train", "--steps", "110")
     for r in (0, 1):
         assert f"  ray-train rank {r}: ok, windows 1" in out, out
-    assert "  window 0: steps [44, 45]\n" in out, out
-    window = tmp_path / "k" / "window_0000_steps_44-45" / "policy"
+    assert "  window 0: steps [104, 105]\n" in out, out
+    window = tmp_path / "k" / "window_0000_steps_104-105" / "policy"
     got = sorted(os.listdir(window))  # (the demo's output says why a rank has no trace)
     assert got == ["rank0.pt.trace.json", "rank1.pt.trace.json"], out[-3000:]
