@@ -406,6 +406,7 @@ def test_the_sweep_never_removes_a_live_client_s_socket_however_long_it_stays_si
         daemon.close()
 
 
+@pytest.mark.subprocess
 def test_the_sweep_removes_the_queued_files_of_processes_that_are_gone_only(kdir):
     # A config posted ahead by a process whose loop then ended (or that died) is never sent
     # to a later process given the same pid.
