@@ -23,6 +23,7 @@ from coordinator.core.partial import rank_part
 from coordinator.core.row_table import RowTable
 from coordinator.core.saved import AggregateFile
 from coordinator.core.steps import Steps, run_steps
+from coordinator.protocol.collective_replies import CollectiveBlock
 from coordinator.protocol.partial_codec import NS, NodePartial, RankPart
 from coordinator.protocol.summary_codec import (
     BREAKDOWN_KEYS,
@@ -55,6 +56,7 @@ _SNAPSHOT_COPIES = (
     "step_ms_sum",
     *("step_ranks", "rank_dropped", "bad_ranks", "breakdowns", "streams", "peak_bytes"),
     "memory_flow",
+    "collectives",
 )
 """What a snapshot copies (the rest it shares: per-rank values are only ever appended to)."""
 TORN = (
@@ -114,6 +116,7 @@ class WindowAggregate:
         self.streams: dict[int, tuple[StreamRow, ...]] = {}
         self.peak_bytes: dict[int, int] = {}
         self.memory_flow: dict[int, tuple[int, int, int]] = {}  # peak step, allocated, freed
+        self.collectives: dict[int, CollectiveBlock] = {}  # each rank's, as its summary had them
         self._kernels = RowTable(NS)
         self._memory = RowTable(1)
         self.gpu = DeviceFigures()  # what CUDA ranks add: ops, launches, device step times
@@ -190,6 +193,8 @@ class WindowAggregate:
             self.peak_bytes[rank] = part.peak_bytes
             if part.memory_flow is not None:
                 self.memory_flow[rank] = tuple(part.memory_flow)  # type: ignore[assignment]
+        if part.collectives is not None:
+            self.collectives[rank] = part.collectives
 
     def step_sums(self) -> tuple[dict[int, float], dict[int, int]]:
         """Each recorded step's time summed over ranks, and how many ranks timed it (made on
@@ -531,6 +536,7 @@ def saved_aggregate(agg: WindowAggregate, detail: bool = True) -> AggregateFile:
         memory=agg._memory.saved(), gpu=agg.gpu.saved(),
         detail=list(agg._detail) if detail and agg._detail is not None else None,
         torn=agg._torn | folding, memory_flow=dict(agg.memory_flow),
+        collectives=dict(agg.collectives),
     )  # fmt: skip
 
 
@@ -549,4 +555,5 @@ def restored_aggregate(f: AggregateFile) -> WindowAggregate:
     agg.gpu = DeviceFigures.from_saved(f.gpu)
     agg._detail = list(f.detail) if f.detail is not None else None
     agg._torn = set(f.torn)
+    agg.collectives = dict(f.collectives)
     return agg

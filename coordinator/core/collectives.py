@@ -37,6 +37,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from coordinator.protocol.collective_replies import (
+    CollectiveBlock,
     CollectivesReply,
     MatchedCollective,
     RankCollective,
@@ -417,6 +418,7 @@ def _rank_parts(
             "clock_offset_us": off,
             "clock_spread_us": spread,
             "clock_corrected": r in shift,
+            "cut": 0,
         }
     for m in matched:
         step = str(m["step"]) if m["step"] is not None else "none"
@@ -428,6 +430,39 @@ def _rank_parts(
         if m["skew_us"] > skew_floor_us:
             parts[m["last_rank"]]["arrived_last"] += 1
     return list(parts.values())
+
+
+def window_collectives(
+    blocks: Mapping[int, CollectiveBlock | None],
+    nodes: Mapping[int, str] | None = None,
+    shown: int = SHOWN,
+) -> CollectivesReply:
+    """``match_window`` over the blocks the ranks' summaries carried (None: a rank whose trace
+    had no collective): the process groups their traces name, joined (a group two traces name
+    with different ranks is said, the larger kept), what each rank's reader noted, and each
+    rank's collectives past its cap (``cut``)."""
+    per_rank: dict[int, Sequence[RankCollective]] = {}
+    groups: dict[str, list[int]] = {}
+    notes: list[str] = []
+    for rank, block in sorted(blocks.items()):
+        per_rank[rank] = block.calls if block is not None else ()
+        if block is None:
+            continue
+        for name, ranks in block.groups:
+            if name in groups and groups[name] != list(ranks):
+                notes.append(
+                    f"group {name}: rank {rank}'s trace names ranks {_ranges(list(ranks))}, "
+                    f"another's {_ranges(groups[name])}; the larger kept"
+                )
+            if len(ranks) > len(groups.get(name, ())):
+                groups[name] = list(ranks)
+        notes += [f"rank {rank}: {n}" for n in block.notes]
+    reply = match_window(per_rank, groups, nodes, shown)
+    for part in reply["ranks"]:
+        block = blocks.get(part["rank"])
+        part["cut"] = block.cut if block is not None else 0
+    reply["problems"] = notes[:64] + reply["problems"]
+    return reply
 
 
 def _ranges(values: Sequence[int]) -> str:

@@ -221,6 +221,7 @@ def rank_part(s: RankSummary) -> RankPart:
         launch=s.launch,
         launch_bound=tuple(s.launch_bound),
         memory_flow=s.memory_flow if s.peak_bytes is not None else None,
+        collectives=s.collectives,
     )
 
 

@@ -12,8 +12,9 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
-from coordinator.core.aggregate import empty_summary
+from coordinator.core.aggregate import WindowAggregate, empty_summary
 from coordinator.core.records import RankRecord, TrainerRecord, WindowRecord, optimizer_steps_of
+from coordinator.core.roles import trainer_of_role
 from coordinator.core.schedule import Window
 from coordinator.core.steps import Steps
 from coordinator.core.validate import is_int
@@ -390,6 +391,19 @@ def kernel_summary(
     out = with_window(table, rec, tid)
     out["by"] = by
     return out
+
+
+def trainer_window(
+    st: CoordinatorState, window: int | None, trainer_id: str | None, role: str | None
+) -> tuple[str | None, WindowRecord | None, WindowAggregate | None]:
+    """The trainer a read names (``role``'s, else ``trainer_id``, else the stepping one), the
+    window (``pick_window``) and that trainer's aggregate of it (None: none yet)."""
+    if role is not None:
+        roles = {t.trainer_id: t.role for t in st.trainers.values()}
+        trainer_id = trainer_of_role(roles, role, trainer_id)
+    tid = trainer_id or st.stepping_trainer
+    rec = pick_window(st, window)
+    return tid, rec, rec.aggregates.get(tid) if rec is not None and tid else None
 
 
 def pick_window(st: CoordinatorState, window: int | None) -> WindowRecord | None:

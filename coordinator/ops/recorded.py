@@ -71,6 +71,7 @@ class RecordedCoordinator:
         readers = Readers(shell)
         self._calls: dict[str, Any] = {
             "kernel_summary": readers.kernel_summary,
+            "collectives": readers.collectives,
             "kernel_diff": Diffs(shell, readers).kernel_diff,
             "phase_times": readers.phase_times,
             "step_series": readers.step_series,
@@ -125,6 +126,7 @@ def _actor_class() -> type:
 
 READS = (
     "kernel_summary", "kernel_diff", "phase_times", "step_series", "status", "stalls", "memory",
+    "collectives",
 )  # fmt: skip
 """The calls a record answers."""
 

@@ -8,24 +8,71 @@ list (``rank``, ``wait_us``, ``arrived_last``, ``collectives``, ``clock_offset_u
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Annotated, TypedDict
 
 import msgspec
 
+MAX_COLLECTIVES = 10_000
+"""The most collectives one rank's summary may carry of a window (its cap is lower, a config
+field); past the cap they travel folded (``FoldedCollective``)."""
+MAX_FOLDED = 1_000
+MAX_GROUPS = 256
+MAX_GROUP_RANKS = 1 << 20
+MAX_NOTES = 16
+_LIMIT = 2**62
 
-class RankCollective(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+Count = Annotated[int, msgspec.Meta(ge=0, lt=_LIMIT)]
+Seq = Annotated[int, msgspec.Meta(gt=-_LIMIT, lt=_LIMIT)]
+Time = Annotated[float, msgspec.Meta(ge=-1e18, le=1e18)]  # finite (NaN fails both bounds)
+Duration = Annotated[float, msgspec.Meta(ge=0.0, le=1e18)]
+Group = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Kind = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+Dtype = Annotated[str, msgspec.Meta(max_length=32)]
+Note = Annotated[str, msgspec.Meta(max_length=500)]
+
+
+class RankCollective(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True,
+                     gc=False):  # fmt: skip
     """One collective as one rank's trace shows it, in the order the rank ran them. Times are
-    microseconds on the rank's own clock (its trace's base plus ``ts``)."""
+    microseconds on the rank's own clock (its trace's ``baseTimeNanoseconds`` plus ``ts``)."""
 
-    group: str  # the process group's name ("0" for the default group)
-    seq: int | None  # the trace's ``Seq`` for it, where the trace has one
-    name: str  # the kind, as ``collectives.kind_of`` names it: all_reduce, broadcast, ...
-    nbytes: int  # the size nccl-tests measures it by: the larger of its input and output
-    dtype: str  # (all_gather's output, reduce_scatter's input, all_reduce's buffer)
-    step: int | None  # the step it fell in (None: outside every step)
-    arrive_us: float  # its start on the calling thread (a GPU rank: its launch)
-    work_us: float  # how long its work took (the NCCL kernel; gloo's op)
-    end_us: float  # the end of its work
+    group: Group  # the process group's name ("0" for the default group)
+    seq: Seq | None  # the trace's ``Seq`` for it, where the trace has one
+    name: Kind  # the kind, as ``collectives.kind_of`` names it: all_reduce, broadcast, ...
+    nbytes: Count  # the size nccl-tests measures it by: the larger of its input and output
+    dtype: Dtype  # (all_gather's output, reduce_scatter's input, all_reduce's buffer)
+    step: Count | None  # the step it fell in (None: outside every step)
+    arrive_us: Time  # its start on the calling thread (a GPU rank: its NCCL kernel's start)
+    work_us: Duration  # how long its work took (the NCCL kernel; gloo's op)
+    end_us: Time  # the end of its work
+
+
+class FoldedCollective(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True,
+                       gc=False):  # fmt: skip
+    """Collectives past a rank's cap, folded per (group, kind, bytes): how many, their work."""
+
+    group: Group
+    name: Kind
+    nbytes: Count
+    count: Count
+    work_us: Duration  # their work, all together
+
+
+class CollectiveBlock(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """What one rank's summary carries of its window's collectives: those it ran (whole steps,
+    up to its cap, in order), the rest folded, the process groups its trace names (name ->
+    ranks: ``distributedInfo.pg_config``), and what the reader noted of them (unpaired ops,
+    odd arguments)."""
+
+    calls: Annotated[tuple[RankCollective, ...], msgspec.Meta(max_length=MAX_COLLECTIVES)]
+    folded: Annotated[tuple[FoldedCollective, ...], msgspec.Meta(max_length=MAX_FOLDED)]
+    cut: Count  # collectives past the cap (folded), 0 when none
+    groups: Annotated[
+        tuple[tuple[Group, Annotated[tuple[Count, ...], msgspec.Meta(max_length=MAX_GROUP_RANKS)]],
+              ...],
+        msgspec.Meta(max_length=MAX_GROUPS),
+    ]  # fmt: skip
+    notes: Annotated[tuple[Note, ...], msgspec.Meta(max_length=MAX_NOTES)]
 
 
 class MatchedCollective(TypedDict):
@@ -58,6 +105,7 @@ class RankCollectives(TypedDict):
     clock_offset_us: float  # its clock minus the reference's, as estimated
     clock_spread_us: float | None  # the spread of that estimate (None: not estimated)
     clock_corrected: bool  # whether its times were set by the offset before matching
+    cut: int  # its collectives past its summary's cap: folded, not matched
 
 
 class CollectivesReply(TypedDict):
@@ -70,3 +118,16 @@ class CollectivesReply(TypedDict):
     matched: int  # collectives matched in all
     shown: int  # of those, how many ``collectives`` lists
     problems: list[str]
+
+
+class WindowCollectivesReply(CollectivesReply):
+    """``collectives()``: one window's collectives of one trainer (one role), matched across
+    its ranks; ``window`` None when no window has closed (or the run keeps none)."""
+
+    run: str
+    window: int | None
+    steps: list[int] | None
+    trainer_id: str | None
+    role: str | None
+    ranks_recorded: int  # ranks whose summary is in
+    ranks_without: list[int]  # of those, ranks whose trace had no collective

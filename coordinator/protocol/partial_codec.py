@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from coordinator.protocol.collective_replies import CollectiveBlock
 from coordinator.protocol.summary_codec import (
     MAX_KERNELS,
     MAX_MEMORY_ROWS,
@@ -88,6 +89,7 @@ class RankPart(msgspec.Struct, array_like=True, frozen=True, gc=False):
     launch: LaunchRow | None
     launch_bound: Annotated[tuple[Count, ...], msgspec.Meta(max_length=MAX_STEPS)]
     memory_flow: tuple[Annotated[int, msgspec.Meta(ge=-1)], Count, Count] | None = None
+    collectives: CollectiveBlock | None = None  # (its summary's, as it came)
     # (Tuples, not lists: a tuple of numbers or untracked rows leaves the garbage collector's
     # lists at its first pass, and the coordinator keeps these for every rank of a window.)
 

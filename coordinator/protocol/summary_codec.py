@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from coordinator.protocol.collective_replies import CollectiveBlock
+
 SUMMARY_VERSION = 3  # 3: overlap, unattributed, device step times, launches, ops (CUDA)
 MAX_PAYLOAD_BYTES = 4 * 1024 * 1024
 MAX_NAME_CHARS = 2048
@@ -148,6 +150,8 @@ class RankSummary:
     shorter than their launch call took."""
     ops: list[OpRow] = field(default_factory=list)
     """CUDA: the op table (``OpRow``); on CPU ranks ``kernels`` is already per op."""
+    collectives: CollectiveBlock | None = None
+    """The window's collectives as this rank ran them (issue 56); None: its trace has none."""
 
     @property
     def total_us(self) -> float:
@@ -185,6 +189,7 @@ class _Wire(msgspec.Struct, forbid_unknown_fields=True):
     launch_bound: Annotated[list[Count], msgspec.Meta(max_length=MAX_STEPS)]
     ops: Annotated[list[OpRow], msgspec.Meta(max_length=MAX_KERNELS)]
     memory_flow: tuple[Annotated[int, msgspec.Meta(ge=-1)], Count, Count] | None = None
+    collectives: CollectiveBlock | None = None
 
     def __post_init__(self) -> None:
         if self.steps[0] > self.steps[1]:
@@ -219,6 +224,7 @@ def encode_summary(summary: RankSummary) -> bytes:
         launch_bound=list(summary.launch_bound),
         ops=list(summary.ops),
         memory_flow=summary.memory_flow if summary.peak_bytes is not None else None,
+        collectives=summary.collectives,
     )
     return strict_encode(wire, "summary", decode_summary)
 
@@ -280,4 +286,5 @@ def decode_summary(data: Any) -> RankSummary:
         launch_bound=w.launch_bound,
         ops=w.ops,
         memory_flow=w.memory_flow,
+        collectives=w.collectives,
     )

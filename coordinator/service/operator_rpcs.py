@@ -1,12 +1,14 @@
-"""The coordinator's RPCs for an operator diagnosing a run: stacks, phase times, window diffs
-and the regression baseline. ``ProfilerCoordinator`` inherits them; each hands the call to its
-part of the actor (``stacks``, ``readers``, ``diffs``)."""
+"""The coordinator's RPCs for an operator diagnosing a run: collectives across ranks, stacks,
+phase times, window diffs and the regression baseline. ``ProfilerCoordinator`` inherits them;
+each hands the call to its part of the actor (``stacks``, ``readers``, ``diffs``)."""
 
 from __future__ import annotations
 
+from coordinator.core.collectives import SHOWN
 from coordinator.core.step_series import DEFAULT_POINTS
 from coordinator.core.tracker_figures import TOP_KERNELS, settled_after, window_figures
 from coordinator.core.validate import is_int, trainer_id_problem
+from coordinator.protocol.collective_replies import WindowCollectivesReply
 from coordinator.protocol.memory_replies import MemoryReply, SnapshotReply
 from coordinator.protocol.replies import (
     BaselineReply,
@@ -30,6 +32,32 @@ class OperatorRPCs:
     _readers: Readers
     _diffs: Diffs
     _memory: MemoryWatcher
+
+    async def collectives(
+        self,
+        window: int | None = None,
+        trainer_id: str | None = None,
+        run: str | None = None,
+        role: str | None = None,
+        shown: int = SHOWN,
+    ) -> WindowCollectivesReply:
+        """One window's collectives matched across its ranks: who arrived last at each, how
+        long each rank waited, the transfer apart from the waiting, bus bandwidth, and each
+        rank's clock offset (issue 56; docs/collectives.md).
+
+        Args:
+            window: the window's index; None means the latest closed window.
+            trainer_id: whose ranks; None means the stepping trainer's.
+            run: an earlier run of this coordinator (``status()["previous_runs"]``).
+            role: whose ranks, by role (``rollout``): the one trainer with that role.
+            shown: the most collectives listed (the largest skews); every one is counted.
+
+        Example::
+
+            c = ray.get(h.collectives.remote())
+            [(r["rank"], r["arrived_last"], r["wait_us"]) for r in c["ranks"]]
+        """
+        return await self._readers.collectives(window, trainer_id, run, role, shown)
 
     async def stacks(
         self,

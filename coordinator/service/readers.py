@@ -17,11 +17,11 @@ from typing import Any, Literal
 from coordinator.core.aggregate import CHEAP_RANKS, TABLES
 from coordinator.core.kineto_fit import kineto_schedule_problems
 from coordinator.core.phases import EXACT_STEPS, MAX_BUCKETS
-from coordinator.core.roles import trainer_of_role
 from coordinator.core.run import Run
-from coordinator.core.state import kernel_summary, pick_window, rank_counts, with_window
+from coordinator.core.state import kernel_summary, rank_counts, trainer_window, with_window
 from coordinator.core.step_series import MAX_POINTS, step_series
 from coordinator.core.validate import is_int, is_number, role_problem, trainer_id_problem
+from coordinator.protocol.collective_replies import WindowCollectivesReply
 from coordinator.protocol.replies import (
     KernelSummaryReply,
     NodesEntry,
@@ -35,6 +35,7 @@ from coordinator.protocol.replies import (
     WaitWindowReply,
     WindowEntry,
 )
+from coordinator.service import collective_reads
 from coordinator.service.node_fanout import NodeFanOut
 from coordinator.service.shell import CoordinatorShell
 
@@ -171,14 +172,9 @@ class Readers:
             raise ValueError(f"by must be one of {', '.join(TABLES)}, got {by!r:.80}")
         target = self._run(run)
         st = target.state
-        if role is not None:
-            roles = {t.trainer_id: t.role for t in st.trainers.values()}
-            trainer_id = trainer_of_role(roles, role, trainer_id)
-        tid = trainer_id or st.stepping_trainer
-        rec = pick_window(st, window)
-        agg = rec.aggregates.get(tid) if rec is not None and tid else None
+        tid, rec, agg = trainer_window(st, window, trainer_id, role)
         if rec is None or agg is None or len(agg.rank_totals) <= CHEAP_RANKS:
-            out = kernel_summary(st, window, top_k, trainer_id, bool(per_rank), by)
+            out = kernel_summary(st, window, top_k, tid, bool(per_rank), by)
         else:  # O(ranks) of Python: on a snapshot, off the event loop
             snap = agg.snapshot()
             loop = asyncio.get_running_loop()
@@ -190,6 +186,13 @@ class Readers:
             out["by"] = by
         out["run"] = target.name
         return out
+
+    async def collectives(
+        self, window: Any, trainer_id: Any, run: Any, role: Any, shown: Any
+    ) -> WindowCollectivesReply:
+        return await collective_reads.collectives(
+            self.shell, self._run(run), window, trainer_id, role, shown
+        )
 
     async def wait_window(
         self, window: int, run: str | None, until: WaitUntil, timeout_s: float

@@ -64,6 +64,7 @@ class _Doc(msgspec.Struct):
     traceEvents: list[_Event] = []  # noqa: N815 - the trace's own key
     distributedInfo: Any = None  # noqa: N815 - torch writes it with a process group
     rank: Any = None  # preset_metadata_json("rank", ...), read by HTA
+    baseTimeNanoseconds: Any = None  # noqa: N815 - the wall clock ``ts`` counts from
 
 
 class _DeviceArgs(msgspec.Struct, gc=False):
@@ -87,6 +88,22 @@ class _ShapeArgs(msgspec.Struct, gc=False):
     input_dims: Any = msgspec.field(default=None, name="Input Dims")
 
 
+class CommArgs(msgspec.Struct, gc=False):
+    """The arguments a collective's events may carry (``record_param_comms`` on NCCL; input
+    shapes on c10d's and gloo's ops with ``record_shapes``); each may be missing or odd."""
+
+    group: Any = msgspec.field(default=None, name="Process Group Name")
+    group_ranks: Any = msgspec.field(default=None, name="Process Group Ranks")
+    group_size: Any = msgspec.field(default=None, name="Group size")
+    in_nelems: Any = msgspec.field(default=None, name="In msg nelems")
+    out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
+    dtype: Any = None
+    seq: Any = msgspec.field(default=None, name="Seq")
+    collective: Any = msgspec.field(default=None, name="Collective name")
+    input_dims: Any = msgspec.field(default=None, name="Input Dims")
+    input_type: Any = msgspec.field(default=None, name="Input type")
+
+
 _DOC = msgspec.json.Decoder(_Doc)
 _EVENTS = msgspec.json.Decoder(list[_Event])
 _DEVICE_ARGS = msgspec.json.Decoder(_DeviceArgs)
@@ -95,6 +112,10 @@ _LAUNCH_ARGS = msgspec.json.Decoder(_LaunchArgs)
 _LAUNCH_ARGS_LIST = msgspec.json.Decoder(list[_LaunchArgs])
 _MEMORY_ARGS = msgspec.json.Decoder(_MemoryArgs)
 _SHAPE_ARGS = msgspec.json.Decoder(_ShapeArgs)
+_COMM_ARGS = msgspec.json.Decoder(CommArgs)
+# CPU events a collective leaves: c10d's op on the calling thread, NCCL's ``record_param_comms``
+# under it, and the backend's own span (``gloo:all_reduce`` on gloo's thread, ``nccl:...``).
+_COMM_EVENT = re.compile(r"^(c10d::|gloo:|nccl:|record_param_comms$)")
 
 
 FLOP_OPS = frozenset(
@@ -160,10 +181,35 @@ class TraceDigest:
     events: int = 0
     rank: int | None = None
     """The rank the trace names (``distributedInfo.rank``, else a top-level ``rank``)."""
+    # collectives' CPU events (``_COMM_EVENT``): thread, start ns, end ns, name, args
+    comm: list[tuple[int, int, int, str, CommArgs | None]] = field(default_factory=list)
+    groups: Any = None
+    """``distributedInfo.pg_config`` as the trace has it (checked by its reader), else None."""
+    base_ns: int | None = None
+    """``baseTimeNanoseconds``: what the trace's ``ts`` count from (None: not in the trace)."""
     _ids: dict[str, int] = field(default_factory=dict)
     _thread_ids: dict[tuple[Any, Any], int] = field(default_factory=dict)
     _chunks: list[CpuColumns] = field(default_factory=list)
     _base: float | None = None
+    _comm_names: list[bool] = field(default_factory=list)  # by name id: a collective's event?
+
+    @property
+    def base_us(self) -> float:
+        """The wall-clock microsecond the digest's nanoseconds count from: the trace's
+        ``baseTimeNanoseconds`` plus its first ``ts``."""
+        return (self.base_ns or 0) / 1e3 + (self._base or 0.0)
+
+    def take_head(self, doc: Any) -> None:
+        """The top-level keys around the events: the rank, the process groups, the clock."""
+        rank = trace_rank(doc)
+        if rank is not None:
+            self.rank = rank
+        info = getattr(doc, "distributedInfo", None)
+        if isinstance(info, dict) and info.get("pg_config") is not None:
+            self.groups = info.get("pg_config")
+        base = getattr(doc, "baseTimeNanoseconds", None)
+        if type(base) is int and 0 <= base < 2**63:
+            self.base_ns = base
 
     def cpu(self) -> CpuColumns:
         """All CPU events collected so far, in file order."""
@@ -220,6 +266,14 @@ class TraceDigest:
             m = STEP_NAME.match(cpu[i].name)
             if m:
                 self.steps.append((int(m.group(1)), int(start[i]), int(end[i])))
+        comm_names = self._comm_names
+        for n in range(len(comm_names), len(ids)):
+            comm_names.append(_COMM_EVENT.match(self.names[n]) is not None)
+        if any(comm_names):
+            for i in np.flatnonzero(np.array(comm_names, dtype=bool)[name]).tolist():
+                e = cpu[i]
+                args = _decode_or_none(_COMM_ARGS, e.args) if e.args else None
+                self.comm.append((int(thread[i]), int(start[i]), int(end[i]), e.name, args))
         corr = np.full(len(cpu), -1, dtype=np.int64)
         launches = np.flatnonzero(kind == RUNTIME).tolist()
         found = _decode_all(_LAUNCH_ARGS, _LAUNCH_ARGS_LIST, [cpu[i] for i in launches])
@@ -340,10 +394,10 @@ def read_trace(
     opener: Callable[..., IO[bytes]] = gzip.open if path.endswith(".gz") else open  # type: ignore[assignment]
     try:
         with opener(path, "rb") as f:
-            for batch, rank in _event_batches(f, chunk_bytes, max_unsplit_bytes):
+            for batch, head in _event_batches(f, chunk_bytes, max_unsplit_bytes):
                 digest.add(batch, flops)
-                if rank is not None:
-                    digest.rank = rank
+                if head is not None:
+                    digest.take_head(head)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise TraceError(f"{path} is not a valid chrome trace (truncated?): {exc}") from None
     except (OSError, EOFError) as exc:
@@ -356,9 +410,9 @@ def read_trace(
 
 def _event_batches(
     f: IO[bytes], chunk_bytes: int, max_unsplit_bytes: int
-) -> Iterator[tuple[list[_Event], int | None]]:
-    """Decoded events, a chunk at a time, with the rank the top-level keys around them name
-    (the head and the tail of the file have them). Each piece is decoded from its own
+) -> Iterator[tuple[list[_Event], _Doc | None]]:
+    """Decoded events, a chunk at a time, with the top-level keys around them (the head and
+    the tail of the file have them). Each piece is decoded from its own
     ``bytes``, which the undecoded ``args`` of its events point into, so the read buffer can
     move on. Kineto's layout is split at its event boundaries; any other layout (one line of
     JSON, say) where its events' JSON structure ends (``_compact_batches``)."""
@@ -382,7 +436,7 @@ def _event_batches(
                     if not buf.strip():
                         raise TraceError("the trace file is empty")
                     doc = _DOC.decode(bytes(buf))
-                    yield doc.traceEvents, trace_rank(doc)
+                    yield doc.traceEvents, doc
                     return
                 if len(buf) > max_unsplit_bytes:
                     raise TraceError(
@@ -393,12 +447,12 @@ def _event_batches(
             if not head.endswith(b"["):
                 raise TraceError("the trace does not start with a traceEvents list")
             doc = _DOC.decode(head + b"]}")
-            yield doc.traceEvents, trace_rank(doc)
+            yield doc.traceEvents, doc
             del buf[:i]
             in_events = True
         if not data:  # the last event, then the closing "]" and the trailing keys
             doc = _DOC.decode(b'{"traceEvents":[' + bytes(buf))
-            yield doc.traceEvents, trace_rank(doc)
+            yield doc.traceEvents, doc
             return
         j = buf.rfind(_BOUNDARY)
         if j > 0:
@@ -425,7 +479,7 @@ COMPACT_CHUNK_BYTES = 64 << 10  # the scan's temporaries are a few times the pie
 
 def _compact_batches(
     f: IO[bytes], buf: bytearray, start: int, chunk_bytes: int, max_unsplit_bytes: int
-) -> Iterator[tuple[list[_Event], int | None]]:
+) -> Iterator[tuple[list[_Event], _Doc | None]]:
     """The events of a trace in any layout, ``buf[start:]`` just inside its ``traceEvents``
     list: each piece of the read buffer is cut after the last event that ends in it, so every
     piece decodes by itself and the next one starts clean. The cut is first guessed at the last
@@ -436,7 +490,7 @@ def _compact_batches(
         doc = _DOC.decode(head + b"]}")
     except (msgspec.DecodeError, msgspec.ValidationError):
         doc = _Doc()  # a head that is not an object of its own: its events still count
-    yield [], trace_rank(doc)
+    yield [], doc
     del buf[:start]
     eof = False
     while True:
@@ -451,7 +505,7 @@ def _compact_batches(
                 yield events, None
                 tail = bytes(buf[close + 1 :]) + f.read()
                 doc = _DOC.decode(b'{"traceEvents":[]' + tail)
-                yield [], trace_rank(doc)
+                yield [], doc
                 return
             if eof:
                 raise TraceError(

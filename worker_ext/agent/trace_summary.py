@@ -24,6 +24,7 @@ from coordinator.protocol.summary_codec import (
     RankSummary,
     StreamRow,
 )
+from worker_ext.agent.collective_reader import DEFAULT_CAP, collectives_of
 from worker_ext.agent.device_summary import (
     NO_OP,
     DeviceWindow,
@@ -67,6 +68,7 @@ def summarise_trace(
     flops: bool = False,
     chunk_bytes: int = CHUNK_BYTES,
     clip: bool = False,
+    collectives_cap: int = DEFAULT_CAP,
 ) -> tuple[RankSummary, list[str] | None]:
     """Read ``path`` once and build the rank's summary (and folded stacks when ``stacks``).
 
@@ -86,6 +88,7 @@ def summarise_trace(
         top_k=top_k,
         stacks=stacks,
         clip=clip,
+        collectives_cap=collectives_cap,
     )
 
 
@@ -100,8 +103,10 @@ def summarise(
     top_k: int,
     stacks: bool = False,
     clip: bool = False,
+    collectives_cap: int = DEFAULT_CAP,
 ) -> tuple[RankSummary, list[str] | None]:
-    """The rank's summary of a read trace, and folded-stack lines (``a;b;c self_us``)."""
+    """The rank's summary of a read trace, and folded-stack lines (``a;b;c self_us``); its
+    collectives (``collective_reader``) whole steps up to ``collectives_cap``."""
     step_spans, w0, w1 = _window_span(d, steps)
     cpu = _nest(d, stacks, (w0, w1), clip and bool(step_spans))
     comm = np.array(cpu.comm_spans, dtype=np.int64).reshape(-1, 2)
@@ -119,6 +124,7 @@ def summarise(
         peak_bytes=peak,
         memory=memory,
         memory_flow=flow,
+        collectives=collectives_of(d, collectives_cap),
     )
     if device == "cuda" and d.device:
         # Attributed by their launch: to each recorded step, or (no step marker: the trace

@@ -1,0 +1,393 @@
+"""A rank's collectives of a window, from the digest its trace reader already made (issue 56).
+
+Each collective is found from the op c10d runs on the calling thread (``c10d::allreduce_``,
+``c10d::_allgather_base_``, ...), its arrival; its work is
+
+- on a GPU rank, the NCCL kernel its launch started (linked by the launch's correlation): the
+  arrival is then the kernel's start, where the rank joined the collective on the device;
+- on gloo, the backend's own span on one of the process group's threads (``gloo:all_reduce``),
+  paired with the calls of its kind in order, each with the first span to start after it;
+- else (neither in the trace) the op itself.
+
+Its process group, ``Seq``, sizes and dtype are read from NCCL's ``record_param_comms`` under
+the op where the trace has it (newer torch adds ``Seq``). gloo's spans name no group: a rank's
+gloo threads are split into its groups (``distributedInfo.pg_config``, in their order) at the
+widest gaps between the threads' ids, as each group makes its threads when it is made; with one
+group there is nothing to split. A trace with no group at all is taken as the default group's
+("0"). NCCL kernels no op launched (a trace of device activity alone) are collectives of their
+own, their kind from the kernel's name.
+
+Bounded: whole steps are kept, in order, up to ``cap`` collectives; those past it are folded
+per (group, kind, bytes) with their count, and the cut is said.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from coordinator.core.collectives import kind_of
+from coordinator.protocol.collective_replies import (
+    MAX_FOLDED,
+    MAX_GROUP_RANKS,
+    MAX_GROUPS,
+    MAX_NOTES,
+    CollectiveBlock,
+    FoldedCollective,
+    RankCollective,
+)
+from worker_ext.agent.trace_reader import RUNTIME, CommArgs, TraceDigest
+
+DEFAULT_CAP = 1_000
+"""Collectives a rank's summary carries of a window by default (the config's
+``collectives_cap``); whole steps, the rest folded."""
+DEFAULT_GROUP = "0"
+
+# Bytes per element, by the names torch writes for a dtype ("Float", "float", "c10::BFloat16").
+_ITEMSIZE = {
+    "float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, "float16": 2,
+    "bfloat16": 2, "c10::half": 2, "c10::bfloat16": 2, "long": 8, "int64": 8, "int": 4,
+    "int32": 4, "short": 2, "int16": 2, "char": 1, "int8": 1, "signed char": 1, "byte": 1,
+    "unsigned char": 1, "uint8": 1, "bool": 1, "complexfloat": 8, "complexdouble": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "c10::float8_e4m3fn": 1, "c10::float8_e5m2": 1,
+}  # fmt: skip
+# Kinds whose output is the group's inputs side by side, and whose input is that.
+_GATHERS = frozenset({"all_gather", "gather"})
+_SCATTERS = frozenset({"reduce_scatter", "scatter"})
+
+
+class _Call:
+    """One c10d op on a calling thread, as it is being put together."""
+
+    __slots__ = ("args", "end", "kernel", "kind", "shaped", "start", "thread", "work")
+
+    def __init__(self, thread: int, start: int, end: int, kind: str) -> None:
+        self.thread, self.start, self.end, self.kind = thread, start, end, kind
+        self.args: CommArgs | None = None  # record_param_comms' arguments
+        self.shaped: CommArgs | None = None  # the nccl: span's under it (its input shapes)
+        self.kernel: tuple[int, int] | None = None  # device start, end (ns)
+        self.work: tuple[int, int, CommArgs | None, int] | None = None  # backend's span, thread
+
+
+def collectives_of(d: TraceDigest, cap: int = DEFAULT_CAP) -> CollectiveBlock | None:
+    """The window's collectives of one rank's digest (module docstring); None when its trace
+    has no collective at all."""
+    notes: list[str] = []
+    groups = _groups(d.groups, d.rank, notes)
+    calls = _calls(d)
+    if not calls and not any(_kernel_kind(d, e[2]) for e in d.device):
+        return None
+    _link_kernels(d, calls)
+    _pair_backend_spans(d, calls, notes)
+    mine = [g for g, ranks in groups.items() if d.rank is None or d.rank in ranks]
+    threads = _thread_groups(d, mine) if len(mine) > 1 else {}
+    found = [_collective(d, c, _group_of(c, mine, threads), groups, notes) for c in calls]
+    found += _lone_kernels(d, calls, groups)
+    kept = [c for c in found if c is not None]
+    kept.sort(key=lambda c: c.arrive_us)
+    calls_kept, folded, cut = bounded(kept, cap)
+    if cut:
+        notes.append(
+            f"{cut} of {len(kept)} collectives past the cap of {cap} a window were folded per "
+            "(group, kind, bytes); raise collectives_cap to match them all"
+        )
+    return CollectiveBlock(
+        calls=tuple(calls_kept),
+        folded=tuple(folded),
+        cut=cut,
+        groups=tuple((name, tuple(ranks)) for name, ranks in groups.items()),
+        notes=tuple(n[:500] for n in notes[:MAX_NOTES]),
+    )
+
+
+def bounded(
+    found: Sequence[RankCollective], cap: int
+) -> tuple[list[RankCollective], list[FoldedCollective], int]:
+    """Whole steps of ``found`` (in their order) up to ``cap`` collectives (the first step's
+    first ``cap`` when it alone is over), the rest folded per (group, kind, bytes), and how
+    many were folded."""
+    if len(found) <= cap:
+        return list(found), [], 0
+    keep = cap
+    while keep > 0 and found[keep - 1].step == found[keep].step:
+        keep -= 1
+    keep = keep or cap
+    fold: dict[tuple[str, str, int], list[float]] = {}
+    for c in found[keep:]:
+        row = fold.setdefault((c.group, c.name, c.nbytes), [0, 0.0])
+        row[0] += 1
+        row[1] += c.work_us
+    rows = sorted(fold.items(), key=lambda kv: -kv[1][1])[:MAX_FOLDED]
+    folded = [FoldedCollective(g, n, b, int(v[0]), v[1]) for (g, n, b), v in rows]
+    return list(found[:keep]), folded, len(found) - keep
+
+
+def _groups(config: Any, rank: int | None, notes: list[str]) -> dict[str, list[int]]:
+    """The process groups ``pg_config`` lists (name -> ranks), those holding ``rank`` first in
+    the trace's order; entries that are not a group's are said and left out."""
+    if config is None:
+        return {}
+    out: dict[str, list[int]] = {}
+    bad = 0
+    for g in config if isinstance(config, list) else []:
+        name = g.get("pg_name") if isinstance(g, dict) else None
+        ranks = g.get("ranks") if isinstance(g, dict) else None
+        if isinstance(ranks, str):  # ("[0, 1]" in some versions)
+            ranks = _int_list(ranks)
+        if not isinstance(name, (str, int)) or not isinstance(ranks, list):
+            bad += 1
+            continue
+        members: list[int] = [r for r in ranks if type(r) is int and 0 <= r < 2**62]
+        if len(members) != len(ranks):
+            bad += 1
+        elif len(out) < MAX_GROUPS and len(members) <= MAX_GROUP_RANKS:
+            out[str(name)[:256] or DEFAULT_GROUP] = sorted(set(members))
+    if bad or not isinstance(config, list):
+        notes.append(f"the trace's process groups (pg_config) hold {bad or 1} malformed entries")
+    return out
+
+
+def _int_list(text: str) -> list[int] | None:
+    try:
+        return [int(x) for x in text.strip("[] ").split(",") if x.strip()]
+    except ValueError:
+        return None
+
+
+def _calls(d: TraceDigest) -> list[_Call]:
+    """The outermost c10d collective ops of each thread, in order of start, each with the
+    ``record_param_comms`` inside it."""
+    calls: list[_Call] = []
+    last_end: dict[int, int] = {}
+    params: list[tuple[int, int, str, CommArgs | None]] = []
+    for thread, start, end, name, args in sorted(d.comm, key=lambda e: (e[1], -e[2])):
+        if name == "record_param_comms" or name.startswith("nccl:"):
+            params.append((thread, start, name, args))
+            continue
+        kind = kind_of(name) if name.startswith("c10d::") else None
+        if kind is None or start < last_end.get(thread, -(2**62)):
+            continue
+        last_end[thread] = end
+        calls.append(_Call(thread, start, end, kind))
+    by_thread: dict[int, list[_Call]] = {}
+    for c in calls:
+        by_thread.setdefault(c.thread, []).append(c)
+    for thread, start, name, args in params:
+        owner = _enclosing(by_thread.get(thread, []), start)
+        if owner is None or args is None:
+            continue
+        if name == "record_param_comms" and owner.args is None:
+            owner.args = args
+        elif name != "record_param_comms" and owner.shaped is None:
+            owner.shaped = args
+    return calls
+
+
+def _enclosing(calls: list[_Call], t: int) -> _Call | None:
+    """The call (sorted by start, not overlapping) whose span holds ``t``."""
+    i = bisect.bisect_right([c.start for c in calls], t) - 1
+    return calls[i] if i >= 0 and calls[i].start <= t <= calls[i].end else None
+
+
+def _kernel_kind(d: TraceDigest, name_id: int) -> str | None:
+    name = d.names[name_id]
+    return kind_of(name) if name[:4].lower() == "nccl" else None
+
+
+def _link_kernels(d: TraceDigest, calls: list[_Call]) -> None:
+    """Each call's NCCL kernels (their span), by the correlation of the launches inside it."""
+    kernels = {e[6]: (e[0], e[1]) for e in d.device if e[6] >= 0 and _kernel_kind(d, e[2])}
+    if not kernels or not calls:
+        return
+    cpu = d.cpu()
+    by_thread: dict[int, list[_Call]] = {}
+    for c in calls:
+        by_thread.setdefault(c.thread, []).append(c)
+    for i in (cpu.kind == RUNTIME).nonzero()[0].tolist():
+        span = kernels.get(int(cpu.corr[i]))
+        if span is None:
+            continue
+        owner = _enclosing(by_thread.get(int(cpu.thread[i]), []), int(cpu.start[i]))
+        if owner is not None:
+            k = owner.kernel
+            owner.kernel = span if k is None else (min(k[0], span[0]), max(k[1], span[1]))
+
+
+def _pair_backend_spans(d: TraceDigest, calls: list[_Call], notes: list[str]) -> None:
+    """Each call with no kernel gets the first unpaired backend span of its kind (``gloo:``,
+    ``nccl:`` on another thread) that starts after it; spans left over are said."""
+    spans: dict[str, list[tuple[int, int, int, CommArgs | None]]] = {}
+    for thread, start, end, name, args in d.comm:
+        if name.startswith(("gloo:", "nccl:")) and (kind := kind_of(name)) is not None:
+            spans.setdefault(kind, []).append((start, end, thread, args))
+    calling = {c.thread for c in calls}
+    for kind, found in spans.items():
+        found = sorted(s for s in found if s[2] not in calling)  # (nccl: on the caller: not work)
+        starts = [s[0] for s in found]
+        used = [False] * len(found)
+        for c in (c for c in calls if c.kind == kind and c.kernel is None):
+            i = bisect.bisect_left(starts, c.start)
+            while i < len(found) and used[i]:
+                i += 1
+            if i < len(found):
+                used[i] = True
+                c.work = (found[i][0], found[i][1], found[i][3], found[i][2])
+        if not all(used):
+            notes.append(
+                f"{used.count(False)} {kind} span(s) of the backend's threads matched no call"
+            )
+
+
+def _collective(
+    d: TraceDigest, c: _Call, group: str, groups: dict[str, list[int]], notes: list[str]
+) -> RankCollective | None:
+    """One call as ``RankCollective``; None (said) when its times cannot be a collective's."""
+    base = d.base_us
+    if c.kernel is not None:
+        start, end = c.kernel
+        arrive = start
+    elif c.work is not None:
+        start, end = c.work[0], c.work[1]
+        arrive = c.start
+    else:
+        start, end, arrive = c.start, c.end, c.start
+    args = c.args
+    size = len(groups.get(group, ())) or _int(getattr(args, "group_size", None)) or 0
+    nbytes, dtype = _size(c, args, size)
+    arrive_us, end_us = base + arrive / 1e3, base + end / 1e3
+    if not (math.isfinite(arrive_us) and math.isfinite(end_us)) or end < start:
+        notes.append(f"a {c.kind} with times that cannot be a collective's was left out")
+        return None
+    return RankCollective(
+        group=group,
+        seq=_int(getattr(args, "seq", None)),
+        name=c.kind,
+        nbytes=nbytes,
+        dtype=dtype,
+        step=_step_of(d, c.start),
+        arrive_us=arrive_us,
+        work_us=(end - start) / 1e3,
+        end_us=end_us,
+    )
+
+
+def _group_of(c: _Call, mine: list[str], threads: dict[int, str]) -> str:
+    """The call's process group: ``record_param_comms``' name, else its gloo thread's group
+    (``threads``), else the first group holding the rank (``mine``), else the default group."""
+    name = getattr(c.args, "group", None)
+    if isinstance(name, (str, int)) and str(name):
+        return str(name)[:256]
+    if c.work is not None and c.work[3] in threads:
+        return threads[c.work[3]]
+    return mine[0] if mine else DEFAULT_GROUP
+
+
+def _thread_groups(d: TraceDigest, mine: list[str]) -> dict[int, str]:
+    """The backend's threads (by digest thread index) split into the rank's groups ``mine``,
+    in order, at the widest gaps between their ids (module docstring)."""
+    threads = sorted(
+        {t for t, _, _, name, _ in d.comm if name.startswith("gloo:")},
+        key=lambda t: _tid(d.threads[t][1]),
+    )
+    tids = [_tid(d.threads[t][1]) for t in threads]
+    cuts = sorted(
+        sorted(range(1, len(tids)), key=lambda i: -(tids[i] - tids[i - 1]))[: len(mine) - 1]
+    )
+    out, g = {}, 0
+    for i, t in enumerate(threads):
+        while g < len(cuts) and i >= cuts[g]:
+            g += 1
+        out[t] = mine[min(g, len(mine) - 1)]
+    return out
+
+
+def _tid(tid: Any) -> int:
+    return tid if type(tid) is int else 0
+
+
+def _size(c: _Call, args: CommArgs | None, group_size: int) -> tuple[int, str]:
+    """(bytes nccl-tests measures it by, dtype): from NCCL's element counts, else from the
+    input shapes of the backend's span or the op."""
+    dtype = getattr(args, "dtype", None)
+    dtype = dtype if isinstance(dtype, str) else ""
+    n_in, n_out = _int(getattr(args, "in_nelems", None)), _int(getattr(args, "out_nelems", None))
+    if n_in is None and n_out is None:
+        n_in, dtype = _first_shape((c.work[2] if c.work is not None else None, c.shaped, args))
+        if n_in is not None and c.kind in _GATHERS and group_size:
+            n_out = n_in * group_size
+    item = _ITEMSIZE.get(dtype.lower(), 0)
+    nbytes = max(n_in or 0, n_out or 0) * item
+    return (nbytes if 0 <= nbytes < 2**62 else 0), dtype[:32]
+
+
+def _first_shape(sources: tuple[CommArgs | None, ...]) -> tuple[int | None, str]:
+    """``_shape_elems`` of the first source that has a shape."""
+    for args in sources:
+        n, dtype = _shape_elems(args)
+        if n is not None:
+            return n, dtype
+    return None, ""
+
+
+def _shape_elems(args: CommArgs | None) -> tuple[int | None, str]:
+    """Elements of the first tensor (or tensor list) input, and its dtype."""
+    dims, types = getattr(args, "input_dims", None), getattr(args, "input_type", None)
+    if not isinstance(dims, list) or not isinstance(types, list):
+        return None, ""
+    for shape, kind in zip(dims, types, strict=False):
+        if not isinstance(shape, list) or not shape or not isinstance(kind, str):
+            continue
+        shapes = shape if isinstance(shape[0], list) else [shape]
+        try:
+            n = sum(math.prod(int(x) for x in s) for s in shapes)
+        except (TypeError, ValueError):
+            return None, ""
+        return n, ("" if kind == "TensorList" else kind)
+    return None, ""
+
+
+def _lone_kernels(
+    d: TraceDigest, calls: list[_Call], groups: dict[str, list[int]]
+) -> list[RankCollective | None]:
+    """NCCL kernels no call launched, when the trace has no call at all (device activity
+    alone): each a collective of the rank's one group, else the default one."""
+    if calls:
+        return []
+    mine = [g for g, ranks in groups.items() if d.rank is None or d.rank in ranks]
+    group = mine[0] if len(mine) == 1 else DEFAULT_GROUP
+    base, out = d.base_us, list[RankCollective | None]()
+    for start, end, name_id, _, _, _, _ in d.device:
+        kind = _kernel_kind(d, name_id)
+        if kind is None or end < start:
+            continue
+        out.append(
+            RankCollective(
+                group,
+                None,
+                kind,
+                0,
+                "",
+                _step_of(d, start),
+                base + start / 1e3,
+                (end - start) / 1e3,
+                base + end / 1e3,
+            )  # fmt: skip
+        )
+    return out
+
+
+def _step_of(d: TraceDigest, t: int) -> int | None:
+    for step, start, end in d.steps:
+        if start <= t <= end:
+            return step
+    return None
+
+
+def _int(value: Any) -> int | None:
+    if type(value) is int and -(2**62) < value < 2**62:
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return _int(int(value))
+    return None
