@@ -217,3 +217,21 @@ class LeakyWorker(ToyWorker):
         for observer in self.oom_observers:
             observer(0, 8 << 30, 70 << 30, 1 << 20)
         return len(self.oom_observers)
+
+
+class LatePolicyWorker(PolicyWorker):
+    """A reference policy rank that can arrive late at its step's gradient all-reduce: it
+    sleeps ``late_s`` after its forward pass, before the backward pass and the collective."""
+
+    late_s = 0.0
+
+    def set_late(self, late_s: float) -> bool:
+        self.late_s = late_s
+        return True
+
+    def _update(self, loss: Any) -> None:
+        if self.late_s:
+            import time
+
+            time.sleep(self.late_s)
+        super()._update(loss)

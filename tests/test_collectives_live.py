@@ -1,0 +1,74 @@
+"""Collectives across ranks on a real run (issue 56): reference SFT ranks in one gloo group,
+real torch.profiler, the node agent's reader, the coordinator's ``collectives()``; one rank
+sleeps a known time before its step's gradient all-reduce: it is the last to arrive there, and
+the other rank's wait equals the delay."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.configs import profiler_config
+from tests.fault_cases import wait_for_windows
+from trainers.hooks import ProfilingHooks
+from trainers.reference.model import ModelConfig, sft_batch, sft_corpus
+
+pytestmark = pytest.mark.ray
+
+LATE_S = 0.08
+ACTIVE = 4
+
+
+@pytest.fixture(scope="module")
+def late_pair(ray_session):
+    from tests.ray_workers import LatePolicyWorker, gloo_pair
+
+    with gloo_pair(ray_session, LatePolicyWorker) as workers:
+        yield workers
+
+
+def run_window(ray, workers, tmp_path, late: dict[int, float]) -> dict:
+    """One window of ``ACTIVE`` SFT steps, rank r late by ``late[r]`` s at each all-reduce;
+    the coordinator's ``collectives()`` and ``status()`` once the window settled."""
+    cfg = profiler_config(tmp_path, wait=1, warmup=1, active=ACTIVE, repeat=1, record_shapes=True)
+    hooks = ProfilingHooks.attach(cfg, workers, trainer_id="sft", name=f"p-{uuid.uuid4().hex[:8]}")
+    ray.get([w.set_late.remote(late.get(r, 0.0)) for r, w in enumerate(workers)])
+    corpus, seq = sft_corpus(), ModelConfig().seq_len
+    try:
+        with hooks.session(first_step=0):
+            for step in range(2 + ACTIVE + 1):
+                rows = sft_batch(corpus, step, 8, seq, seed=0)
+                ray.get([w.sft_step.remote(rows) for w in workers])
+                hooks.step(step)
+        st = wait_for_windows(ray, hooks.coordinator, timeout=60)
+        return {"status": st, "collectives": ray.get(hooks.coordinator.collectives.remote())}
+    finally:
+        ray.get([w.set_late.remote(0.0) for w in workers])
+        ray.kill(hooks.coordinator)
+
+
+def test_the_rank_that_sleeps_before_the_all_reduce_is_last_and_the_other_waits_its_delay(
+    ray_session, late_pair, tmp_path
+):
+    out = run_window(ray_session, late_pair, tmp_path, late={1: LATE_S})
+    c = out["collectives"]
+    assert c["window"] == 0 and c["ranks_recorded"] == 2, c
+    reduces = [m for m in c["collectives"] if m["name"] == "all_reduce" and m["step"] is not None]
+    assert len(reduces) == ACTIVE, c
+    for m in reduces:
+        assert m["group"] == "0" and m["ranks"] == [0, 1] and m["last_rank"] == 1, m
+        assert m["wait_us"]["1"] == 0.0
+        assert abs(m["wait_us"]["0"] - LATE_S * 1e6) < 0.2 * LATE_S * 1e6, m
+        assert m["bytes"] > 0 and m["transfer_us"] > 0
+    ranks = {r["rank"]: r for r in c["ranks"]}
+    assert ranks[1]["arrived_last"] >= ACTIVE and ranks[0]["arrived_last"] == 0, ranks
+    assert not ranks[1]["clock_corrected"] and abs(ranks[1]["clock_offset_us"]) < 5_000, ranks
+    assert not [p for p in c["problems"] if "rank" in p and "lacks" in p], c["problems"]
+
+
+def test_without_a_late_rank_no_wait_is_near_the_delay(ray_session, late_pair, tmp_path):
+    c = run_window(ray_session, late_pair, tmp_path, late={})["collectives"]
+    reduces = [m for m in c["collectives"] if m["name"] == "all_reduce" and m["step"] is not None]
+    assert len(reduces) == ACTIVE, c
+    assert all(max(m["wait_us"].values()) < 0.5 * LATE_S * 1e6 for m in reduces), reduces
