@@ -6,6 +6,7 @@ the other rank's wait equals the delay."""
 from __future__ import annotations
 
 import uuid
+from statistics import median
 
 import pytest
 
@@ -42,7 +43,11 @@ def run_window(ray, workers, tmp_path, late: dict[int, float]) -> dict:
                 ray.get([w.sft_step.remote(rows) for w in workers])
                 hooks.step(step)
         st = wait_for_windows(ray, hooks.coordinator, timeout=60)
-        return {"status": st, "collectives": ray.get(hooks.coordinator.collectives.remote())}
+        return {
+            "status": st,
+            "collectives": ray.get(hooks.coordinator.collectives.remote()),
+            "summary": ray.get(hooks.coordinator.kernel_summary.remote(top_k=0)),
+        }
     finally:
         ray.get([w.set_late.remote(0.0) for w in workers])
         ray.kill(hooks.coordinator)
@@ -58,17 +63,35 @@ def test_the_rank_that_sleeps_before_the_all_reduce_is_last_and_the_other_waits_
     assert len(reduces) == ACTIVE, c
     for m in reduces:
         assert m["group"] == "0" and m["ranks"] == [0, 1] and m["last_rank"] == 1, m
-        assert m["wait_us"]["1"] == 0.0
-        assert abs(m["wait_us"]["0"] - LATE_S * 1e6) < 0.2 * LATE_S * 1e6, m
+        assert m["wait_us"]["1"] == 0.0 and m["wait_us"]["0"] > 0.5 * LATE_S * 1e6, (m, reduces)
         assert m["bytes"] > 0 and m["transfer_us"] > 0
+    # (the median: on 2 busy cores a rank's process is sometimes descheduled for tens of ms)
+    wait = median(m["wait_us"]["0"] for m in reduces)
+    assert abs(wait - LATE_S * 1e6) < 0.2 * LATE_S * 1e6, reduces
     ranks = {r["rank"]: r for r in c["ranks"]}
     assert ranks[1]["arrived_last"] >= ACTIVE and ranks[0]["arrived_last"] == 0, ranks
     assert not ranks[1]["clock_corrected"] and abs(ranks[1]["clock_offset_us"]) < 5_000, ranks
     assert not [p for p in c["problems"] if "rank" in p and "lacks" in p], c["problems"]
+    # named in stragglers, with the reason, beside the compute-time table (which cannot see a
+    # sleep: the two disagree, and the note says why)
+    last = out["summary"]["stragglers"]["last_arriver"]
+    assert last is not None and last["rank"] == 1 and last["waiting_ranks"] == [0], last
+    assert f"arrives last at {last['arrived_last']} of" in last["reason"], last
+    assert 0.8 * LATE_S * 1e3 < last["wait_ms_per_step"] < 1.2 * LATE_S * 1e3, last
+    assert last["agrees"] == (1 in out["summary"]["stragglers"]["flagged"]), last
+    assert last["agrees"] or "no rank's compute time" in last["note"], last
+    assert c["last_arriver"]["rank"] == 1
+    entry = out["status"]["windows"][0]
+    assert entry["last_arriver"].startswith("rank 1 arrives last at"), entry
 
 
 def test_without_a_late_rank_no_wait_is_near_the_delay(ray_session, late_pair, tmp_path):
-    c = run_window(ray_session, late_pair, tmp_path, late={})["collectives"]
+    out = run_window(ray_session, late_pair, tmp_path, late={})
+    c = out["collectives"]
     reduces = [m for m in c["collectives"] if m["name"] == "all_reduce" and m["step"] is not None]
     assert len(reduces) == ACTIVE, c
-    assert all(max(m["wait_us"].values()) < 0.5 * LATE_S * 1e6 for m in reduces), reduces
+    assert median(max(m["wait_us"].values()) for m in reduces) < 0.5 * LATE_S * 1e6, reduces
+    # (two ranks on 2 busy cores: one of them is last at each all-reduce, and a descheduled
+    # process can make the other wait; named or not, it is never for a wait like the delay)
+    last = out["summary"]["stragglers"]["last_arriver"]
+    assert last is None or last["wait_ms_per_step"] < 0.5 * LATE_S * 1e3, last

@@ -47,13 +47,14 @@ def run(ray_session, worker_pool, tmp_path_factory):
         ray.get(coord.kernel_summary.remote(window=w["index"], top_k=8, per_rank=True))
         for w in status["windows"]
     ]
-    yield status, summaries
+    collectives = ray.get(coord.collectives.remote(window=status["windows"][-1]["index"]))
+    yield status, summaries, collectives
     ray.kill(coord)
     worker_pool.give_back(workers)
 
 
 def test_stragglers_are_flagged_in_status_and_summary(run):
-    status, summaries = run
+    status, summaries, _ = run
     for s in summaries:
         assert s["stragglers"]["flagged"] == [2], (s["rank_totals"], s["breakdown"]["ranks"])
         assert s["stragglers"]["ranks"][2]["compute_ratio"] > 1.5
@@ -61,7 +62,7 @@ def test_stragglers_are_flagged_in_status_and_summary(run):
 
 
 def test_frames(run):
-    status, summaries = run
+    status, summaries, _ = run
     k = nb.kernels_frame(summaries[-1])
     assert len(k) == 8 and k["total_us"].is_monotonic_decreasing
     m = nb.rank_kernel_frame(summaries[-1])
@@ -76,6 +77,15 @@ def test_frames(run):
         nb.rank_kernel_frame({**summaries[-1], "per_rank": None})
 
 
+def test_the_collectives_frames_of_a_window_without_collectives_are_empty(run):
+    _, _, collectives = run  # toy ranks: no process group, so no collective in their traces
+    ranks = nb.collectives_frame(collectives)
+    assert list(ranks.index) == [0, 1, 2] and (ranks["collectives"] == 0).all()
+    assert ranks.attrs["matched"] == 0 and ranks.attrs["ranks_without"] == [0, 1, 2]
+    matched = nb.matched_collectives_frame(collectives)
+    assert matched.empty and "last_rank" in matched.columns
+
+
 @pytest.mark.parametrize(
     "draw",
     [
@@ -88,7 +98,7 @@ def test_frames(run):
 def test_plots_render_to_png(run, tmp_path, draw, request):
     import matplotlib.pyplot as plt
 
-    _, summaries = run
+    _, summaries, _ = run
     ax = draw(summaries)
     path = tmp_path / f"{request.node.callspec.id}.png"
     ax.figure.savefig(path, dpi=80)

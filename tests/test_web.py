@@ -227,6 +227,8 @@ def test_every_endpoint_answers_with_the_replies_shapes(served):
     assert status == 200 and strag["window"] == 0 and set(strag["ranks"]) == {"0", "1"}
     status, d = served.http("GET", "/api/diff?a=0&b=1&top_k=3")
     assert status == 200 and d["a"]["window"] == 0 and len(d["kernels"]) == 3
+    status, c = served.http("GET", "/api/windows/1/collectives")  # toy ranks: no collective
+    assert status == 200 and c["window"] == 1 and c["matched"] == 0 and c["ranks_without"] == [0, 1]
     status, ph = served.http("GET", "/api/phases?last=5")
     assert status == 200 and ph["steps_seen"] == 8
     assert [s["step"] for s in ph["steps"]] == [3, 4, 5, 6, 7]  # the last five
@@ -281,6 +283,9 @@ def test_bad_input_gets_a_json_reason_and_the_right_status(served):
     status, body = served.http("GET", "/api/phases?last=10001")
     assert status == 400 and body["error"] == "last must be an int in 0..10000, got 10001"
     assert served.http("GET", "/api/windows/1/kernels?role=nobody")[0] == 400
+    status, body = served.http("GET", "/api/windows/1/collectives?shown=10001")
+    assert status == 400 and body["error"] == "shown must be an int in 0..10000, got 10001"
+    assert served.http("GET", "/api/windows/9/collectives")[0] == 404
     status, body = served.http("GET", "/api/windows/9/timeline.json.gz")
     assert status == 404 and "no closed window 9" in body["error"]
     status, body = served.http("GET", "/api/windows/1/timeline.json.gz?ranks=5")
@@ -417,6 +422,10 @@ def test_the_pages_in_a_real_browser(served, tmp_path):
         page.wait_for_selector("text=aten::addmm", timeout=30_000)
         page.wait_for_selector("text=Rank x top kernel")
         assert page.locator("canvas").count() == 5  # spread, heat map, breakdown, steps, strip
+        page.wait_for_selector("#collectives-none", timeout=30_000)  # one line, no chart
+        assert page.inner_text("#collectives-none") == (
+            "no collectives in this window: none of its 2 ranks' traces had one"
+        )
         page.screenshot(path=str(tmp_path / "window.png"), full_page=True)
         assert (tmp_path / "window.png").stat().st_size > 20_000
         # the op table's route (a CPU window: the op table is the kernel table)
@@ -907,6 +916,7 @@ def test_a_run_s_record_is_served_read_only_with_the_live_answers(served, tmp_pa
             "/api/windows/0/stragglers",
             "/api/diff?a=0&b=1",
             "/api/phases?last=50",
+            "/api/windows/1/collectives",
         ):
             assert web.http("GET", path) == served.http("GET", path), path
         (status, st), (_, live) = web.http("GET", "/api/status"), served.http("GET", "/api/status")

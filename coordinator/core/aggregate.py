@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
+from coordinator.core.collectives import window_collectives
 from coordinator.core.device_views import DeviceFigures
 from coordinator.core.partial import rank_part
 from coordinator.core.row_table import RowTable
 from coordinator.core.saved import AggregateFile
 from coordinator.core.steps import Steps, run_steps
-from coordinator.protocol.collective_replies import CollectiveBlock
+from coordinator.protocol.collective_replies import CollectiveBlock, LastArriver
 from coordinator.protocol.partial_codec import NS, NodePartial, RankPart
 from coordinator.protocol.summary_codec import (
     BREAKDOWN_KEYS,
@@ -48,7 +49,9 @@ if TYPE_CHECKING:  # (the reply types are for checking: their module takes 6 ms 
 TABLES = ("kernel", "op")
 """What ``kernel_summary(by=...)`` tables: kernels (CUDA) or CPU ops, or ops by device time."""
 CHEAP_RANKS = 256
-"""Up to this many ranks, a window's stragglers are computed wherever they are asked for."""
+"""Up to this many ranks, a window's stragglers are computed wherever they are asked for..."""
+CHEAP_COLLECTIVES = 20_000
+"""... and up to this many collectives over its ranks (matching them: about 20 ms)."""
 STEP_ROWS, STEP_BLOCKS, STEP_RANKS = 1024, 32, 256
 """A partial's rows, detail blocks and ranks folded in one step (each a few ms)."""
 _SNAPSHOT_COPIES = (
@@ -236,6 +239,14 @@ class WindowAggregate:
         return self._stragglers[1]
 
     @property
+    def cheap(self) -> bool:
+        """Whether its stragglers are cheap enough to compute on the event loop (else they are
+        found off it: ``service/straggler_refresh.py``)."""
+        if len(self.rank_totals) > CHEAP_RANKS:
+            return False
+        return sum(len(b.calls) for b in self.collectives.values()) <= CHEAP_COLLECTIVES
+
+    @property
     def stragglers_known(self) -> bool:
         """Whether the stragglers of the ranks in so far have been computed."""
         return self._stragglers is not None and self._stragglers[0][0] == len(self.rank_totals)
@@ -243,12 +254,15 @@ class WindowAggregate:
     def flagged(self, threshold: float) -> list[int] | None:
         """The flagged stragglers; None when they would have to be computed and the window has
         over ``CHEAP_RANKS`` ranks (``stragglers()`` then runs off the event loop)."""
+        found = self.known_stragglers(threshold)
+        return found["flagged"] if found is not None else None
+
+    def known_stragglers(self, threshold: float) -> Stragglers | None:
+        """The stragglers, if known or cheap (``cheap``); else None."""
         key = (len(self.rank_totals), threshold)
         if self._stragglers is not None and self._stragglers[0] == key:
-            return self._stragglers[1]["flagged"]
-        if len(self.rank_totals) > CHEAP_RANKS:
-            return None
-        return self.stragglers(threshold)["flagged"]
+            return self._stragglers[1]
+        return self.stragglers(threshold) if self.cheap else None
 
     def snapshot(self) -> WindowAggregate:
         """A copy that later folds do not change, to read off the event loop (O(ranks) of
@@ -447,6 +461,7 @@ def empty_summary() -> KernelSummaryReply:
             "ranks": {},
             "flagged": [],
             "launch_bound": [],
+            "last_arriver": None,
         },
         "breakdown": {"ranks": {}, "mean": {}},
         "streams": {},
@@ -492,7 +507,35 @@ def find_stragglers(agg: WindowAggregate, threshold: float) -> Stragglers:
         "ranks": ranks,
         "flagged": [r for r, v in ranks.items() if v["flagged"]],
         "launch_bound": [r for r, v in ranks.items() if v["launch_bound"]],
+        "last_arriver": _last_arriver(agg, ranks, threshold),
     }
+
+
+def _last_arriver(
+    agg: WindowAggregate, ranks: dict[int, RankStraggler], threshold: float
+) -> LastArriver | None:
+    """The rank the others waited for in the window's collectives, set against the compute
+    stragglers: whether they flag it too, and when not, why the two can differ."""
+    if not agg.collectives:
+        return None
+    blocks = {r: agg.collectives.get(r) for r in agg.rank_totals}
+    step = statistics.median(agg.rank_step_ms.values()) if agg.rank_step_ms else None
+    found = window_collectives(blocks, None, shown=0, step_ms=step)["last_arriver"]
+    if found is None:
+        return None
+    mine = ranks.get(found["rank"])
+    found["agrees"] = bool(mine and mine["flagged"])
+    if not found["agrees"]:
+        flagged = [r for r, v in ranks.items() if v["flagged"]]
+        found["note"] = (
+            f"the compute times flag rank(s) {', '.join(map(str, flagged))}: a rank can be slow "
+            "in ops before one collective and on time for the next"
+            if flagged
+            else f"no rank's compute time is over {threshold}x the median: rank "
+            f"{found['rank']} is late for time outside its recorded ops (a sleep, data loading, "
+            "the host, another process)"
+        )
+    return found
 
 
 def _breakdown(agg: WindowAggregate, rank: int) -> Breakdown | None:

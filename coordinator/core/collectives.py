@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from coordinator.protocol.collective_replies import (
     CollectiveBlock,
     CollectivesReply,
+    LastArriver,
     MatchedCollective,
     RankCollective,
     RankCollectives,
@@ -54,6 +55,14 @@ SAME_CLOCK_US = 1_000.0
 SKEW_FLOOR_US = 10.0
 # The most matched collectives a reply lists (the largest skews kept); every one is counted.
 SHOWN = 500
+# A rank is named the last arriver when it is last at over this share of its collectives (with
+# a skew over the floor), at least ``MIN_LAST`` of them (in a steady run the last one changes),
+# and the others wait for it at least ``LAST_STEP_SHARE`` of the median step a step (at least
+# ``LAST_MIN_WAIT_MS`` where the step time is not known): with two ranks one is always last.
+LAST_SHARE = 0.5
+MIN_LAST = 3
+LAST_STEP_SHARE = 0.05
+LAST_MIN_WAIT_MS = 1.0
 
 # The names torch writes, lowercased without "_": c10d's ops (``c10d::_allgather_base_``),
 # gloo's (``gloo:all_reduce``), ``nccl:`` record functions, NCCL's kernels
@@ -293,11 +302,13 @@ def match_window(
     nodes: Mapping[int, str] | None = None,
     shown: int = SHOWN,
     skew_floor_us: float = SKEW_FLOOR_US,
+    step_ms: float | None = None,
 ) -> CollectivesReply:
     """A window's collectives matched across each group's ranks, and each rank's part;
     ``per_rank``: each recorded rank's collectives (a rank with none: an empty list),
     ``groups``: the ranks of each process group where the traces name them (``pg_config``),
-    ``nodes``: each rank's node where known. What could not be matched is in ``problems``."""
+    ``nodes``: each rank's node where known; ``step_ms``: the window's median step time (for
+    ``last_arriver``). What could not be matched is in ``problems``."""
     problems: list[str] = []
     keyed = index(per_rank, problems)
     member = members(keyed, sorted(per_rank), groups or {}, problems)
@@ -318,6 +329,7 @@ def match_window(
         "ranks": ranks,
         "matched": len(matched),
         "shown": len(kept),
+        "last_arriver": last_arriver(matched, skew_floor_us, step_ms),
         "problems": problems,
     }
 
@@ -436,6 +448,7 @@ def window_collectives(
     blocks: Mapping[int, CollectiveBlock | None],
     nodes: Mapping[int, str] | None = None,
     shown: int = SHOWN,
+    step_ms: float | None = None,
 ) -> CollectivesReply:
     """``match_window`` over the blocks the ranks' summaries carried (None: a rank whose trace
     had no collective): the process groups their traces name, joined (a group two traces name
@@ -457,12 +470,58 @@ def window_collectives(
             if len(ranks) > len(groups.get(name, ())):
                 groups[name] = list(ranks)
         notes += [f"rank {rank}: {n}" for n in block.notes]
-    reply = match_window(per_rank, groups, nodes, shown)
+    reply = match_window(per_rank, groups, nodes, shown, step_ms=step_ms)
     for part in reply["ranks"]:
         block = blocks.get(part["rank"])
         part["cut"] = block.cut if block is not None else 0
     reply["problems"] = notes[:64] + reply["problems"]
     return reply
+
+
+def last_arriver(
+    matched: Sequence[MatchedCollective],
+    skew_floor_us: float = SKEW_FLOOR_US,
+    step_ms: float | None = None,
+) -> LastArriver | None:
+    """The rank the others waited for (``LastArriver``), from every matched collective (not
+    only those a reply lists); None when no rank is last often enough, or the wait is small
+    against the median step ``step_ms`` (constants above)."""
+    last: dict[int, list[MatchedCollective]] = {}
+    taking: dict[int, int] = {}
+    for m in matched:
+        for r in m["ranks"]:
+            taking[r] = taking.get(r, 0) + 1
+        if m["skew_us"] > skew_floor_us:
+            last.setdefault(m["last_rank"], []).append(m)
+    if not last:
+        return None
+    rank = max(last, key=lambda r: (len(last[r]), sum(m["skew_us"] for m in last[r]), -r))
+    n, total = len(last[rank]), taking[rank]
+    if n < MIN_LAST or n <= LAST_SHARE * total:
+        return None
+    waited: dict[int, float] = {}
+    for m in last[rank]:
+        for key, w in m["wait_us"].items():
+            if int(key) != rank:
+                waited[int(key)] = waited.get(int(key), 0.0) + w
+    steps = {m["step"] for m in matched if rank in m["ranks"]}
+    per_step = sum(waited.values()) / max(1, len(waited)) / max(1, len(steps)) / 1e3
+    if per_step < (LAST_STEP_SHARE * step_ms if step_ms else LAST_MIN_WAIT_MS):
+        return None
+    others = sorted(waited)
+    return {
+        "rank": rank,
+        "arrived_last": n,
+        "collectives": total,
+        "waiting_ranks": others,
+        "wait_ms_per_step": per_step,
+        "reason": (
+            f"arrives last at {n} of {total} collectives; ranks {_ranges(others)} wait "
+            f"{per_step:.3g} ms a step"
+        ),
+        "agrees": False,
+        "note": None,
+    }
 
 
 def _ranges(values: Sequence[int]) -> str:

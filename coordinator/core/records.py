@@ -224,6 +224,7 @@ class WindowRecord:
             },
             "traces": main["traces"] if main else {},
             "stragglers": main["stragglers"] if main else [],
+            "last_arriver": main["last_arriver"] if main else None,
             "launch_bound": main["launch_bound"] if main else [],
             "trigger": self.trigger,
             "regression": main["regression"] if main else None,  # the stepping trainer's
@@ -298,6 +299,7 @@ class WindowRecord:
             "launch_bound": cut(sorted(agg.gpu.launch_bound)) if agg else [],
             "busy_ms_per_step": busy[0] if busy else None,
             "busy_ms_per_step_max": busy[1] if busy else None,
+            "last_arriver": _last_arriver_line(agg, self.threshold) if agg else None,
             "step_ms": step_ms(agg) if agg is not None else {},
             "regression": None,  # filled in by to_dict (marks change without a new part)
             **optimizer_steps_of(self, tid),
@@ -309,3 +311,10 @@ def optimizer_steps_of(rec: WindowRecord, tid: str | None) -> OptimizerSteps:
     said them (a checkpoint or record from before has none: ``{}``)."""
     steps = getattr(rec, "optimizer_steps", {}).get(tid or "")
     return {"optimizer_steps": list(steps)} if steps else {}
+
+
+def _last_arriver_line(agg: WindowAggregate, threshold: float) -> str | None:
+    """``stragglers["last_arriver"]`` in a line, when the stragglers are known (or cheap)."""
+    found = agg.known_stragglers(threshold)
+    last = found.get("last_arriver") if found is not None else None
+    return f"rank {last['rank']} {last['reason']}" if last else None

@@ -99,6 +99,62 @@ def memory_frame(summary: dict[str, Any]) -> Any:
     return frame
 
 
+def collectives_frame(reply: dict[str, Any]) -> Any:
+    """One row per rank of a ``collectives()`` reply (index: the rank): the collectives it was
+    matched in, how often it arrived last, its wait in them (us, all together and
+    ``wait_us_per_step``: the mean over the steps it waited in), its clock offset against
+    ``clock_reference`` with its spread, whether its times were corrected, and its collectives
+    past its summary's cap (``cut``). ``attrs``: the window, ``matched``, ``shown`` and the
+    reply's ``problems``.
+
+    Example::
+
+        c = ray.get(h.collectives.remote(window=3))
+        nb.collectives_frame(c).sort_values("arrived_last", ascending=False).head()
+    """
+    pd = _pd()
+    rows = {
+        r["rank"]: {
+            **{k: v for k, v in r.items() if k not in ("rank", "wait_us_per_step")},
+            "wait_us_per_step": _mean(r["wait_us_per_step"].values()),
+        }
+        for r in reply["ranks"]
+    }
+    cols = ["collectives", "arrived_last", "wait_us", "wait_us_per_step", "clock_reference",
+            "clock_offset_us", "clock_spread_us", "clock_corrected", "cut"]  # fmt: skip
+    frame = pd.DataFrame.from_dict(rows, orient="index", columns=cols)
+    frame.index.name = "rank"
+    frame.attrs.update({k: reply.get(k) for k in _COLLECTIVES_ATTRS})
+    return frame.sort_index()
+
+
+def matched_collectives_frame(reply: dict[str, Any]) -> Any:
+    """One row per matched collective of a ``collectives()`` reply (those it lists: the
+    ``shown`` largest skews), in the reply's order: group, seq, name, step, the ranks matched
+    and missing, the last to arrive, the skew, the transfer, bytes, bandwidths (GB/s), and each
+    rank's wait as a column ``wait_us_<rank>`` (NaN: not in that collective's group)."""
+    pd = _pd()
+    cols = ["group", "seq", "name", "step", "ranks", "missing", "last_rank", "skew_us",
+            "transfer_us", "bytes", "algbw_gbps", "busbw_gbps"]  # fmt: skip
+    ranks = sorted({int(r) for m in reply["collectives"] for r in m["wait_us"]})
+    rows = [
+        {**{c: m[c] for c in cols}, **{f"wait_us_{r}": m["wait_us"].get(str(r)) for r in ranks}}
+        for m in reply["collectives"]
+    ]
+    frame = pd.DataFrame(rows, columns=[*cols, *(f"wait_us_{r}" for r in ranks)])
+    frame.attrs.update({k: reply.get(k) for k in _COLLECTIVES_ATTRS})
+    return frame
+
+
+_COLLECTIVES_ATTRS = ("run", "window", "steps", "trainer_id", "role", "matched", "shown",
+                      "problems", "ranks_without")  # fmt: skip
+
+
+def _mean(values: Any) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
 def ranks_frame(status: dict[str, Any]) -> Any:
     """One row per rank of a ``status()`` (or a ``ranks()`` page): state, reason, windows
     captured, last trace. A default ``status()`` of a run of over 256 ranks lists only the

@@ -301,6 +301,11 @@ def render_stragglers(ks: KernelSummaryReply) -> str:
                 else ""
             )
         )
+    last = s.get("last_arriver")
+    if last:
+        lines.append(f"collectives: rank {last['rank']} {last['reason']}")
+        if last["note"]:
+            lines.append(f"  (not a compute straggler: {last['note']})")
     note = memory_straggler_line(ks)
     return "\n".join([*lines, note] if note else lines)
 

@@ -108,6 +108,21 @@ class RankCollectives(TypedDict):
     cut: int  # its collectives past its summary's cap: folded, not matched
 
 
+class LastArriver(TypedDict):
+    """The rank that made the others wait in the window's collectives, in
+    ``stragglers["last_arriver"]``: named when it arrived last at over half of the collectives it
+    took part in (with a skew over the noise floor), at least ``MIN_LAST`` of them."""
+
+    rank: int
+    arrived_last: int  # collectives it arrived last at
+    collectives: int  # collectives it took part in
+    waiting_ranks: list[int]  # the ranks that waited for it
+    wait_ms_per_step: float  # their wait for it, mean over them, per step with a collective
+    reason: str  # "arrives last at 11 of 12 collectives; ranks 0, 2, 3 wait 31 ms a step"
+    agrees: bool  # the compute-time stragglers flag it too
+    note: str | None  # when they do not: why the two can differ
+
+
 class CollectivesReply(TypedDict):
     """A window's collectives matched across ranks: the ``collectives`` (bounded, the
     costliest waits first when cut), the ``ranks``, and ``problems`` (one line each: what could
@@ -117,6 +132,7 @@ class CollectivesReply(TypedDict):
     ranks: list[RankCollectives]
     matched: int  # collectives matched in all
     shown: int  # of those, how many ``collectives`` lists
+    last_arriver: LastArriver | None  # the rank the others waited for, if one did it often
     problems: list[str]
 
 

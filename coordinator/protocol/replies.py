@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypedDict
 
+from coordinator.protocol.collective_replies import LastArriver as LastArriver
 from coordinator.protocol.memory_replies import MemoryStatusEntry as MemoryStatusEntry
 from coordinator.protocol.stack_replies import StackDump as StackDump
 from coordinator.protocol.stack_replies import StackEntry as StackEntry
@@ -291,6 +292,7 @@ class RoleWindow(OptimizerSteps):
     launch_bound: list[int]  # CUDA ranks with a launch-bound step
     busy_ms_per_step: float | None  # self time of every op per recorded step: mean over ranks
     busy_ms_per_step_max: float | None  # ... and its largest rank
+    last_arriver: str | None  # ``stragglers["last_arriver"]["reason"]``, with its rank
     step_ms: dict[int, float]  # each recorded step's time, the mean over its ranks
     regression: RegressionEntry | None  # this role's marks (None until judged)
 
@@ -317,6 +319,7 @@ class WindowEntry(TypedDict):
     trace_errors: dict[int, dict[str, str]]
     traces: dict[int, WindowTrace]
     stragglers: list[int]
+    last_arriver: str | None  # the rank the others waited for in collectives, and why
     launch_bound: list[int]  # CUDA ranks with a launch-bound step
     trigger: AutoTrigger | None  # for an ``auto`` window: why it was taken
     regression: RegressionEntry | None  # the stepping trainer's marks, once its summaries are in
@@ -604,6 +607,7 @@ class Stragglers(TypedDict):
     ranks: dict[int, RankStraggler]
     flagged: list[int]
     launch_bound: list[int]  # the ranks with a launch-bound step
+    last_arriver: LastArriver | None  # the rank the others waited for in collectives (issue 56)
 
 
 class OpDetail(TypedDict):

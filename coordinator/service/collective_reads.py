@@ -8,6 +8,7 @@ matching (``core.collectives.window_collectives``: O(ranks x collectives), about
 from __future__ import annotations
 
 import asyncio
+import statistics
 from typing import Any
 
 from coordinator.core.collectives import SHOWN, window_collectives
@@ -55,8 +56,9 @@ async def collectives(
         if (found := st.ranks.get((tid or "", r))) is not None
         and isinstance(node := getattr(found, "node_id", None), str)
     }
+    step = statistics.median(agg.rank_step_ms.values()) if agg and agg.rank_step_ms else None
     loop = asyncio.get_running_loop()
-    reply = await loop.run_in_executor(shell.reads, window_collectives, blocks, nodes, shown)
+    reply = await loop.run_in_executor(shell.reads, window_collectives, blocks, nodes, shown, step)
     out: WindowCollectivesReply = {
         **reply,
         "run": target.name,

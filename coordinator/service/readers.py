@@ -173,7 +173,7 @@ class Readers:
         target = self._run(run)
         st = target.state
         tid, rec, agg = trainer_window(st, window, trainer_id, role)
-        if rec is None or agg is None or len(agg.rank_totals) <= CHEAP_RANKS:
+        if rec is None or agg is None or agg.cheap:
             out = kernel_summary(st, window, top_k, tid, bool(per_rank), by)
         else:  # O(ranks) of Python: on a snapshot, off the event loop
             snap = agg.snapshot()

@@ -16,7 +16,7 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
-from coordinator.core.aggregate import CHEAP_RANKS, WindowAggregate
+from coordinator.core.aggregate import WindowAggregate
 
 
 class StragglerRefresh:
@@ -29,7 +29,7 @@ class StragglerRefresh:
 
     def request(self, agg: WindowAggregate, threshold: float) -> None:
         """Have ``agg``'s stragglers found (if it is large and they are not known yet)."""
-        if len(agg.rank_totals) <= CHEAP_RANKS or agg.stragglers_known:
+        if agg.cheap or agg.stragglers_known:
             return
         key = id(agg)
         if key in self._busy:  # once the run under way ends, with what arrived meanwhile

@@ -11,6 +11,8 @@ from coordinator.core.validate import is_int, role_problem
 
 MAX_BODY_BYTES = 64 * 1024
 CAPTURE_FIELDS = ("active", "warmup", "ranks", "start_step")
+SHOWN_COLLECTIVES = 40
+MAX_SHOWN_COLLECTIVES = 10_000
 
 
 class BadRequest(ValueError):
@@ -112,6 +114,17 @@ def kernels_args(query: Mapping[str, str]) -> dict[str, Any]:
         "per_rank": bool_param(query, "per_rank"),
         "run": str_param(query, "run"),
         "by": choice_param(query, "by", ("kernel", "op"), "kernel"),
+    }
+
+
+def collectives_args(query: Mapping[str, str]) -> dict[str, Any]:
+    """``collectives`` keyword arguments from ``?trainer_id&role&run&shown`` (``shown``: the
+    largest skews listed, 40 by default: the window page charts that many)."""
+    return {
+        "trainer_id": str_param(query, "trainer_id"),
+        "role": role_param(query),
+        "run": str_param(query, "run"),
+        "shown": int_param(query, "shown", SHOWN_COLLECTIVES, 0, MAX_SHOWN_COLLECTIVES),
     }
 
 

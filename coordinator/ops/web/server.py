@@ -34,6 +34,7 @@ from coordinator.ops.web.params import (
     MAX_BODY_BYTES,
     BadRequest,
     capture_args,
+    collectives_args,
     diff_args,
     float_param,
     int_param,
@@ -224,6 +225,7 @@ class WebServer:
         r.add_get("/api/status", self.status)
         r.add_get("/api/windows/{window}/kernels", self.kernels)
         r.add_get("/api/windows/{window}/stragglers", self.stragglers)
+        r.add_get("/api/windows/{window}/collectives", self.collectives)
         r.add_get("/api/windows/{window}/traces.tar.gz", self.traces)
         r.add_get("/api/windows/{window}/timeline.json.gz", self.timeline)
         r.add_get("/api/diff", self.diff)
@@ -377,6 +379,11 @@ class WebServer:
         args = kernels_args(request.query) | {"top_k": 0, "per_rank": False}
         ks = await self.link.call("kernel_summary", window=window, **args)
         return reply({**ks["stragglers"], "window": ks["window"], "role": ks["role"]})
+
+    async def collectives(self, request: web.Request) -> web.StreamResponse:
+        """The window's collectives matched across its ranks (``WindowCollectivesReply``)."""
+        window = window_index(request.match_info["window"])
+        return reply(await self.link.call("collectives", window, **collectives_args(request.query)))
 
     async def diff(self, request: web.Request) -> web.StreamResponse:
         """Window ``b`` against window ``a``; a side whose run the coordinator does not keep

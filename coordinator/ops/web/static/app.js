@@ -367,8 +367,88 @@ async function windowPage(main, index, role, by) {
   breakdown(main, ks);
   launches(main, ks);
   stragglers(main, ks);
+  collectivesSection(main, index, role);
   stepStrip(main, ks);
   memory(main, ks);
+}
+
+// ------------------------------------------------ collectives across ranks
+
+const ARRIVAL_ROWS = 40;  // collectives charted: the largest skews
+
+// The window's collectives (``WindowCollectivesReply``): each rank's waits and how often it
+// arrived last (the rank most often last highlighted), what could not be matched, and the
+// arrivals of the largest skews. Filled when its answer comes; the page does not wait for it.
+function collectivesSection(main, index, role) {
+  const holder = el("div", { id: "collectives" }, el("p", { class: "muted" }, "reading the collectives..."));
+  main.append(el("h2", {}, "Collectives"), holder);
+  const q = `shown=${ARRIVAL_ROWS}${role ? "&role=" + encodeURIComponent(role) : ""}`;
+  api(`/api/windows/${index}/collectives?${q}`).then(res => {
+    if (!res.ok) { holder.replaceChildren(el("p", { class: "error" }, `collectives: ${res.status} ${res.body?.error ?? ""}`)); return; }
+    drawCollectives(holder, res.body);
+  });
+}
+
+// The rank that arrived last most often (ties: the lowest rank), or null when none did.
+function mostLast(ranks) {
+  return ranks.reduce((a, r) => (r.arrived_last > (a ? a.arrived_last : 0) ? r : a), null);
+}
+
+function drawCollectives(holder, c) {
+  const ms = us => us === null || us === undefined ? "" : num(us / 1000, 2);
+  if (!c.matched && c.ranks_without.length === c.ranks_recorded) {
+    holder.replaceChildren(el("p", { class: "muted", id: "collectives-none" }, "no collectives in this window: " +
+      (c.ranks_recorded ? `none of its ${c.ranks_recorded} ranks' traces had one` : "no rank's summary is in")));
+    return;
+  }
+  const top = mostLast(c.ranks);
+  const steps = r => Object.keys(r.wait_us_per_step).length;
+  const kids = [el("p", { id: "collectives-lead" }, `${c.matched} collectives matched across ${c.ranks.length} ranks` +
+    (c.last_arriver ? `; rank ${c.last_arriver.rank} ${c.last_arriver.reason}`
+      : top ? `; rank ${top.rank} arrives last most often (at ${top.arrived_last} of its ${top.collectives})` : "; no rank arrived last") +
+    (c.matched > c.shown ? `; the ${c.shown} largest skews charted` : ""))];
+  const ranks = table(
+    [{ label: "rank", get: r => r.rank, num: true }, { label: "collectives", get: r => r.collectives, num: true },
+     { label: "arrived last", get: r => r.arrived_last, num: true },
+     { label: "wait ms", get: r => ms(r.wait_us), num: true },
+     { label: "wait ms per step", get: r => steps(r) ? ms(r.wait_us / steps(r)) : "", num: true,
+       title: r => Object.entries(r.wait_us_per_step).map(([s, us]) => `step ${s}: ${ms(us)} ms`).join("; ") || null },
+     { label: "clock offset ms", get: r => r.clock_spread_us === null ? "" :
+         `${ms(r.clock_offset_us)} ± ${ms(r.clock_spread_us)}` + (r.clock_reference !== r.rank ? ` (vs rank ${r.clock_reference})` : ""), num: true },
+     { label: "corrected", get: r => r.clock_corrected ? "yes" : "" },
+     { label: "cut", get: r => r.cut || "", num: true }],
+    c.ranks, r => top && r.rank === top.rank ? "flagged" : null);
+  ranks.id = "collectives-ranks";
+  kids.push(ranks);
+  if (c.problems.length) kids.push(el("ul", { id: "collectives-problems" }, c.problems.map(p => el("li", { class: "slower" }, p))));
+  if (!c.collectives.length) {
+    kids.push(el("p", { class: "muted" }, "no collective matched across ranks"));
+    holder.replaceChildren(...kids);
+    return;
+  }
+  const box = el("div", { class: "chart" });
+  kids.push(el("p", { class: "muted legend" }, "a row per collective (the largest skews first), a mark per rank at its " +
+    "arrival after the earliest rank's; red: the last to arrive"), box);
+  holder.replaceChildren(...kids);
+  arrivalChart(holder, box, c.collectives);
+}
+
+// A row per collective, a mark per rank at its arrival in ms after the earliest (the skew
+// minus the rank's wait), the last to arrive in red. What was drawn is kept on the holder.
+function arrivalChart(holder, box, collectives) {
+  const rows = collectives.slice().sort((a, b) => b.skew_us - a.skew_us).slice(0, ARRIVAL_ROWS);
+  const labels = rows.map((m, i) => `${i + 1}. ${m.name.slice(0, 24)} group ${String(m.group).slice(0, 16)}` +
+    (m.step !== null ? ` step ${m.step}` : "") + ` #${m.seq}`);
+  const points = last => rows.flatMap((m, i) => m.ranks.filter(r => (r === m.last_rank) === last).map(r =>
+    ({ x: (m.skew_us - (m.wait_us[String(r)] ?? 0)) / 1000, y: labels[i], rank: r })));
+  box.style.height = `${90 + 22 * rows.length}px`;
+  mount(box, { type: "scatter", data: { datasets: [
+    { label: "arrival (ms after the earliest rank)", data: points(false), backgroundColor: "#4e79a7", pointRadius: 3 },
+    { label: "last to arrive", data: points(true), backgroundColor: "#e15759", pointRadius: 6, pointStyle: "rectRot" }] },
+    options: { plugins: { tooltip: { callbacks: { label: c => `rank ${c.raw.rank}: +${num(c.raw.x, 3)} ms` } } },
+      scales: { x: { type: "linear", beginAtZero: true, title: { display: true, text: "ms after the earliest arrival" } },
+                y: { type: "category", labels, offset: true } } } });
+  holder.$arrivals = { rows: labels, last: rows.map(m => m.last_rank), skew_us: rows.map(m => m.skew_us) };
 }
 
 // ------------------------------------------- the cross-rank step strip
