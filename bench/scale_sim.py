@@ -26,6 +26,10 @@ slowest turns of its event loop (its CPU, the garbage collection in it, where it
 ``SCALE_SIM_SPY=<py-spy>`` records the coordinator and one agent actor for 10 s after each close;
 ``SCALE_SIM_FANOUT_LOG=1`` prints the timeline of each window's opening command.
 
+``--collectives 0 200``: one run per count, each rank's summary carrying that many collectives
+(issue 56: ``collective_blocks``); after its windows, one ``collectives()`` read of the last, its
+time and the coordinator's CPU (the matching, on its reads thread).
+
 Run: RAY_AUTH_MODE=disabled .venv/bin/python bench/scale_sim.py --ranks 1024 10000
 """
 
@@ -48,6 +52,7 @@ import ray
 from coordinator import get_or_create_coordinator
 from coordinator.core.partial import fold_summaries
 from coordinator.protocol.agent_rpc import CONTROL_CALLS, CONTROL_LANE, NodeCommand
+from coordinator.protocol.collective_replies import CollectiveBlock, RankCollective
 from coordinator.protocol.names import AGENT_NAMESPACE
 from coordinator.protocol.partial_codec import encode_partial
 from coordinator.protocol.replies import rank_reply  # noqa: E402
@@ -226,6 +231,65 @@ def template(rank: int, seed: int = 0) -> RankSummary:
     )
 
 
+BASE_US = 1.79e15  # an absolute time on a rank's clock (baseTimeNanoseconds / 1e3 + ts)
+PER_STEP = 20  # collectives a step
+SLOT_US = 10_000.0  # (over the latest arrival and the longest work: a rank runs them in turn)
+KINDS = [("broadcast", "0")] + [("all_reduce", "0")] * 9 + [("all_gather", "node")] * 5
+KINDS += [("reduce_scatter", "node")] * 5
+
+
+def collective_blocks(
+    ranks: int, per_rank: int, seq: bool = True, seed: int = 0
+) -> dict[int, CollectiveBlock]:
+    """Each rank's ``CollectiveBlock`` of a window of ``per_rank`` collectives (``--collectives``):
+    group "0" is every rank, each node's ranks a group of their own; each step a broadcast and
+    all_reduces on "0", all_gathers and reduce_scatters on the node's group; absolute times, each
+    node's clock off by up to 5 ms, each rank arriving up to 200 us late, one in 64 up to 5 ms;
+    ``seq``: the trace's ``Seq`` (NCCL's), else None (gloo's: matched by step and order)."""
+    rnd = random.Random(seed)
+    nodes = [node_ranks(first, ranks) for first in range(0, ranks, PER_NODE)]
+    clock = [rnd.uniform(-5e3, 5e3) for _ in nodes]
+    calls: dict[int, list[RankCollective]] = {r: [] for r in range(ranks)}
+    nseq: dict[str, int] = {}
+    for i in range(per_rank):
+        step, slot = divmod(i, PER_STEP)
+        kind, where = KINDS[slot % len(KINDS)]
+        nbytes = 1 << rnd.randint(16, 26)
+        t0, work = BASE_US + i * SLOT_US, 50.0 + nbytes / 2e4
+        groups = [("0", range(ranks))] if where == "0" else [
+            (str(1 + n), members) for n, members in enumerate(nodes)
+        ]  # fmt: skip
+        for name, members in groups:
+            nseq[name] = nseq.get(name, -1) + 1
+            late = {r: rnd.uniform(0, 200.0) + (rnd.uniform(0, 5e3) if rnd.random() < 1 / 64 else 0)
+                    for r in members}  # fmt: skip
+            end = t0 + max(late.values()) + work
+            for r in members:
+                off = clock[r // PER_NODE]
+                arrive = t0 + late[r] + off
+                calls[r].append(RankCollective(
+                    name, nseq[name] if seq else None, kind, nbytes, "float", step, arrive,
+                    end + off - arrive, end + off + rnd.uniform(0, 5.0),
+                ))  # fmt: skip
+    world = tuple(range(ranks))
+    return {
+        r: CollectiveBlock(
+            calls=tuple(cs),
+            folded=(),
+            cut=0,
+            groups=(("0", world), (str(1 + r // PER_NODE), tuple(nodes[r // PER_NODE]))),
+            notes=(),
+        )
+        for r, cs in calls.items()
+    }
+
+
+def node_ranks(rank: int, ranks: int) -> range:
+    """The ranks of ``rank``'s simulated node, of ``ranks`` in all."""
+    first = rank // PER_NODE * PER_NODE
+    return range(first, min(ranks, first + PER_NODE))
+
+
 class GroupRoutes(PartialRoutes):
     """A real relay relays one group, so its ``Gather`` (keyed without the group) holds one
     group's node partials; an actor here plays the relays of several groups: one set of routes
@@ -289,6 +353,7 @@ class SimAgents(RankFanOut):
         per_rank: bool,
         windows: int,
         role: str = "both",
+        collectives: tuple[int, int] = (0, 0),
     ) -> None:
         super().__init__(
             agent_name(index),
@@ -307,17 +372,20 @@ class SimAgents(RankFanOut):
         self.coordinator = ray.get_actor(coordinator, namespace=namespace)
         self.blobs: dict[tuple[str, int], list[bytes]] = {}
         if role != "commands":
-            self._build(windows)
+            self._build(windows, collectives)
         self.window: dict[str, Any] | None = None
         self.trainer = "sim"
 
-    def _build(self, windows: int) -> None:
+    def _build(self, windows: int, collectives: tuple[int, int]) -> None:
         # Every window's summaries built before the run: building them (parsing traces) is the
         # real agents' cost, on their own nodes, not the coordinator's, and here it would take
-        # the coordinator's cores.
+        # the coordinator's cores. ``collectives``: (ranks, collectives a rank) to carry.
+        blocks = collective_blocks(*collectives) if collectives[1] else {}
         for node in self.nodes:
             first = int(node.rsplit("-", 1)[1]) * PER_NODE
             summaries = [template(r) for r in range(first, first + PER_NODE)]
+            for s in summaries:
+                s.collectives = blocks.get(s.rank)
             for w in range(windows):
                 for s in summaries:
                     s.window = w
@@ -627,7 +695,9 @@ def timed(ref_fn) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, Any]:
+def run_size(
+    n: int, fanout: str, windows: int, hosts_choice: str, collectives: int = 0
+) -> dict[str, Any]:
     name = f"scale-{fanout}-{n}"
     ns = "profiler-bench"
     tmp = tempfile.mkdtemp(prefix="scale-sim-")
@@ -667,6 +737,7 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
                 direct,
                 windows,
                 role,
+                (n, collectives),
             )
             for i in range(hosts)
         ]
@@ -685,6 +756,7 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
         "agent_hosts": hosts,
         "agent_roles": agent_roles(),
         "fanout": fanout,
+        "collectives": collectives,
         "register_s": register_s,
         "open": [],
         "step": [],
@@ -783,6 +855,14 @@ def run_size(n: int, fanout: str, windows: int, hosts_choice: str) -> dict[str, 
     res["nodes_by_path"] = st["nodes"]["by_path"]
     res["direct_nodes"] = [n for n in st["nodes"]["listed"] if n.get("path") == "direct"][:2]
     res["top20_s"] = timed(lambda: coord.kernel_summary.remote(top_k=20))[1]
+    if collectives:  # one collectives() read of the last window: its matching, on the reads thread
+        c0 = cpu(pid)
+        got, res["collectives_s"] = timed(lambda: coord.collectives.remote())
+        res["cpu_collectives"] = cpu(pid) - c0
+        res["collectives_matched"], res["collectives_mb"] = (
+            got["matched"],
+            len(json.dumps(got)) / 2**20,
+        )
     if SLOW_LOG:
         res["slow_turns"] = ray.get(coord.__ray_call__.remote(_slow_turns))
         res["slow_rounds"] = ray.get(coord.__ray_call__.remote(_slow_rounds))
@@ -811,7 +891,8 @@ def show(res: dict[str, Any]) -> None:
     r = res
     lines = [
         f"\n== {r['ranks']} ranks on {r['nodes']} nodes, fanout {r['fanout']}, "
-        f"{r['agent_hosts']} actors play the agents{r['agent_roles']} "
+        f"{r['agent_hosts']} actors play the agents{r['agent_roles']}, "
+        f"{r['collectives']} collectives a rank "
         f"(register {r['register_s']:.1f} s) ==",
         f"step report in windows: open {ms(r['open'])}, step {ms(r['step'])}, "
         f"close {ms(r['close'])}",
@@ -836,6 +917,12 @@ def show(res: dict[str, Any]) -> None:
         f"pauses up to {r['gc_max_ms']} ms by generation",
         f"top-20 query: {1e3 * r['top20_s']:.0f} ms; nodes by path: {r['nodes_by_path']}",
     ]
+    if "collectives_s" in r:
+        lines.append(
+            f"collectives() of the last window: {r['collectives_s']:.2f} s, coordinator CPU "
+            f"{r['cpu_collectives']:.2f} s, {r['collectives_matched']:,} matched, reply "
+            f"{r['collectives_mb']:.1f} MB of JSON"
+        )
     if r["direct_nodes"]:
         lines.append(f"nodes told directly, e.g.: {r['direct_nodes']}")
     if "fanouts" in r:
@@ -862,6 +949,13 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument(
+        "--collectives",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="collectives each rank's summary carries (issue 56), one run each: e.g. 0 200",
+    )
+    ap.add_argument(
         "--agent-hosts",
         default=str(AGENT_HOSTS),
         help="actors that play the node agents: a count, or 'groups' (one per relay group)",
@@ -871,9 +965,10 @@ def main() -> None:
     out = []
     for n in args.ranks:
         for fanout in args.fanout:
-            res = run_size(n, fanout, args.windows, args.agent_hosts)
-            show(res)
-            out.append(res)
+            for per_rank in args.collectives:
+                res = run_size(n, fanout, args.windows, args.agent_hosts, per_rank)
+                show(res)
+                out.append(res)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
