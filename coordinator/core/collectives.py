@@ -21,7 +21,8 @@ groups) is the median difference of their ends, with its spread (the median abso
 added along the chain). A rank on another node than its reference is always set by its offset;
 one on the same node (or of an unknown node) only when the offset is over
 ``max(3 x spread, SAME_CLOCK_US)``: one host has one clock, and below that the estimate is the
-ends' own jitter. Every estimate is reported, applied or not.
+ends' own jitter. Every estimate is reported, applied or not; a clock set by over a minute
+(``CLOCK_SAID_US``: a host whose time is not kept) is also a line in ``problems``.
 
 Nothing is dropped in silence: ranks whose counts disagree are matched as far as they agree and
 the rest is a line in ``problems``, as is each entry that is not a collective's (an end before
@@ -50,6 +51,10 @@ BLOCKING = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"
 POINT_TO_POINT = frozenset({"send", "recv"})
 # Within one host the ranks share a clock: an offset below this is the ends' jitter, not a clock.
 SAME_CLOCK_US = 1_000.0
+# A clock set by more than this (a minute) is said in ``problems``: a host whose time is not
+# kept (NTP keeps hosts' clocks within milliseconds). At most ``CLOCK_LINES`` lines.
+CLOCK_SAID_US = 60e6
+CLOCK_LINES = 8
 # A collective whose arrivals spread less than this has no rank that made the others wait (the
 # trace's own timing noise on a CPU rank is of this order).
 SKEW_FLOOR_US = 10.0
@@ -266,6 +271,24 @@ def corrections(
     return out
 
 
+def clock_lines(
+    offsets: Mapping[int, tuple[int, float, float | None]], shift: Mapping[int, float]
+) -> list[str]:
+    """A line for each rank whose clock was set by an offset over ``CLOCK_SAID_US`` (a clock
+    that far off is worth knowing of: a host's time not kept in step), the first
+    ``CLOCK_LINES`` of them, then how many more."""
+    far = [r for r in sorted(shift) if abs(shift[r]) > CLOCK_SAID_US]
+    out = [
+        f"rank {r}: its clock reads {shift[r] / 1e6:+,.3f} s off rank {offsets[r][0]}'s "
+        f"(the ends of their blocking collectives, spread {(offsets[r][2] or 0.0) / 1e3:.3f} "
+        "ms); its times were set by it before matching"
+        for r in far[:CLOCK_LINES]
+    ]
+    if len(far) > CLOCK_LINES:
+        out.append(f"ranks {_ranges(far[CLOCK_LINES:])}: their clocks too are over a minute off")
+    return out
+
+
 def match_one(
     group: str, key: Key, at: Mapping[int, RankCollective], size: int, shift: Mapping[int, float]
 ) -> MatchedCollective:
@@ -314,6 +337,7 @@ def match_window(
     member = members(keyed, sorted(per_rank), groups or {}, problems)
     offsets = clock_offsets(keyed, member, problems)
     shift = corrections(offsets, nodes)
+    problems += clock_lines(offsets, shift)
     matched: list[MatchedCollective] = []
     for group, keys in sorted(keyed.items()):
         size = max(len(member[group]), len((groups or {}).get(group, ())))

@@ -7,6 +7,7 @@
     ray-profiler cancel 4
     ray-profiler auto on
     ray-profiler stragglers
+    ray-profiler collectives --window 3
     ray-profiler stacks
     ray-profiler memory
     ray-profiler phases --last 200
@@ -65,10 +66,16 @@ _EXAMPLES = {
     "cancel": "ray-profiler cancel 8",
     "auto": "ray-profiler auto on\n  ray-profiler auto off\n  ray-profiler auto --json",
     "stragglers": "ray-profiler stragglers --window 3",
+    "collectives": (
+        "ray-profiler collectives   # the latest window: who arrived last, who waited, clocks\n"
+        "  ray-profiler collectives --window 3 --role policy --json | jq .ranks\n"
+        "  ray-profiler collectives --from s3://bucket/profiles/job-0412 --window 3"
+    ),
     "summarise": (
         "ray-profiler summarise ./window_0003_steps_100-102/policy   # every rank's trace\n"
         "  ray-profiler summarise rank0.json.gz rank1.json.gz --steps 551-552 --by op --json\n"
-        "  ray-profiler summarise s3://bucket/profiles/job-0412 --window 3   # a finished run's"
+        "  ray-profiler summarise s3://bucket/profiles/job-0412 --window 3   # a finished run's\n"
+        "  ray-profiler summarise ./traces --collectives --json   # collectives across ranks"
     ),
     "diff": (
         "ray-profiler diff 0 7            # window 7 against window 0 of the run\n"
@@ -212,6 +219,17 @@ def _reading_commands(command: Command) -> None:
     top.add_argument("--role", default=None, help="whose ranks: rollout, ... (default: policy)")
     top.add_argument("--trainer", default=None, help="whose ranks, by trainer id")
     _add_by(top)
+    _collectives_args(command("collectives", "a window's collectives matched across its ranks"))
+
+
+def _collectives_args(coll: argparse.ArgumentParser) -> None:
+    coll.add_argument("--window", type=int, default=None, help="default: the latest closed")
+    coll.add_argument("--role", default=None, help="whose ranks: rollout, ... (default: policy)")
+    coll.add_argument("--trainer", default=None, help="whose ranks, by trainer id")
+    coll.add_argument("--run", default=None, help="an earlier run (status shows previous_runs)")
+    coll.add_argument(
+        "--shown", type=int, default=500, help="collectives to list, the largest skews (500)"
+    )
 
 
 def _add_by(parser: argparse.ArgumentParser) -> None:
@@ -242,6 +260,11 @@ def _offline_commands(command: Command) -> None:
     summ.add_argument("--steps", default=None, help="the window's steps, A-B (default: markers)")
     summ.add_argument("--k", type=int, default=20, help="rows to list (default 20)")
     _add_by(summ)
+    summ.add_argument(
+        "--collectives",
+        action="store_true",
+        help="the collectives matched across the traces' ranks, not the kernel table",
+    )
 
 
 def _capture_args(cap: argparse.ArgumentParser) -> None:
@@ -420,6 +443,13 @@ def read(h: Any, args: argparse.Namespace) -> str | None:
         return (
             dump(ks["stragglers"] | {"window": ks["window"]}) if a.json else render_stragglers(ks)
         )
+    if a.command == "collectives":
+        from coordinator.ops.collective_table import render_collectives
+
+        if not 0 <= a.shown <= 100_000:
+            raise CliError(f"--shown must be in 0..100000, got {a.shown}")
+        co = call(h, "collectives", a.window, a.trainer, a.run, a.role, a.shown)
+        return dump(co) if a.json else render_collectives(co)
     if a.command == "windows":
         windows = call(h, "status")["windows"]
         return dump(windows) if a.json else render_windows(windows, last=None)
@@ -680,7 +710,13 @@ def summarise_command(args: argparse.Namespace) -> int:
     """``ray-profiler summarise``: no cluster; a file that is not a trace is exit status 2.
     With ``--window``, a finished run's window, its traces read from ``save_path``: exit 1
     naming each rank whose trace is not there, after the table of the others."""
-    from coordinator.ops.offline import TraceInputError, parse_steps, summarise_traces
+    from coordinator.ops.collective_table import render_collectives
+    from coordinator.ops.offline import (
+        TraceInputError,
+        collectives_reply,
+        parse_steps,
+        summarise_traces,
+    )
 
     with tempfile.TemporaryDirectory(prefix="ray-profiler-summarise-") as work:
         try:
@@ -694,14 +730,15 @@ def summarise_command(args: argparse.Namespace) -> int:
         except (TraceInputError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_USAGE
+    reply = collectives_reply(done) if args.collectives else done.table
     if args.json:
-        print(json.dumps(done.table))
+        print(json.dumps(reply))
     else:
         for note in done.notes:
             print(f"note: {note}")
         files = ", ".join(f"rank {r} {p}" for r, p in done.files.items())
         print(f"{len(done.files)} trace(s): {files}")
-        print(render_top(done.table))
+        print(render_collectives(reply) if args.collectives else render_top(done.table))
     if missing:
         said = "; ".join(f"window {args.window} rank {r}: {why}" for r, why in missing.items())
         print(f"error: missing: {said}", file=sys.stderr)

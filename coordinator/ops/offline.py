@@ -9,15 +9,22 @@ Each trace goes the way a window's traces go online: the node agent's reader and
 (``distributedInfo``, else a top-level ``rank``: a trace naming none is rank 0, as HTA reads it);
 the window's steps are its ``ProfilerStep`` markers, or ``--steps``; a trace with no marker is
 read whole as one window.
+
+``summarise --collectives``: the window's collectives matched across the traces' ranks
+(``collectives_reply``, docs/collectives.md), from the same summaries' ``collectives`` blocks,
+each rank's node the trace's ``host_name`` where it has one.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
+
+from msgspec.structs import replace
 
 from coordinator.core.aggregate import WindowAggregate
+from coordinator.core.collectives import SHOWN, window_collectives
 from coordinator.core.partial import fold_summaries
 from coordinator.protocol.partial_codec import decode_partial, encode_partial
 from coordinator.protocol.summary_codec import (
@@ -30,6 +37,7 @@ from worker_ext.agent.trace_reader import TraceDigest, TraceError, read_trace
 from worker_ext.agent.trace_summary import summarise
 
 if TYPE_CHECKING:
+    from coordinator.protocol.collective_replies import CollectiveBlock, WindowCollectivesReply
     from coordinator.protocol.replies import KernelSummaryReply
 
 TRACE_SUFFIXES = (".json", ".json.gz")
@@ -50,6 +58,10 @@ class Offline:
     table: KernelSummaryReply
     files: dict[int, str]  # rank -> its trace
     notes: list[str] = field(default_factory=list)
+    blocks: dict[int, CollectiveBlock | None] = field(default_factory=dict)  # rank -> its
+    # summary's collectives (None: its trace has none)
+    nodes: dict[int, str] = field(default_factory=dict)  # rank -> its trace's host_name
+    steps: list[int] = field(default_factory=list)  # the window's steps, every rank's
 
 
 def trace_files(paths: list[str]) -> list[str]:
@@ -81,40 +93,78 @@ def summarise_traces(
     threshold: float = 1.25,
 ) -> Offline:
     """The ``KernelSummaryReply`` (``per_rank=True``) of the traces ``paths`` name, as one
-    window; ``TraceInputError`` names the file that is not a trace or repeats a rank."""
-    files: dict[int, str] = {}
-    notes: list[str] = []
-    summaries: list[RankSummary] = []
-    for path in trace_files(paths):
-        try:
-            digest = read_trace(path)
-        except TraceError as exc:
-            said = str(exc)
-            raise TraceInputError(said if path in said else f"{path}: {said}") from None
-        rank = digest.rank if digest.rank is not None else 0
-        if digest.rank is None:
-            notes.append(f"{path} names no rank (no distributedInfo): read as rank 0")
-        if rank in files:
-            raise TraceInputError(f"{path} and {files[rank]} both claim rank {rank}")
-        files[rank] = path
-        window = _steps(digest, steps, path, notes)
-        device = "cuda" if digest.device else "cpu"
-        s, _ = summarise(
-            digest,
-            rank=rank,
-            window=0,
-            steps=window,
-            partial=False,
-            device=device,
-            top_k=max(top_k, RANK_ROWS),
-        )
-        summaries.append(decode_summary(encode_summary(s)))  # the wire, as from an agent
-        del digest  # (before the next file is read)
+    window, and each rank's collectives (``collectives_reply``); ``TraceInputError`` names the
+    file that is not a trace or repeats a rank."""
+    done = Offline(cast("KernelSummaryReply", {}), {})  # (its table set once all are read)
+    summaries = [_summarise_one(path, steps, top_k, done) for path in trace_files(paths)]
     agg = WindowAggregate(0)
     agg.add_partial(decode_partial(encode_partial(fold_summaries("offline", summaries))))
-    table = agg.to_dict(top_k, threshold, per_rank=True, by=by)
-    table["run"], table["closed"] = "offline", True
-    return Offline(table, dict(sorted(files.items())), notes)
+    done.table = agg.to_dict(top_k, threshold, per_rank=True, by=by)
+    done.table["run"], done.table["closed"] = "offline", True
+    done.files = dict(sorted(done.files.items()))
+    done.steps = sorted(set(done.steps))
+    return done
+
+
+def _summarise_one(
+    path: str, steps: tuple[int, int] | None, top_k: int, done: Offline
+) -> RankSummary:
+    """One trace's summary, as an agent would send it; its file, notes, collectives, node and
+    steps go into ``done``."""
+    try:
+        digest = read_trace(path)
+    except TraceError as exc:
+        said = str(exc)
+        raise TraceInputError(said if path in said else f"{path}: {said}") from None
+    rank = digest.rank if digest.rank is not None else 0
+    if digest.rank is None:
+        done.notes.append(f"{path} names no rank (no distributedInfo): read as rank 0")
+    if rank in done.files:
+        raise TraceInputError(f"{path} and {done.files[rank]} both claim rank {rank}")
+    done.files[rank] = path
+    window = _steps(digest, steps, path, done.notes)
+    s, _ = summarise(
+        digest,
+        rank=rank,
+        window=0,
+        steps=window,
+        partial=False,
+        device="cuda" if digest.device else "cpu",
+        top_k=max(top_k, RANK_ROWS),
+    )
+    s = decode_summary(encode_summary(s))  # the wire, as from an agent
+    done.blocks[rank] = _in_steps(s.collectives, window) if steps else s.collectives
+    done.steps += [step for step, _ in s.step_us]
+    if digest.host is not None:
+        done.nodes[rank] = digest.host
+    return s
+
+
+def _in_steps(block: CollectiveBlock | None, steps: tuple[int, int]) -> CollectiveBlock | None:
+    """``block``'s collectives of steps ``steps`` (``--steps``: those outside every step too
+    are left out)."""
+    if block is None:
+        return None
+    calls = tuple(c for c in block.calls if c.step is not None and steps[0] <= c.step <= steps[1])
+    return replace(block, calls=calls)
+
+
+def collectives_reply(done: Offline, shown: int = SHOWN) -> WindowCollectivesReply:
+    """The traces' window's collectives matched across their ranks: the ``collectives()``
+    RPC's reply for run ``offline``, window 0 (``core.collectives.window_collectives``); each
+    rank's node is its trace's ``host_name`` (None for all when a trace has none)."""
+    nodes = done.nodes if len(done.nodes) == len(done.blocks) else None
+    reply = window_collectives(done.blocks, nodes, shown)
+    return {
+        "run": "offline",
+        "window": 0,
+        "steps": done.steps or None,
+        "trainer_id": None,
+        "role": None,
+        "ranks_recorded": len(done.blocks),
+        "ranks_without": sorted(r for r, b in done.blocks.items() if b is None),
+        **reply,
+    }
 
 
 def _steps(

@@ -11,9 +11,10 @@ Each collective is found from the op c10d runs on the calling thread (``c10d::al
 
 Its process group, ``Seq``, sizes and dtype are read from NCCL's ``record_param_comms`` under
 the op where the trace has it (newer torch adds ``Seq``). gloo's spans name no group: a rank's
-gloo threads are split into its groups (``distributedInfo.pg_config``, in their order) at the
-widest gaps between the threads' ids, as each group makes its threads when it is made; with one
-group there is nothing to split. A trace with no group at all is taken as the default group's
+gloo threads are split into its groups (``distributedInfo.pg_config``, in their order) in the
+order of the threads' ids, as each group makes its threads when it is made: evenly, as each
+group makes as many (else at the widest gaps of their ids, said); with one group there is
+nothing to split. A trace with no group at all is taken as the default group's
 ("0"). NCCL kernels no op launched (a trace of device activity alone) are collectives of their
 own, their kind from the kernel's name.
 
@@ -82,8 +83,9 @@ def collectives_of(d: TraceDigest, cap: int = DEFAULT_CAP) -> CollectiveBlock | 
     _link_kernels(d, calls)
     _pair_backend_spans(d, calls, notes)
     mine = [g for g, ranks in groups.items() if d.rank is None or d.rank in ranks]
-    threads = _thread_groups(d, mine) if len(mine) > 1 else {}
+    threads = _thread_groups(d, mine, notes) if len(mine) > 1 else {}
     found = [_collective(d, c, _group_of(c, mine, threads), groups, notes) for c in calls]
+    notes += _unsized(calls, found)
     found += _lone_kernels(d, calls, groups)
     kept = [c for c in found if c is not None]
     kept.sort(key=lambda c: c.arrive_us)
@@ -284,17 +286,28 @@ def _group_of(c: _Call, mine: list[str], threads: dict[int, str]) -> str:
     return mine[0] if mine else DEFAULT_GROUP
 
 
-def _thread_groups(d: TraceDigest, mine: list[str]) -> dict[int, str]:
+def _thread_groups(d: TraceDigest, mine: list[str], notes: list[str]) -> dict[int, str]:
     """The backend's threads (by digest thread index) split into the rank's groups ``mine``,
-    in order, at the widest gaps between their ids (module docstring)."""
+    in order of their ids (module docstring): evenly, as every group of a job makes as many
+    threads (gloo's ``threads`` option, 2 by default), when their count allows it; else at the
+    widest gaps between their ids (said: the split may then mix groups)."""
     threads = sorted(
         {t for t, _, _, name, _ in d.comm if name.startswith("gloo:")},
         key=lambda t: _tid(d.threads[t][1]),
     )
     tids = [_tid(d.threads[t][1]) for t in threads]
-    cuts = sorted(
-        sorted(range(1, len(tids)), key=lambda i: -(tids[i] - tids[i - 1]))[: len(mine) - 1]
-    )
+    if len(tids) % len(mine) == 0:
+        each = len(tids) // len(mine)
+        cuts = [each * g for g in range(1, len(mine))]
+    else:
+        cuts = sorted(
+            sorted(range(1, len(tids)), key=lambda i: -(tids[i] - tids[i - 1]))[: len(mine) - 1]
+        )
+        notes.append(
+            f"{len(tids)} gloo threads do not split evenly into the rank's {len(mine)} groups "
+            "(a thread idle in the window?): split at the widest gaps of their ids, which may "
+            "mix the groups' collectives"
+        )
     out, g = {}, 0
     for i, t in enumerate(threads):
         while g < len(cuts) and i >= cuts[g]:
@@ -320,6 +333,30 @@ def _size(c: _Call, args: CommArgs | None, group_size: int) -> tuple[int, str]:
     item = _ITEMSIZE.get(dtype.lower(), 0)
     nbytes = max(n_in or 0, n_out or 0) * item
     return (nbytes if 0 <= nbytes < 2**62 else 0), dtype[:32]
+
+
+def _unsized(calls: list[_Call], found: list[RankCollective | None]) -> list[str]:
+    """A line per kind for the calls whose size the trace does not give (0 bytes): those whose
+    size arguments are there but malformed, and those with none (``record_shapes`` off)."""
+    odd: dict[tuple[str, bool], int] = {}
+    for c, f in zip(calls, found, strict=True):
+        if f is None or f.nbytes > 0 or f.name == "barrier":
+            continue
+        sources = (c.args, c.shaped, c.work[2] if c.work is not None else None)
+        given = any(
+            getattr(a, k, None) is not None
+            for a in sources
+            for k in ("in_nelems", "out_nelems", "input_dims")
+        )
+        odd[(f.name, given)] = odd.get((f.name, given), 0) + 1
+    return [
+        f"{n} {kind} collective(s) with size arguments that are malformed (In/Out msg nelems, "
+        "dtype, Input Dims): counted as 0 bytes"
+        if given
+        else f"{n} {kind} collective(s) with no size in the trace (no record_param_comms "
+        "sizes, no input shapes: record_shapes off?): counted as 0 bytes"
+        for (kind, given), n in sorted(odd.items())
+    ]
 
 
 def _first_shape(sources: tuple[CommArgs | None, ...]) -> tuple[int | None, str]:

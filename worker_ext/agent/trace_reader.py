@@ -65,6 +65,7 @@ class _Doc(msgspec.Struct):
     distributedInfo: Any = None  # noqa: N815 - torch writes it with a process group
     rank: Any = None  # preset_metadata_json("rank", ...), read by HTA
     baseTimeNanoseconds: Any = None  # noqa: N815 - the wall clock ``ts`` counts from
+    host_name: Any = None  # the host that wrote it (kineto's top-level key)
 
 
 class _DeviceArgs(msgspec.Struct, gc=False):
@@ -187,6 +188,8 @@ class TraceDigest:
     """``distributedInfo.pg_config`` as the trace has it (checked by its reader), else None."""
     base_ns: int | None = None
     """``baseTimeNanoseconds``: what the trace's ``ts`` count from (None: not in the trace)."""
+    host: str | None = None
+    """``host_name``: the host that wrote the trace (None: not in the trace)."""
     _ids: dict[str, int] = field(default_factory=dict)
     _thread_ids: dict[tuple[Any, Any], int] = field(default_factory=dict)
     _chunks: list[CpuColumns] = field(default_factory=list)
@@ -200,7 +203,8 @@ class TraceDigest:
         return (self.base_ns or 0) / 1e3 + (self._base or 0.0)
 
     def take_head(self, doc: Any) -> None:
-        """The top-level keys around the events: the rank, the process groups, the clock."""
+        """The top-level keys around the events: the rank, the process groups, the clock, the
+        host."""
         rank = trace_rank(doc)
         if rank is not None:
             self.rank = rank
@@ -210,6 +214,9 @@ class TraceDigest:
         base = getattr(doc, "baseTimeNanoseconds", None)
         if type(base) is int and 0 <= base < 2**63:
             self.base_ns = base
+        host = getattr(doc, "host_name", None)
+        if isinstance(host, str) and 0 < len(host) <= 256:
+            self.host = host
 
     def cpu(self) -> CpuColumns:
         """All CPU events collected so far, in file order."""
