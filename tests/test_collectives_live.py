@@ -10,6 +10,7 @@ from statistics import median
 
 import pytest
 
+from coordinator.ops.timeline import merge_window
 from tests.configs import profiler_config
 from tests.fault_cases import wait_for_windows
 from trainers.hooks import ProfilingHooks
@@ -43,7 +44,9 @@ def run_window(ray, workers, tmp_path, late: dict[int, float]) -> dict:
                 ray.get([w.sft_step.remote(rows) for w in workers])
                 hooks.step(step)
         st = wait_for_windows(ray, hooks.coordinator, timeout=60)
+        merged = merge_window(hooks.coordinator, 0, str(tmp_path / "w0.json"))
         return {
+            "merged": merged,
             "status": st,
             "collectives": ray.get(hooks.coordinator.collectives.remote()),
             "summary": ray.get(hooks.coordinator.kernel_summary.remote(top_k=0)),
@@ -83,6 +86,8 @@ def test_the_rank_that_sleeps_before_the_all_reduce_is_last_and_the_other_waits_
     assert c["last_arriver"]["rank"] == 1
     entry = out["status"]["windows"][0]
     assert entry["last_arriver"].startswith("rank 1 arrives last at"), entry
+    # one node, one clock: the merged timeline asked the collectives and shifted no rank
+    assert [(c["rank"], c["clock_offset_us"]) for c in out["merged"]["ranks"]] == [(0, 0), (1, 0)]
 
 
 def test_without_a_late_rank_no_wait_is_near_the_delay(ray_session, late_pair, tmp_path):

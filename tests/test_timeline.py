@@ -200,6 +200,50 @@ def test_pieces_on_two_clocks_are_joined_on_one(tmp_path):
     assert [c["pid"] for c in joined["rayProfiler"]["ranks"]] == [1, 2]
 
 
+def test_a_rank_whose_clock_the_collectives_set_lines_up_by_its_offset(tmp_path):
+    # The same recording on a node whose clock reads 90 s ahead, its offset (from the window's
+    # collectives) given: joined, its events line up with the first rank's, and the offset is
+    # said in its count. Without it, they stay 90 s apart (the test above).
+    from worker_ext.agent.timeline_file import join_pieces, write_piece
+
+    trace = load(NCCL)
+    ahead = dict(trace, baseTimeNanoseconds=trace["baseTimeNanoseconds"] + 90_000_000_000)
+    (tmp_path / "ahead.json").write_text(json.dumps(ahead))
+    pieces = [
+        write_piece([{"label": label(0), "pid": 1, "path": NCCL}], str(tmp_path / "p0.json"),
+                    min_us=0.0, max_events=100_000),
+        write_piece([{"label": label(1), "pid": 2, "path": str(tmp_path / "ahead.json"),
+                      "clock_offset_us": 90_000_000.0}], str(tmp_path / "p1.json"),
+                    min_us=0.0, max_events=100_000),
+    ]  # fmt: skip
+    out = str(tmp_path / "joined.json")
+    _, _, spread = join_pieces(pieces, out, min_us=0.0, max_events=100_000)
+    joined = load(out)
+    first = next(e for e in body(trace) if e["ph"] == "X")
+    ts = [
+        next(e for e in joined["traceEvents"] if e["pid"] == pid and e["ph"] == "X")["ts"]
+        for pid in (1, 2)
+    ]
+    assert abs(ts[0] - ts[1]) < 0.002 and first["name"]
+    assert all(v < 1.0 for v in spread.values()) and spread
+    counts = joined["rayProfiler"]["ranks"]
+    assert [c["clock_offset_us"] for c in counts] == [0.0, 90_000_000.0]
+
+
+def test_clock_shifts_are_the_offsets_a_collectives_reply_applied():
+    from coordinator.ops.timeline import clock_shifts
+
+    reply = {
+        "ranks": [
+            {"rank": 0, "clock_offset_us": 0.0, "clock_corrected": False},
+            {"rank": 1, "clock_offset_us": 250.0, "clock_corrected": False},  # same node, jitter
+            {"rank": 2, "clock_offset_us": -4_200.5, "clock_corrected": True},
+        ]
+    }
+    assert clock_shifts(reply) == {2: -4_200.5}
+    assert clock_shifts({}) == {}
+
+
 def partial_overlaps(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The pairs of spans where one starts inside the other and ends after it (what Perfetto
     drops on one track), checked pair by pair."""

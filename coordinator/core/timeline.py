@@ -10,9 +10,12 @@ trace. Pure: the caller reads each rank's trace and writes what this returns
   ``ts``). The merged file's ``ts`` are those minus its own ``baseTimeNanoseconds``, so the
   same sum holds in it. Ranks on one node share a clock, so they line up exactly; ranks on two
   nodes line up as well as the nodes' clocks agree (NTP: typically well under a millisecond in
-  a data centre; unsynchronised clocks are off by what they are off). Each step's start spread
-  over the ranks is recorded in the file (``rayProfiler.step_start_spread_us``): the clocks'
-  disagreement plus the ranks' real skew, so an upper bound on the first.
+  a data centre; unsynchronised clocks are off by what they are off). A rank whose clock the
+  window's collectives set by an offset (``core/collectives.py``: across nodes, or far off) has
+  it taken off its times (``offset_us``), so the ranks line up by their collectives. Each
+  step's start spread over the ranks is recorded in the file
+  (``rayProfiler.step_start_spread_us``): the clocks' disagreement plus the ranks' real skew,
+  so an upper bound on the first.
 - **Bounded.** Events with a duration under ``min_us`` are left out, and at most
   ``max_events`` per rank are kept, the longest first; a rank's ``ProfilerStep`` spans are
   always kept, events without a duration (flows, instants, counters) go first. What was left
@@ -86,12 +89,15 @@ def rank_process(
     origin: float,
     min_us: float = 0.0,
     max_events: int = DEFAULT_MAX_EVENTS,
+    offset_us: float = 0.0,
 ) -> tuple[list[dict[str, Any]], RankCount, dict[int, float]]:
     """One rank's trace as process ``pid`` of the merged trace whose clock starts at
-    ``origin`` (wall-clock microseconds): its events, what was kept and left out, and its
-    steps' start times (step -> merged ``ts``) (see the module's example)."""
+    ``origin`` (wall-clock microseconds), ``offset_us`` (its clock's offset) taken off its
+    times: its events, what was kept and left out, and its steps' start times (step -> merged
+    ``ts``) (see the module's example)."""
     shift, clock = wall_us(trace)
-    delta = shift - origin  # first: the two are ~1.7e15 us, where a float keeps 0.25 us only
+    delta = shift - origin - offset_us  # (first: the two are ~1.7e15 us, where a float keeps
+    # 0.25 us only)
     gpus, names, body = _kineto_names(trace)
     kept, below, over = _bounded(body, min_us, max_events)
     out = [dict(e, ts=round(e["ts"] + delta, 3)) if _number(e.get("ts")) else dict(e)
@@ -117,6 +123,7 @@ def rank_process(
         below_min_us=below,
         over_max_events=over,
         clock=clock,
+        clock_offset_us=offset_us,
     )
     return _track_names(pid, label, tracks, gpus, names) + out, count, steps
 

@@ -90,8 +90,8 @@ def merge_window(
 
     Returns:
         A ``TimelineResult``: ``out``, ``bytes``, ``events``, each rank's process (``ranks``:
-        what was kept and left out), ``missing`` ("role rank" -> why), and each step's start
-        spread over the ranks (``step_start_spread_us``).
+        what was kept and left out, its clock's offset taken off its times: ``_set_clocks``),
+        ``missing`` ("role rank" -> why), each step's start spread (``step_start_spread_us``).
 
     Raises:
         ValueError: as ``collect_window`` (an unknown run or window, a run without traces, a
@@ -109,8 +109,8 @@ def merge_window(
         _keep(coordinator, window, run_name, parts, keep, ranks, wait_s, storage_options)
     plan, missing = _plan(parts, ranks, wait_s, src, options)
     _some(plan, window, run_name, missing)
-    per_rank = _per_rank(max_events, len(plan))
-    who = {r["pid"]: r["label"] for _, r in plan}
+    _set_clocks(coordinator, window, run_name, plan)
+    per_rank, who = _per_rank(max_events, len(plan)), {r["pid"]: r["label"] for _, r in plan}
     with tempfile.TemporaryDirectory(prefix="ray-profiler-merge-") as work:
         pieces, failed = _pieces(plan, work, min_us, per_rank, options, _opener(src, options))
         missing.update({_name(who[pid]): why for pid, why in failed.items()})
@@ -225,6 +225,42 @@ def _plan(
     for pid, (_, r) in enumerate(plan, start=1):
         r["pid"] = pid
     return plan, missing
+
+
+def clock_shifts(reply: dict[str, Any]) -> dict[int, float]:
+    """The offsets a ``collectives()`` reply set ranks' times by (rank -> microseconds)."""
+    return {
+        r["rank"]: float(r["clock_offset_us"])
+        for r in reply.get("ranks", [])
+        if r.get("clock_corrected")
+    }
+
+
+def _set_clocks(coordinator: Any, window: int, run: str, plan: list[tuple[str, PieceRank]]) -> None:
+    """Each planned rank's clock offset, as its role's ``collectives()`` of the window set it
+    (ranks of other nodes, or clocks far off): taken off its times in the merge. A
+    coordinator that cannot say (an older one, a failed call) leaves the clocks as they are."""
+    from coordinator.ops.recorded import RecordedCoordinator, call
+
+    for role in sorted({r["label"]["role"] for _, r in plan}):
+        args = {"window": window, "run": run, "role": role or None, "shown": 0}
+        if isinstance(coordinator, RecordedCoordinator):
+            try:
+                reply = call(coordinator, "collectives", **args)
+            except ValueError:  # (a record whose trainers are not kept: no role to ask for)
+                reply = {}
+        else:
+            import ray
+
+            rpc = getattr(coordinator, "collectives", None)  # (None: an older coordinator)
+            try:
+                reply = ray.get(rpc.remote(**args), timeout=60) if rpc is not None else {}
+            except (ray.exceptions.RayError, ValueError):
+                reply = {}
+        shifts = clock_shifts(reply)
+        for _, r in plan:
+            if r["label"]["role"] == role and r["label"]["rank"] in shifts:
+                r["clock_offset_us"] = shifts[r["label"]["rank"]]
 
 
 def _pieces(

@@ -4,7 +4,7 @@ timeline``)."""
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 
 class RankLabel(TypedDict):
@@ -27,6 +27,7 @@ class RankCount(TypedDict):
     below_min_us: int
     over_max_events: int
     clock: str  # "baseTimeNanoseconds" or "ts" (a trace without it)
+    clock_offset_us: float  # taken off its times: its clock's offset, from its collectives
 
 
 class PieceRank(TypedDict):
@@ -35,6 +36,7 @@ class PieceRank(TypedDict):
     label: RankLabel
     pid: int
     path: str
+    clock_offset_us: NotRequired[float]  # its clock minus the reference rank's, to take off
 
 
 class TimelinePiece(TypedDict):

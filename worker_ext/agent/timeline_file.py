@@ -58,7 +58,7 @@ def write_piece(
                 origin = origin_us(trace)
             merged, count, steps = rank_process(
                 trace, r["label"], pid=r["pid"], origin=origin, min_us=min_us,
-                max_events=max_events,
+                max_events=max_events, offset_us=r.get("clock_offset_us", 0.0),
             )  # fmt: skip
             del trace
             _write_events(f, merged, first=piece["events"] == 0)
