@@ -7,9 +7,10 @@ import asyncio
 import concurrent.futures
 import threading
 
-from coordinator.core.aggregate import CHEAP_RANKS, WindowAggregate
+from coordinator.core.aggregate import CHEAP_RANKS, WindowAggregate, arriver_known, arriver_now
+from coordinator.protocol.collective_replies import CollectiveBlock, RankCollective
 from coordinator.protocol.summary_codec import RankSummary
-from coordinator.service.straggler_refresh import StragglerRefresh
+from coordinator.service.straggler_refresh import ARRIVER_QUIET_S, StragglerRefresh
 from tests.test_aggregate import summary as rank_summary
 
 
@@ -56,3 +57,48 @@ async def test_a_small_window_is_left_to_status():
         refresh = StragglerRefresh(reads)
         refresh.request(agg, 1.25)
         assert refresh.runs == 0 and not refresh._busy
+
+
+def late_block(rank: int, ranks: int, late: int, steps: int = 4) -> CollectiveBlock:
+    """Rank ``rank``'s all-reduces of ``steps`` steps in a group of ``ranks``, rank ``late``
+    arriving 20 ms after the others at each."""
+    calls = tuple(
+        RankCollective(
+            "0",
+            None,
+            "all_reduce",
+            4096,
+            "float",
+            s,
+            t + (20_000.0 * (rank == late)),
+            100.0,
+            t + 20_100.0,
+        )  # fmt: skip
+        for s, t in ((s, 1e9 + s * 1e5) for s in range(steps))
+    )
+    return CollectiveBlock(calls, (), 0, (("0", tuple(range(ranks))),), ())
+
+
+async def test_a_large_window_s_last_arriver_is_found_once_its_collectives_stop_coming():
+    n = CHEAP_RANKS + 4
+    agg = WindowAggregate(0)
+    with concurrent.futures.ThreadPoolExecutor(1) as reads:
+        refresh = StragglerRefresh(reads)
+        for r in range(n):  # partials arriving: each asks, none is matched yet
+            s = summary(r, step_us=1e5)
+            s.collectives = late_block(r, n, late=7)
+            agg.add(s)
+            refresh.request(agg, 1.25)
+        assert refresh.arriver_runs == 0 and arriver_now(agg) is None
+        for _ in range(300):  # quiet for ARRIVER_QUIET_S: matched once, off the loop
+            if arriver_known(agg):
+                break
+            await asyncio.sleep(0.01)
+        await settled(refresh)
+        assert refresh.arriver_runs == 1 and arriver_known(agg)
+        found = arriver_now(agg)
+        assert found is not None and found["rank"] == 7 and found["arrived_last"] == 4, found
+        assert agg.stragglers(1.25)["last_arriver"]["rank"] == 7
+        refresh.request(agg, 1.25)  # known: nothing more
+        await asyncio.sleep(ARRIVER_QUIET_S + 0.2)
+        assert refresh.arriver_runs == 1

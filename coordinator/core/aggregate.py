@@ -24,7 +24,7 @@ from coordinator.core.partial import rank_part
 from coordinator.core.row_table import RowTable
 from coordinator.core.saved import AggregateFile
 from coordinator.core.steps import Steps, run_steps
-from coordinator.protocol.collective_replies import CollectiveBlock, LastArriver
+from coordinator.protocol.collective_replies import LastArriver
 from coordinator.protocol.partial_codec import NS, NodePartial, RankPart
 from coordinator.protocol.summary_codec import (
     BREAKDOWN_KEYS,
@@ -50,8 +50,9 @@ TABLES = ("kernel", "op")
 """What ``kernel_summary(by=...)`` tables: kernels (CUDA) or CPU ops, or ops by device time."""
 CHEAP_RANKS = 256
 """Up to this many ranks, a window's stragglers are computed wherever they are asked for..."""
-CHEAP_COLLECTIVES = 20_000
-"""... and up to this many collectives over its ranks (matching them: about 20 ms)."""
+CHEAP_COLLECTIVE_BYTES = 256 * 1024
+"""... and while its ranks' collectives take up to this many bytes (about 4,500 collectives:
+matching them takes about 20 ms)."""
 STEP_ROWS, STEP_BLOCKS, STEP_RANKS = 1024, 32, 256
 """A partial's rows, detail blocks and ranks folded in one step (each a few ms)."""
 _SNAPSHOT_COPIES = (
@@ -112,6 +113,7 @@ class WindowAggregate:
         self.step_ms_sum: dict[int, float] = {}  # global step -> its time summed over ranks
         self.step_ranks: dict[int, int] = {}  # global step -> the ranks that timed it
         self._stragglers: tuple[tuple[int, float], Stragglers] | None = None
+        self._arriver: tuple[int, LastArriver | None] | None = None  # (blocks, found)
         self.rank_dropped: dict[int, tuple[int, float]] = {}
         self.bad_ranks: dict[int, str] = {}
         self.duplicates = 0
@@ -119,7 +121,7 @@ class WindowAggregate:
         self.streams: dict[int, tuple[StreamRow, ...]] = {}
         self.peak_bytes: dict[int, int] = {}
         self.memory_flow: dict[int, tuple[int, int, int]] = {}  # peak step, allocated, freed
-        self.collectives: dict[int, CollectiveBlock] = {}  # each rank's, as its summary had them
+        self.collectives: dict[int, bytes] = {}  # each rank's, as ``encode_block`` made them
         self._kernels = RowTable(NS)
         self._memory = RowTable(1)
         self.gpu = DeviceFigures()  # what CUDA ranks add: ops, launches, device step times
@@ -244,7 +246,7 @@ class WindowAggregate:
         found off it: ``service/straggler_refresh.py``)."""
         if len(self.rank_totals) > CHEAP_RANKS:
             return False
-        return sum(len(b.calls) for b in self.collectives.values()) <= CHEAP_COLLECTIVES
+        return sum(map(len, self.collectives.values())) <= CHEAP_COLLECTIVE_BYTES
 
     @property
     def stragglers_known(self) -> bool:
@@ -507,22 +509,55 @@ def find_stragglers(agg: WindowAggregate, threshold: float) -> Stragglers:
         "ranks": ranks,
         "flagged": [r for r, v in ranks.items() if v["flagged"]],
         "launch_bound": [r for r, v in ranks.items() if v["launch_bound"]],
-        "last_arriver": _last_arriver(agg, ranks, threshold),
+        "last_arriver": judged_arriver(arriver_now(agg), ranks, threshold),
     }
 
 
-def _last_arriver(
-    agg: WindowAggregate, ranks: dict[int, RankStraggler], threshold: float
-) -> LastArriver | None:
-    """The rank the others waited for in the window's collectives, set against the compute
-    stragglers: whether they flag it too, and when not, why the two can differ."""
+def arriver_now(agg: WindowAggregate) -> LastArriver | None:
+    """The rank the others waited for in collectives (``find_arriver``), matched again only
+    when ranks' collectives came in since it was: here when ``agg.cheap``, else as last found
+    off the event loop (``service/straggler_refresh.py``), None before."""
+    if arriver_known(agg):
+        return agg._arriver[1] if agg._arriver is not None else None
+    if agg.cheap:
+        agg._arriver = (len(agg.collectives), find_arriver(agg))
+        return agg._arriver[1]
+    return agg._arriver[1] if agg._arriver is not None else None
+
+
+def arriver_known(agg: WindowAggregate) -> bool:
+    """Whether the last arriver of the ranks' collectives in so far has been found."""
+    return agg._arriver is not None and agg._arriver[0] == len(agg.collectives)
+
+
+def keep_arriver(agg: WindowAggregate, snap: WindowAggregate, found: LastArriver | None) -> None:
+    """Keep what ``find_arriver(snap)`` found (``snap`` a snapshot of ``agg``), also in the
+    stragglers kept."""
+    agg._arriver = (len(snap.collectives), found)
+    if agg._stragglers is not None:
+        s = agg._stragglers[1]
+        s["last_arriver"] = judged_arriver(found, s["ranks"], s["threshold"] or 0.0)
+
+
+def find_arriver(agg: WindowAggregate) -> LastArriver | None:
+    """The rank the others waited for in the window's collectives (``collectives.
+    last_arriver``, over every matched collective): O(ranks x collectives), about 1 s of CPU at
+    1,024 ranks with 200 each."""
     if not agg.collectives:
         return None
     blocks = {r: agg.collectives.get(r) for r in agg.rank_totals}
     step = statistics.median(agg.rank_step_ms.values()) if agg.rank_step_ms else None
-    found = window_collectives(blocks, None, shown=0, step_ms=step)["last_arriver"]
-    if found is None:
+    return window_collectives(blocks, None, shown=0, step_ms=step)["last_arriver"]
+
+
+def judged_arriver(
+    arriver: LastArriver | None, ranks: dict[int, RankStraggler], threshold: float
+) -> LastArriver | None:
+    """``arriver`` set against the compute stragglers: whether they flag it too, and when
+    not, why the two can differ (a copy)."""
+    if arriver is None:
         return None
+    found = LastArriver(**arriver)
     mine = ranks.get(found["rank"])
     found["agrees"] = bool(mine and mine["flagged"])
     if not found["agrees"]:

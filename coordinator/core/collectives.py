@@ -44,6 +44,7 @@ from coordinator.protocol.collective_replies import (
     MatchedCollective,
     RankCollective,
     RankCollectives,
+    decode_block,
 )
 
 # Kinds after which every rank of the group has what the others sent: their ends line up.
@@ -128,6 +129,10 @@ SEQ = -(2**62)  # (the key's first part when the trace's Seq keys the group)
 NO_STEP = -1  # (a collective outside every step, keyed by its order there)
 
 
+def _arrival(c: RankCollective) -> float:
+    return c.arrive_us
+
+
 def index(per_rank: Mapping[int, Sequence[RankCollective]], problems: list[str]) -> Keyed:
     """The window's collectives by group, key and rank (module docstring); an entry that
     cannot be a collective's (times not finite, work or end before arrival), a ``Seq`` a rank
@@ -135,14 +140,20 @@ def index(per_rank: Mapping[int, Sequence[RankCollective]], problems: list[str])
     kept: dict[int, dict[str, list[RankCollective]]] = {}
     for rank in sorted(per_rank):
         bad = p2p = 0
-        for c in sorted(per_rank[rank], key=lambda c: c.arrive_us):
-            times = (c.arrive_us, c.work_us, c.end_us)
-            if not all(math.isfinite(t) for t in times) or c.work_us < 0 or c.end_us < c.arrive_us:
+        groups: dict[str, list[RankCollective]] = {}
+        for c in sorted(per_rank[rank], key=_arrival):
+            # (a sum of finite times is finite: one check, not three; the wire's are finite)
+            finite = math.isfinite(c.arrive_us + c.work_us + c.end_us)
+            if not finite or c.work_us < 0 or c.end_us < c.arrive_us:
                 bad += 1
             elif c.name in POINT_TO_POINT:
                 p2p += 1
+            elif (mine := groups.get(c.group)) is not None:
+                mine.append(c)
             else:
-                kept.setdefault(rank, {}).setdefault(c.group, []).append(c)
+                groups[c.group] = [c]
+        if groups:
+            kept[rank] = groups
         if bad:
             problems.append(
                 f"rank {rank}: {bad} collective(s) with times that cannot be a collective's "
@@ -469,7 +480,7 @@ def _rank_parts(
 
 
 def window_collectives(
-    blocks: Mapping[int, CollectiveBlock | None],
+    blocks: Mapping[int, CollectiveBlock | bytes | None],
     nodes: Mapping[int, str] | None = None,
     shown: int = SHOWN,
     step_ms: float | None = None,
@@ -481,6 +492,7 @@ def window_collectives(
     per_rank: dict[int, Sequence[RankCollective]] = {}
     groups: dict[str, list[int]] = {}
     notes: list[str] = []
+    blocks = _decoded(blocks, notes)
     for rank, block in sorted(blocks.items()):
         per_rank[rank] = block.calls if block is not None else ()
         if block is None:
@@ -500,6 +512,22 @@ def window_collectives(
         part["cut"] = block.cut if block is not None else 0
     reply["problems"] = notes[:64] + reply["problems"]
     return reply
+
+
+def _decoded(
+    blocks: Mapping[int, CollectiveBlock | bytes | None], notes: list[str]
+) -> dict[int, CollectiveBlock | None]:
+    """The blocks, those kept as bytes decoded; one that cannot be is said, and none."""
+    out: dict[int, CollectiveBlock | None] = {}
+    for rank, block in blocks.items():
+        if isinstance(block, bytes):
+            try:
+                block = decode_block(block)
+            except ValueError as exc:
+                notes.append(f"rank {rank}: its collectives cannot be read ({exc}); left out")
+                block = None
+        out[rank] = block
+    return out
 
 
 def last_arriver(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 
+from coordinator.protocol.collective_replies import encode_block
 from coordinator.protocol.partial_codec import (
     MAX_PARTIAL_TOP,
     NS,
@@ -221,7 +222,7 @@ def rank_part(s: RankSummary) -> RankPart:
         launch=s.launch,
         launch_bound=tuple(s.launch_bound),
         memory_flow=s.memory_flow if s.peak_bytes is not None else None,
-        collectives=s.collectives,
+        collectives=encode_block(s.collectives) if s.collectives is not None else None,
     )
 
 

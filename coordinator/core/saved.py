@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import msgspec
 
-from coordinator.protocol.collective_replies import CollectiveBlock
 from coordinator.protocol.summary_codec import LaunchRow, StreamRow
 
 BigInt = int | str
@@ -96,8 +95,9 @@ class AggregateFile(msgspec.Struct):
     memory_flow: dict[int, tuple[int, int, int]] = {}
     """Per rank: the step its peak fell in (-1: none), bytes allocated, bytes freed (a file
     written before it: none)."""
-    collectives: dict[int, CollectiveBlock] = {}
-    """Per rank: the window's collectives its summary carried (a file written before: none)."""
+    collectives: dict[int, bytes] = {}
+    """Per rank: the window's collectives its summary carried, as ``encode_block`` made them
+    (a file written before: none)."""
 
 
 class WindowSpan(msgspec.Struct):

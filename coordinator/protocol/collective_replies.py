@@ -75,6 +75,28 @@ class CollectiveBlock(msgspec.Struct, frozen=True, array_like=True, forbid_unkno
     notes: Annotated[tuple[Note, ...], msgspec.Meta(max_length=MAX_NOTES)]
 
 
+MAX_BLOCK_BYTES = 4 * 1024 * 1024
+"""A block's bytes at most (it travels inside a summary, whose cap is the same)."""
+_BLOCK = msgspec.msgpack.Decoder(CollectiveBlock)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode_block(block: CollectiveBlock) -> bytes:
+    """A block as the node partials and the coordinator keep it: msgpack, about 56 bytes a
+    collective (a tenth of the decoded structs), decoded only when a read matches them."""
+    return _ENCODER.encode(block)
+
+
+def decode_block(data: bytes) -> CollectiveBlock:
+    """A block from ``encode_block``, every field checked; ValueError saying what is wrong."""
+    if len(data) > MAX_BLOCK_BYTES:
+        raise ValueError(f"{len(data)} bytes, over the {MAX_BLOCK_BYTES}-byte cap")
+    try:
+        return _BLOCK.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(f"malformed: {exc}") from None
+
+
 class MatchedCollective(TypedDict):
     """One collective matched across the ranks of its group that recorded it."""
 

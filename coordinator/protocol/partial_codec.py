@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from coordinator.protocol.collective_replies import CollectiveBlock
+from coordinator.protocol.collective_replies import MAX_BLOCK_BYTES
 from coordinator.protocol.summary_codec import (
     MAX_KERNELS,
     MAX_MEMORY_ROWS,
@@ -89,7 +89,8 @@ class RankPart(msgspec.Struct, array_like=True, frozen=True, gc=False):
     launch: LaunchRow | None
     launch_bound: Annotated[tuple[Count, ...], msgspec.Meta(max_length=MAX_STEPS)]
     memory_flow: tuple[Annotated[int, msgspec.Meta(ge=-1)], Count, Count] | None = None
-    collectives: CollectiveBlock | None = None  # (its summary's, as it came)
+    collectives: Annotated[bytes, msgspec.Meta(max_length=MAX_BLOCK_BYTES)] | None = None
+    """Its summary's collectives (``collective_replies.encode_block``), decoded when read."""
     # (Tuples, not lists: a tuple of numbers or untracked rows leaves the garbage collector's
     # lists at its first pass, and the coordinator keeps these for every rank of a window.)
 

@@ -15,7 +15,7 @@ from coordinator.core.collectives import SHOWN, window_collectives
 from coordinator.core.run import Run
 from coordinator.core.state import trainer_window
 from coordinator.core.validate import is_int, role_problem, trainer_id_problem
-from coordinator.protocol.collective_replies import CollectiveBlock, WindowCollectivesReply
+from coordinator.protocol.collective_replies import WindowCollectivesReply
 from coordinator.service.shell import CoordinatorShell
 
 MAX_SHOWN = 100_000
@@ -46,7 +46,7 @@ async def collectives(
     check_args(window, trainer_id, role, shown)
     st = target.state
     tid, rec, agg = trainer_window(st, window, trainer_id, role)
-    blocks: dict[int, CollectiveBlock | None] = {}
+    blocks: dict[int, bytes | None] = {}
     if agg is not None:
         blocks = dict.fromkeys(agg.rank_totals, None)
         blocks.update(agg.collectives)

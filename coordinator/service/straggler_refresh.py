@@ -16,7 +16,14 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
-from coordinator.core.aggregate import WindowAggregate
+from coordinator.core.aggregate import (
+    WindowAggregate,
+    arriver_known,
+    find_arriver,
+    keep_arriver,
+)
+
+ARRIVER_QUIET_S = 1.0
 
 
 class StragglerRefresh:
@@ -25,10 +32,14 @@ class StragglerRefresh:
     def __init__(self, executor: concurrent.futures.Executor) -> None:
         self.executor = executor
         self.runs = 0  # computations started (what the tests count)
+        self.arriver_runs = 0  # last arrivers' matchings started
         self._busy: dict[int, tuple[WindowAggregate, float, bool]] = {}
+        self._arriver_timers: dict[int, asyncio.TimerHandle] = {}
 
     def request(self, agg: WindowAggregate, threshold: float) -> None:
-        """Have ``agg``'s stragglers found (if it is large and they are not known yet)."""
+        """Have ``agg``'s stragglers found (if it is large and they are not known yet), and the
+        rank its collectives waited for (``request_arriver``)."""
+        self.request_arriver(agg)
         if agg.cheap or agg.stragglers_known:
             return
         key = id(agg)
@@ -40,6 +51,37 @@ class StragglerRefresh:
         fut = asyncio.get_running_loop().run_in_executor(self.executor, snap.stragglers, threshold)
         self.runs += 1
         fut.add_done_callback(lambda f: self._done(agg, snap, f))
+
+    def request_arriver(self, agg: WindowAggregate) -> None:
+        """Have the rank ``agg``'s collectives waited for found off the loop, once no rank's
+        collectives came in for ``ARRIVER_QUIET_S``: matching a large window's is about 1 s of
+        CPU, and partials keep arriving after its summaries are all in; found on each, it cost
+        3-5 s a window at 1,024 ranks with 200 collectives each (``bench/collectives.md``)."""
+        if agg.cheap or arriver_known(agg) or not agg.collectives:
+            return
+        key = id(agg)
+        timer = self._arriver_timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        self._arriver_timers[key] = asyncio.get_running_loop().call_later(
+            ARRIVER_QUIET_S, self._find_arriver, agg
+        )
+
+    def _find_arriver(self, agg: WindowAggregate) -> None:
+        self._arriver_timers.pop(id(agg), None)
+        if arriver_known(agg):
+            return
+        snap = agg.snapshot()
+        fut = asyncio.get_running_loop().run_in_executor(self.executor, find_arriver, snap)
+        self.arriver_runs += 1
+
+        def done(f: Any) -> None:
+            if not f.cancelled() and f.exception() is None:
+                keep_arriver(agg, snap, f.result())
+            if not arriver_known(agg):  # (collectives came in while it ran)
+                self.request_arriver(agg)
+
+        fut.add_done_callback(done)
 
     def _done(self, agg: WindowAggregate, snap: WindowAggregate, fut: Any) -> None:
         if not fut.cancelled() and fut.exception() is None:
