@@ -495,3 +495,21 @@ def test_the_two_rank_folder_names_its_disagreement_and_matches_the_rest(capsys)
 
 if __name__ == "__main__":
     _job(sys.argv[1], int(sys.argv[2]))
+
+
+def test_the_config_s_cap_reaches_the_agent_s_summary_whole_steps_kept_the_rest_folded(tmp_path):
+    """A trace job carries the config's ``collectives_cap`` to the reader: the real NCCL
+    trace's 21 collectives (7 a step) with a cap of 10 keep step 4's seven, fold the rest."""
+    from coordinator.protocol.summary_codec import decode_summary
+    from worker_ext.agent.trace_jobs import TraceJob, summarise_job
+
+    src = os.path.join(TRACES, "one-rank-nccl", "nccl_rank0_of_2.json.gz")
+    path = str(tmp_path / "rank0.json.gz")
+    shutil.copy(src, path)
+    job = TraceJob(0, 0, (4, 6), False, "cuda", 20, False, "none", path, None, collectives_cap=10)
+    res, blob, _ = summarise_job(job)
+    assert blob is not None, res.errors
+    block = decode_summary(blob).collectives
+    assert block is not None and [c.step for c in block.calls] == [4] * 7, block.calls
+    assert block.cut == 14 and sum(f.count for f in block.folded) == 14
+    assert "past the cap of 10" in " ".join(block.notes)

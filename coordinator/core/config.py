@@ -17,6 +17,7 @@ from coordinator.core.slowdown import AutoCapture
 from coordinator.core.storage import check_backend, is_remote, local_path, redact
 from coordinator.core.trackers_config import Trackers
 from coordinator.core.validate import check_known_keys
+from coordinator.protocol.collective_replies import DEFAULT_COLLECTIVES_CAP, MAX_COLLECTIVES
 from coordinator.protocol.summary_codec import DEFAULT_TOP_K
 
 ACTIVITIES = ("cpu", "cuda")
@@ -134,6 +135,10 @@ class ProfilerConfig:
     See docs/attach.md, "Two engines"."""
     top_k: int = DEFAULT_TOP_K
     """Kernels kept per rank per window in the summary."""
+    collectives_cap: int = DEFAULT_COLLECTIVES_CAP
+    """Collectives kept per rank per window in the summary, whole steps in order (0 to
+    ``MAX_COLLECTIVES``); those past it are folded per (group, kind, bytes) and not matched
+    across ranks (docs/collectives.md). About 56 bytes each in a summary and the coordinator."""
     worker_timeout_s: float = 60.0
     """Seconds the coordinator waits for a rank's acknowledgement before marking it
     unresponsive (configuring a rank warms Kineto up and may take ``max(120 s, this)``)."""
@@ -278,6 +283,7 @@ class ProfilerConfig:
             _check_int(self, name, minimum=0)
         _check_int(self, "active", minimum=1)
         _check_int(self, "top_k", minimum=1)
+        _check_int(self, "collectives_cap", minimum=0, maximum=MAX_COLLECTIVES)
         _check_int(self, "max_windows", minimum=1)
         _check_number(self, "worker_timeout_s", minimum_exclusive=0.0)
         _check_int(self, "detail_windows", minimum=0)
@@ -472,7 +478,7 @@ def _check_bool(cfg: ProfilerConfig, name: str) -> None:
         )
 
 
-def _check_int(cfg: ProfilerConfig, name: str, minimum: int) -> None:
+def _check_int(cfg: ProfilerConfig, name: str, minimum: int, maximum: int | None = None) -> None:
     value = getattr(cfg, name)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(
@@ -480,6 +486,8 @@ def _check_int(cfg: ProfilerConfig, name: str, minimum: int) -> None:
         )
     if value < minimum:
         raise ValueError(f"profiler config: {name!r} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"profiler config: {name!r} must be <= {maximum}, got {value}")
 
 
 def _check_number(

@@ -15,6 +15,9 @@ import msgspec
 MAX_COLLECTIVES = 10_000
 """The most collectives one rank's summary may carry of a window (its cap is lower, a config
 field); past the cap they travel folded (``FoldedCollective``)."""
+DEFAULT_COLLECTIVES_CAP = 1_000
+"""Collectives a rank's summary carries of a window by default (the config's
+``collectives_cap``): whole steps, the rest folded."""
 MAX_FOLDED = 1_000
 MAX_GROUPS = 256
 MAX_GROUP_RANKS = 1 << 20

@@ -31,6 +31,7 @@ from typing import Any
 
 from coordinator.core.collectives import kind_of
 from coordinator.protocol.collective_replies import (
+    DEFAULT_COLLECTIVES_CAP,
     MAX_FOLDED,
     MAX_GROUP_RANKS,
     MAX_GROUPS,
@@ -41,9 +42,7 @@ from coordinator.protocol.collective_replies import (
 )
 from worker_ext.agent.trace_reader import RUNTIME, CommArgs, TraceDigest
 
-DEFAULT_CAP = 1_000
-"""Collectives a rank's summary carries of a window by default (the config's
-``collectives_cap``); whole steps, the rest folded."""
+DEFAULT_CAP = DEFAULT_COLLECTIVES_CAP
 DEFAULT_GROUP = "0"
 
 # Bytes per element, by the names torch writes for a dtype ("Float", "float", "c10::BFloat16").

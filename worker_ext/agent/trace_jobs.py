@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.protocol.atomic_file import atomic_path
+from coordinator.protocol.collective_replies import DEFAULT_COLLECTIVES_CAP
 from coordinator.protocol.reasons import reason
 from coordinator.protocol.replies import Reason
 from coordinator.protocol.summary_codec import encode_summary
@@ -52,6 +53,8 @@ class TraceJob:
     """Keep the local copy once it is uploaded."""
     kineto: KinetoRequest | None = None
     """``engine: kineto``: the trace is libkineto's, still to come (``kineto_traces``)."""
+    collectives_cap: int = DEFAULT_COLLECTIVES_CAP
+    """Collectives the summary keeps (the config's ``collectives_cap``)."""
 
 
 @dataclass
@@ -115,6 +118,7 @@ def summarise_job(job: TraceJob) -> tuple[JobResult, bytes | None, list[str] | N
             stacks=job.export_type == "stacks",
             flops=job.with_flops,
             clip=job.kineto is not None,
+            collectives_cap=job.collectives_cap,
         )
         blob = encode_summary(summary)
         if job.kineto is not None:

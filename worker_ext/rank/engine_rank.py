@@ -256,6 +256,7 @@ class EngineRank:
             device="cuda" if "cuda" in self.config.activities else "cpu",
             top_k=self.config.top_k,
             with_flops=self.config.with_flops,
+            collectives_cap=self.config.collectives_cap,
             export_type=export,
             raw_path=path,
             final_path=final,

@@ -165,6 +165,7 @@ def trace_job(
         device=target.device,
         top_k=config.top_k,
         with_flops=config.with_flops,
+        collectives_cap=config.collectives_cap,
         export_type=export,
         raw_path=raw,
         final_path=final,
