@@ -73,6 +73,12 @@ def test_the_rank_that_sleeps_before_the_all_reduce_is_last_and_the_other_waits_
     assert abs(wait - LATE_S * 1e6) < 0.2 * LATE_S * 1e6, reduces
     ranks = {r["rank"]: r for r in c["ranks"]}
     assert ranks[1]["arrived_last"] >= ACTIVE and ranks[0]["arrived_last"] == 0, ranks
+    # the share of rank 0's step spent waiting: the delay over its step (which holds it)
+    step_ms = out["summary"]["stragglers"]["ranks"][0]["step_ms"]
+    assert ranks[0]["wait_share"] == pytest.approx(
+        sum(m["wait_us"]["0"] for m in reduces) / ACTIVE / 1e3 / step_ms, rel=0.05
+    ), (ranks, step_ms)
+    assert 0.2 < ranks[0]["wait_share"] < 1.0 and ranks[1]["wait_share"] < 0.1, ranks
     assert not ranks[1]["clock_corrected"] and abs(ranks[1]["clock_offset_us"]) < 5_000, ranks
     assert not [p for p in c["problems"] if "rank" in p and "lacks" in p], c["problems"]
     # named in stragglers, with the reason, beside the compute-time table (which cannot see a

@@ -94,6 +94,8 @@ def test_the_window_page_names_the_rank_that_arrives_last_live_and_from_the_reco
                 assert flagged == str(LATE_RANK)
                 lead = page.inner_text("#collectives-lead")
                 assert f"rank {LATE_RANK} arrives last" in lead, lead
+                said = page.inner_text("#straggler-arriver")  # beside the compute stragglers
+                assert said.startswith(f"collectives: rank {LATE_RANK} arrives last at"), said
                 assert errors == []
                 page.close()
     finally:
@@ -101,8 +103,8 @@ def test_the_window_page_names_the_rank_that_arrives_last_live_and_from_the_reco
         recorded.close()
 
 
-def test_the_collectives_frames_name_the_late_rank_and_its_waiters(gloo_run):
-    _, reply, _ = gloo_run
+def test_the_collectives_frames_name_the_late_rank_and_its_waiters(ray_session, gloo_run):
+    coord, reply, _ = gloo_run
     ranks = nb.collectives_frame(reply)
     assert list(ranks.index) == list(range(RANKS))
     assert ranks["arrived_last"].idxmax() == LATE_RANK
@@ -113,3 +115,5 @@ def test_the_collectives_frames_name_the_late_rank_and_its_waiters(gloo_run):
     for rank in (0, 2):  # the others wait about the delay, rank 1 not at all
         assert late[f"wait_us_{rank}"].median() == pytest.approx(DELAY_S * 1e6, rel=0.3)
     assert (late[f"wait_us_{LATE_RANK}"] == 0).all()
+    strag = nb.stragglers_frame(ray_session.get(coord.kernel_summary.remote(window=0, top_k=0)))
+    assert strag.attrs["last_arriver"]["rank"] == LATE_RANK, strag.attrs

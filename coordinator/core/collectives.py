@@ -461,6 +461,7 @@ def _rank_parts(
             "arrived_last": 0,
             "wait_us": 0.0,
             "wait_us_per_step": {},
+            "wait_share": None,
             "clock_reference": ref,
             "clock_offset_us": off,
             "clock_spread_us": spread,
@@ -484,11 +485,13 @@ def window_collectives(
     nodes: Mapping[int, str] | None = None,
     shown: int = SHOWN,
     step_ms: float | None = None,
+    rank_step_ms: Mapping[int, float] | None = None,
 ) -> CollectivesReply:
     """``match_window`` over the blocks the ranks' summaries carried (None: a rank whose trace
     had no collective): the process groups their traces name, joined (a group two traces name
-    with different ranks is said, the larger kept), what each rank's reader noted, and each
-    rank's collectives past its cap (``cut``)."""
+    with different ranks is said, the larger kept), what each rank's reader noted, each
+    rank's collectives past its cap (``cut``), and its wait a step against its mean step time
+    (``rank_step_ms``: ``wait_share``). Blocks kept as bytes are decoded here."""
     per_rank: dict[int, Sequence[RankCollective]] = {}
     groups: dict[str, list[int]] = {}
     notes: list[str] = []
@@ -510,6 +513,9 @@ def window_collectives(
     for part in reply["ranks"]:
         block = blocks.get(part["rank"])
         part["cut"] = block.cut if block is not None else 0
+        mine = (rank_step_ms or {}).get(part["rank"])
+        if mine and part["wait_us_per_step"]:
+            part["wait_share"] = part["wait_us"] / len(part["wait_us_per_step"]) / (mine * 1e3)
     reply["problems"] = notes[:64] + reply["problems"]
     return reply
 

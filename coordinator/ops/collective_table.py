@@ -79,7 +79,7 @@ def _rank_rows(ranks: Sequence[RankCollectives], steps: int) -> list[str]:
                                             -p["wait_us"], p["rank"]))[:RANK_ROWS]  # fmt: skip
         kept = sorted(kept, key=lambda p: p["rank"])
     head = (
-        f"{'rank':>6} {'colls':>6} {'last':>5} {'wait ms':>10} {'ms/step':>9} "
+        f"{'rank':>6} {'colls':>6} {'last':>5} {'wait ms':>10} {'ms/step':>9} {'of step':>8} "
         f"{'clock offset ms':>22} {'set':>4} {'cut':>5}"
     )
     out = [head]
@@ -93,7 +93,8 @@ def _rank_rows(ranks: Sequence[RankCollectives], steps: int) -> list[str]:
             clock += f" vs {p['clock_reference']}"
         out.append(
             f"{p['rank']:>6} {p['collectives']:>6} {p['arrived_last']:>5} "
-            f"{_ms(p['wait_us']):>10} {_ms(per_step):>9} {clock:>22} "
+            f"{_ms(p['wait_us']):>10} {_ms(per_step):>9} {_share(p.get('wait_share')):>8} "
+            f"{clock:>22} "
             f"{'yes' if p['clock_corrected'] else 'no':>4} {p['cut']:>5}"
         )
     if len(kept) < len(ranks):
@@ -102,6 +103,10 @@ def _rank_rows(ranks: Sequence[RankCollectives], steps: int) -> list[str]:
             "--json lists every one)"
         )
     return out
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
 
 
 def _collective_rows(matched: Sequence[MatchedCollective]) -> list[str]:

@@ -70,12 +70,15 @@ def rank_kernel_frame(summary: dict[str, Any]) -> Any:
 
 
 def stragglers_frame(summary: dict[str, Any]) -> Any:
-    """Per rank: step and kernel time, and their ratio to the median over ranks."""
+    """Per rank: step and kernel time, and their ratio to the median over ranks; the rank the
+    others waited for in collectives (and why) in ``attrs["last_arriver"]``."""
     pd = _pd()
     ranks = summary["stragglers"]["ranks"]
     frame = pd.DataFrame.from_dict({int(r): v for r, v in ranks.items()}, orient="index")
     frame.index.name = "rank"
-    return frame.sort_index()
+    frame = frame.sort_index()
+    frame.attrs["last_arriver"] = summary["stragglers"].get("last_arriver")
+    return frame
 
 
 def breakdown_frame(summary: dict[str, Any]) -> Any:

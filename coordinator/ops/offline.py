@@ -154,7 +154,10 @@ def collectives_reply(done: Offline, shown: int = SHOWN) -> WindowCollectivesRep
     RPC's reply for run ``offline``, window 0 (``core.collectives.window_collectives``); each
     rank's node is its trace's ``host_name`` (None for all when a trace has none)."""
     nodes = done.nodes if len(done.nodes) == len(done.blocks) else None
-    reply = window_collectives(done.blocks, nodes, shown)
+    strag = done.table["stragglers"]
+    steps = {int(r): v["step_ms"] for r, v in strag["ranks"].items() if v["step_ms"]}
+    median = strag["median_step_ms"] or None
+    reply = window_collectives(done.blocks, nodes, shown, median, steps)
     return {
         "run": "offline",
         "window": 0,

@@ -126,6 +126,7 @@ class RankCollectives(TypedDict):
     arrived_last: int  # of those, how many it arrived last at (with a skew over the floor)
     wait_us: float  # its wait in them, all together
     wait_us_per_step: dict[str, float]  # step (as a string) -> its wait in that step
+    wait_share: float | None  # its wait a step over its mean step time (None: not timed)
     clock_reference: int  # the rank its clock is estimated against (itself: none links them)
     clock_offset_us: float  # its clock minus the reference's, as estimated
     clock_spread_us: float | None  # the spread of that estimate (None: not estimated)

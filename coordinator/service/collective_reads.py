@@ -58,7 +58,10 @@ async def collectives(
     }
     step = statistics.median(agg.rank_step_ms.values()) if agg and agg.rank_step_ms else None
     loop = asyncio.get_running_loop()
-    reply = await loop.run_in_executor(shell.reads, window_collectives, blocks, nodes, shown, step)
+    steps = dict(agg.rank_step_ms) if agg is not None else {}
+    reply = await loop.run_in_executor(
+        shell.reads, window_collectives, blocks, nodes, shown, step, steps
+    )
     out: WindowCollectivesReply = {
         **reply,
         "run": target.name,

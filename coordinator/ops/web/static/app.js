@@ -162,7 +162,7 @@ function runPage(main, st) {
      { label: "roles", cls: "roles", get: w => Object.values(w.roles || {}).map(p =>
          `${p.role}: ${p.rank_count} ranks` + (p.busy_ms_per_step !== null
            ? `, ${num(p.busy_ms_per_step, 1)} ms busy/step` : "")).join("; ") },
-     { label: "stragglers", get: w => w.stragglers.join(", ") },
+     { label: "stragglers", get: w => w.stragglers.join(", ") + (w.last_arriver ? ` (waited for: ${w.last_arriver})` : "") },
      { label: "partial", get: w => w.partial ? "partial" : "" },
      { label: "regression", cls: "marks", get: w => el("span", { class: "slower" }, marksText(w)) },
      { label: "traces", get: w => w.steps && !st.config.export_type.startsWith("none")
@@ -595,6 +595,9 @@ function stragglers(main, ks) {
      { label: "trace", get: r => traceLink(`/api/windows/${ks.window}/timeline.json.gz?ranks=${r.rank}` +
          `&role=${encodeURIComponent(ks.role ?? "policy")}`, `rank ${r.rank}`, `rank ${r.rank}'s trace in Perfetto`) }],
     rows, r => r.flagged ? "flagged" : null));
+  const last = s.last_arriver;
+  if (last) main.append(el("p", { class: "slower", id: "straggler-arriver" },
+    `collectives: rank ${last.rank} ${last.reason}` + (last.note ? ` (not a compute straggler: ${last.note})` : "")));
   const peak = ks.memory ? String(ks.memory.max_peak_rank) : null;
   if (peak !== null && (s.flagged || []).map(String).includes(peak))
     main.append(el("p", { class: "slower", id: "straggler-memory" }, `rank ${peak}, a straggler, is also the rank ` +
