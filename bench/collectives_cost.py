@@ -9,9 +9,12 @@ reader's.
    ``--ranks`` simulated ranks with ``--per-rank`` collectives each: the node partials' decode
    and fold into the window's aggregate (``decode_partial`` + ``WindowAggregate.add_partial``,
    what ``ingest_partial`` does) with the blocks and without, what the window's aggregate then
-   holds (tracemalloc) and its file in the store (``saved_aggregate``); and one
-   ``collectives()`` read's matching (``core.collectives.window_collectives``, on the
-   coordinator's reads thread), against the budget of 1.5 s a window. The ranks' collectives:
+   holds (tracemalloc: each rank's collectives kept as their msgpack bytes) and its file in the
+   store (``saved_aggregate``); one ``collectives()`` read's matching
+   (``core.collectives.window_collectives``, decoding the bytes, on the coordinator's reads
+   thread), against the budget of 1.5 s a window; and the window's last arriver
+   (``aggregate.find_arriver``, what the stragglers' ``last_arriver`` matches once, off the
+   event loop). The ranks' collectives:
    ``scale_sim.collective_blocks``.
 3. **The reader**: ``summarise_trace`` on a real 2-rank gloo trace (torch.profiler, CPU) of
    ``--steps`` steps of small matmuls and 20 collectives each, against the collectives pass alone
@@ -39,7 +42,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from scale_sim import PER_NODE, collective_blocks, node_ranks, template  # noqa: E402
 
-from coordinator.core.aggregate import WindowAggregate, saved_aggregate  # noqa: E402
+from coordinator.core.aggregate import (  # noqa: E402
+    WindowAggregate,
+    find_arriver,
+    saved_aggregate,
+)
 from coordinator.core.collectives import window_collectives  # noqa: E402
 from coordinator.core.partial import fold_summaries  # noqa: E402
 from coordinator.protocol.collective_replies import CollectiveBlock  # noqa: E402
@@ -165,6 +172,12 @@ def matching(agg: WindowAggregate, ranks: int, per_rank: int, rounds: int) -> No
             f"{reply['shown']} shown, {len(reply['problems'])} problem lines, reply {size:.1f} MB "
             "of JSON"
         )
+    cpu, found = best(lambda: find_arriver(agg), rounds)
+    print(
+        f"last arriver (find_arriver: the window's stragglers' last_arriver, matched once off the "
+        f"loop for a large window), keyed by Seq: {cpu:.2f} s of CPU, rank "
+        f"{found['rank'] if found else None}"
+    )
 
 
 def _gloo_rank(rank: int, world: int, out: str, steps: int, port: int) -> None:

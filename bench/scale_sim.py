@@ -104,6 +104,7 @@ SHARED_AGENTS = os.environ.get("SCALE_SIM_SHARED_AGENTS") == "1"
 STEPS_TO_WINDOW = 100  # the schedule below opens a window every 7 steps
 TRACE_EVERY_S = 0.25  # a node's file lane finishes one trace this often
 PER_NODE = 8
+ARRIVER_WAIT_S = 4.0  # (--collectives: the last window's arriver is matched after 1 s quiet)
 RANK_HOSTS = 4  # Ray actors that answer the rank RPCs for the registration and the direct path
 KERNELS = 2000
 NAMES = [
@@ -634,6 +635,32 @@ def _slow_rounds(_self: Any) -> list[tuple[float, str]]:
     return sorted(getattr(events, "_scale_sim_rounds", []), reverse=True)[:8]
 
 
+def _log_arrivers(_self: Any) -> None:
+    """Note each last arriver's matching (``StragglerRefresh``'s ``find_arriver``, off the loop):
+    its window, when it began (wall), its ranks' collectives and its thread's CPU."""
+    import coordinator.service.straggler_refresh as refresh
+
+    found, log = refresh.find_arriver, []
+
+    def timed_find(agg: Any) -> Any:
+        t0, c0 = time.time(), time.thread_time()
+        try:
+            return found(agg)
+        finally:
+            log.append((agg.window, t0, len(agg.collectives), time.thread_time() - c0))
+
+    refresh.find_arriver, refresh._scale_sim_arrivers = timed_find, log  # type: ignore[attr-defined]
+
+
+def _arriver_runs(_self: Any) -> tuple[int, list[tuple[int, float, int, float]]]:
+    """Last arrivers' matchings the coordinator has started (``StragglerRefresh``), and those
+    ``_log_arrivers`` noted."""
+    import coordinator.service.straggler_refresh as refresh
+
+    runs = _self._shell.straggler_refresh.arriver_runs
+    return int(runs), list(getattr(refresh, "_scale_sim_arrivers", []))
+
+
 def _census(_self: Any) -> list[tuple[str, int]]:
     import collections
     import gc
@@ -776,6 +803,9 @@ def run_size(
     }
     run = ray.get(coord.status.remote())["run"]["name"]
     k, phase = 0, "idle"
+    if collectives:
+        ray.get(coord.__ray_call__.remote(_log_arrivers))
+    arrivers = ray.get(coord.__ray_call__.remote(_arriver_runs))[0]
     for _ in range(windows):
         mem0 = rss_mb(pid)
         if SPY_STEPS:  # the coordinator through the window's steps
@@ -850,11 +880,24 @@ def run_size(
         res.setdefault("ping_max", []).append(max(pings))
         res.setdefault("agent_ping_max", []).append(max(agent_pings))
         res["gc_max_ms"] = loop["gc_max_ms"]
+        if collectives:  # the last arrivers' matchings started so far (each after 1 s quiet)
+            res.setdefault("arriver_runs", []).append(
+                ray.get(coord.__ray_call__.remote(_arriver_runs))[0] - arrivers
+            )
+            res.setdefault("closed_wall", {})[index] = time.time() - (
+                time.perf_counter() - closed_at
+            )
     st, ds = timed(lambda: coord.status.remote())
     res["status_final_s"], res["status_final_kb"] = ds, len(json.dumps(st)) / 1024
     res["nodes_by_path"] = st["nodes"]["by_path"]
     res["direct_nodes"] = [n for n in st["nodes"]["listed"] if n.get("path") == "direct"][:2]
     res["top20_s"] = timed(lambda: coord.kernel_summary.remote(top_k=20))[1]
+    if collectives:  # the last window's arriver matching: wait for it, with its CPU
+        c0 = cpu(pid)
+        time.sleep(ARRIVER_WAIT_S)
+        res["cpu_arriver_wait"] = cpu(pid) - c0
+        runs, res["arrivers"] = ray.get(coord.__ray_call__.remote(_arriver_runs))
+        res["arriver_runs"].append(runs - arrivers)
     if collectives:  # one collectives() read of the last window: its matching, on the reads thread
         c0 = cpu(pid)
         got, res["collectives_s"] = timed(lambda: coord.collectives.remote())
@@ -874,6 +917,15 @@ def run_size(
     for a in [coord, *agents, *rank_actors, *([] if pushers is agents else pushers)]:
         ray.kill(a)
     return res
+
+
+def arriver_rows(r: dict[str, Any]) -> list[tuple[int, float | None, int, float]]:
+    """``_log_arrivers``' notes, each one's start as seconds after its window's close."""
+    closed = r.get("closed_wall", {})
+    return [
+        (w, round(t - closed[w], 2) if w in closed else None, n, round(c, 2))
+        for w, t, n, c in r["arrivers"]
+    ]
 
 
 def show(res: dict[str, Any]) -> None:
@@ -917,6 +969,17 @@ def show(res: dict[str, Any]) -> None:
         f"pauses up to {r['gc_max_ms']} ms by generation",
         f"top-20 query: {1e3 * r['top20_s']:.0f} ms; nodes by path: {r['nodes_by_path']}",
     ]
+    if "arriver_runs" in r:
+        lines.append(
+            "last arrivers' matchings started (StragglerRefresh.arriver_runs, all windows "
+            "so far) when each window's table listed every rank, and "
+            f"{ARRIVER_WAIT_S:.0f} s after the last: {r['arriver_runs']} (the coordinator's CPU "
+            f"in those {ARRIVER_WAIT_S:.0f} s: {r['cpu_arriver_wait']:.2f} s)"
+        )
+        lines.append(
+            "each matching: (window, s after its close, ranks with collectives, s of its "
+            f"thread's CPU): {arriver_rows(r)}"
+        )
     if "collectives_s" in r:
         lines.append(
             f"collectives() of the last window: {r['collectives_s']:.2f} s, coordinator CPU "
