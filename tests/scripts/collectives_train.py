@@ -21,7 +21,7 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NAME = "collectives-train"
-DELAY_S = 0.06
+DELAY_S = 0.1
 STEPS = 14
 # The window records optimizer steps 5-11. A rank held back before its pair's all_reduce holds
 # its pair back at the next step's default all_reduce too: the chosen steps leave room for it.
