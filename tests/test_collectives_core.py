@@ -244,3 +244,38 @@ def test_the_list_is_bounded_to_the_largest_skews_and_every_one_is_counted():
     assert reply["matched"] == 40 and reply["shown"] == 2
     assert [(c["step"], c["seq"]) for c in reply["collectives"]] == [(3, 1), (10, 1)]
     assert by_rank(reply)[1]["arrived_last"] == 40
+
+
+def test_a_note_every_rank_made_is_one_line_and_the_lines_are_bounded():
+    from coordinator.core.collectives import MAX_PROBLEMS, window_collectives
+    from coordinator.protocol.collective_replies import CollectiveBlock
+
+    per = gloo_window(ranks=tuple(range(300)), n=4)
+    blocks = {
+        r: CollectiveBlock(tuple(cs), (), 0, (), ("2 all_reduce collective(s) with no size",))
+        for r, cs in per.items()
+    }
+    reply = window_collectives(blocks)
+    said = [p for p in reply["problems"] if "with no size" in p]
+    assert said == ["ranks 0-299: 2 all_reduce collective(s) with no size"], said
+    odd = {r: CollectiveBlock(tuple(per[r]), (), 0, (), (f"note {r}",)) for r in per}
+    lines = window_collectives(odd)["problems"]
+    assert len(lines) == MAX_PROBLEMS and lines[-1] == "... and 237 more problem lines", lines[-1]
+
+
+def test_a_list_of_ranks_in_a_line_is_bounded():
+    from coordinator.core.collectives import _ranges
+
+    assert _ranges([0, 1, 2, 5]) == "0-2, 5"
+    text = _ranges(list(range(0, 200_000, 2)))
+    assert len(text) < 200 and text.endswith(", ... (100000 in all)"), text
+
+
+def test_a_rank_of_another_node_is_set_only_when_its_offset_is_over_the_estimate_s_spread():
+    nodes = {0: "a", 1: "b"}
+    noisy = match_window(gloo_window(ranks=(0, 1), clock={1: 300.0}, jitter=2_000.0), None, nodes)
+    part = by_rank(noisy)[1]
+    assert part["clock_spread_us"] > abs(part["clock_offset_us"]) and not part["clock_corrected"]
+    clear = match_window(gloo_window(ranks=(0, 1), clock={1: 300.0}, jitter=10.0), None, nodes)
+    part = by_rank(clear)[1]
+    assert part["clock_corrected"] and part["clock_offset_us"] == pytest.approx(300.0, abs=20.0)

@@ -349,11 +349,11 @@ def test_collectives_reads_a_record_with_from(capsys):
     reply = json.loads(capsys.readouterr().out)
     assert (reply["run"], reply["window"], reply["steps"]) == ("golden-v1", 4, [11, 12])
     assert reply["ranks_without"] == [0, 1] and reply["collectives"] == []
-    assert reply["problems"] == ["no rank's trace of this window had a collective"]
+    assert reply["problems"][0].startswith("no rank's summary of this window carried a collective")
     assert cli_main(["collectives", "--from", record]) == 0
     out = capsys.readouterr().out
     assert out.startswith("collectives of window 4 (steps 11-12) of run golden-v1; role policy")
-    assert "problems (1):\n  no rank's trace of this window had a collective" in out
+    assert "problems (1):\n  no rank's summary of this window carried a collective" in out
     assert cli_main(["collectives", "--from", record, "--window", "99"]) == 1
     assert "no window 99" in capsys.readouterr().err
     assert cli_main(["collectives", "--from", record, "--shown", "-1"]) == 1
@@ -407,8 +407,9 @@ _ITEM = {
 def plain_reading(path: str) -> list[tuple[Any, ...]]:
     """Each collective of a trace, read straight from its events: the outermost c10d op;
     ``record_param_comms`` under it (group, Seq, sizes); the NCCL kernel its launch started
-    (by correlation): arrival = the kernel's start, work = its duration; else the sizes from
-    the Input Dims of the ``nccl:`` annotation under it. Sorted by arrival."""
+    (by correlation): arrival = the kernel's start, work = its duration; else the size of the
+    op's largest tensor (its own Input Dims: ``_allgather_base_``'s output), else of the
+    ``nccl:`` annotation's input under it. Sorted by arrival."""
     with gzip.open(path, "rt") as f:
         doc = json.load(f)
     base = doc.get("baseTimeNanoseconds", 0) / 1e3
@@ -445,8 +446,17 @@ def plain_reading(path: str) -> list[tuple[Any, ...]]:
         ]
         k0 = min(k["ts"] for k in launched)
         k1 = max(k["ts"] + k["dur"] for k in launched)
+        own = [
+            (math.prod(d), t)
+            for d, t in zip(
+                op["args"].get("Input Dims", []), op["args"].get("Input type", []), strict=True
+            )
+            if d and t in _ITEM
+        ]
         if "In msg nelems" in args:
             n = max(args["In msg nelems"], args["Out msg nelems"]) * _ITEM[args["dtype"]]
+        elif own:
+            n = max(k * _ITEM[t] for k, t in own)
         else:
             note = next(e for e in ev if e["name"].startswith("nccl:") and inside(e))
             n = math.prod(note["args"]["Input Dims"][0]) * _ITEM[note["args"]["Input type"][0]]
@@ -481,9 +491,11 @@ def test_each_rank_collectives_agree_with_a_plain_reading_of_the_nccl_trace(path
 def test_the_two_rank_folder_names_its_disagreement_and_matches_the_rest(capsys):
     reply = summarise_json(capsys, os.path.join(TRACES, "two-ranks"))
     assert reply["steps"] == [551, 552] and reply["ranks_recorded"] == 2
-    assert reply["problems"] == [
+    assert reply["problems"] == [  # (two ranks of a 128-rank job, sampled)
+        "group 0: ranks 2-127 of the group were not recorded in this window; matched among the "
+        "ranks that were",
         "group 0: the ranks disagree on the kind of 2 collective(s) (step 552 #1, step 552 #2): "
-        "their orders differ; those are not matched"
+        "their orders differ; those are not matched",
     ]
     assert reply["matched"] == 8 and len(reply["collectives"]) == 8  # the view is kept
     for c in reply["collectives"]:
@@ -491,10 +503,6 @@ def test_the_two_rank_folder_names_its_disagreement_and_matches_the_rest(capsys)
         assert c["skew_us"] == pytest.approx(max(c["wait_us"].values()))
         assert min(c["wait_us"].values()) == 0.0
         assert c["busbw_gbps"] is not None and c["busbw_gbps"] > 0
-
-
-if __name__ == "__main__":
-    _job(sys.argv[1], int(sys.argv[2]))
 
 
 def test_the_config_s_cap_reaches_the_agent_s_summary_whole_steps_kept_the_rest_folded(tmp_path):
@@ -513,3 +521,7 @@ def test_the_config_s_cap_reaches_the_agent_s_summary_whole_steps_kept_the_rest_
     assert block is not None and [c.step for c in block.calls] == [4] * 7, block.calls
     assert block.cut == 14 and sum(f.count for f in block.folded) == 14
     assert "past the cap of 10" in " ".join(block.notes)
+
+
+if __name__ == "__main__":
+    _job(sys.argv[1], int(sys.argv[2]))

@@ -102,3 +102,28 @@ async def test_a_large_window_s_last_arriver_is_found_once_its_collectives_stop_
         refresh.request(agg, 1.25)  # known: nothing more
         await asyncio.sleep(ARRIVER_QUIET_S + 0.2)
         assert refresh.arriver_runs == 1
+
+
+async def test_a_last_arriver_that_cannot_be_found_is_kept_as_none_not_retried(monkeypatch):
+    from coordinator.service import straggler_refresh as module
+
+    def broken(agg):  # (fault injection: the matching raises)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(module, "find_arriver", broken)
+    n = CHEAP_RANKS + 4
+    agg = WindowAggregate(0)
+    with concurrent.futures.ThreadPoolExecutor(1) as reads:
+        refresh = StragglerRefresh(reads)
+        for r in range(n):
+            s = summary(r, step_us=1e5)
+            s.collectives = late_block(r, n, late=7)
+            agg.add(s)
+        refresh.request(agg, 1.25)
+        for _ in range(300):
+            if arriver_known(agg):
+                break
+            await asyncio.sleep(0.01)
+        assert arriver_known(agg) and arriver_now(agg) is None
+        await asyncio.sleep(ARRIVER_QUIET_S + 0.3)
+        assert refresh.arriver_runs == 1  # not once a second for ever

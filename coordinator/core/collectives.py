@@ -18,8 +18,9 @@ every later collective by one. For each collective matched on two or more of its
 Clocks: every rank leaves a blocking collective at nearly the same instant, so a rank's clock
 offset against its reference (the lowest rank its blocking collectives link it to, through any
 groups) is the median difference of their ends, with its spread (the median absolute deviation,
-added along the chain). A rank on another node than its reference is always set by its offset;
-one on the same node (or of an unknown node) only when the offset is over
+added along the chain). A rank on another node than its reference is set by its offset when
+the offset is over its spread (below it, the estimate cannot tell the clocks apart); one on the
+same node (or of an unknown node) only when the offset is over
 ``max(3 x spread, SAME_CLOCK_US)``: one host has one clock, and below that the estimate is the
 ends' own jitter. Every estimate is reported, applied or not; a clock set by over a minute
 (``CLOCK_SAID_US``: a host whose time is not kept) is also a line in ``problems``.
@@ -61,6 +62,10 @@ CLOCK_LINES = 8
 SKEW_FLOOR_US = 10.0
 # The most matched collectives a reply lists (the largest skews kept); every one is counted.
 SHOWN = 500
+# The most lines ``problems`` holds (the last says how many more there were).
+MAX_PROBLEMS = 64
+# The most runs ``_ranges`` writes out (``0-3, 7, ...``) before it says how many in all.
+MAX_RUNS = 16
 # A rank is named the last arriver when it is last at over this share of its collectives (with
 # a skew over the floor), at least ``MIN_LAST`` of them (in a steady run the last one changes),
 # and the others wait for it at least ``LAST_STEP_SHARE`` of the median step a step (at least
@@ -276,8 +281,9 @@ def corrections(
     out = {}
     for r, (ref, off, spread) in offsets.items():
         other_node = nodes is not None and r in nodes and ref in nodes and nodes[r] != nodes[ref]
-        judged = spread is not None and r != ref
-        if judged and (other_node or abs(off) > max(3 * (spread or 0.0), SAME_CLOCK_US)):
+        if spread is None or r == ref:
+            continue
+        if (other_node and abs(off) > spread) or abs(off) > max(3 * spread, SAME_CLOCK_US):
             out[r] = off
     return out
 
@@ -459,6 +465,8 @@ def _rank_parts(
             "rank": r,
             "collectives": 0,
             "arrived_last": 0,
+            "arrived_last_per_step": {},
+            "made_wait_us": 0.0,
             "wait_us": 0.0,
             "wait_us_per_step": {},
             "wait_share": None,
@@ -476,7 +484,11 @@ def _rank_parts(
             p["wait_us"] += wait
             p["wait_us_per_step"][step] = p["wait_us_per_step"].get(step, 0.0) + wait
         if m["skew_us"] > skew_floor_us:
-            parts[m["last_rank"]]["arrived_last"] += 1
+            last = parts[m["last_rank"]]
+            last["arrived_last"] += 1
+            last["arrived_last_per_step"][step] = last["arrived_last_per_step"].get(step, 0) + 1
+            others = len(m["wait_us"]) - 1
+            last["made_wait_us"] += sum(m["wait_us"].values()) / others if others else 0.0
     return list(parts.values())
 
 
@@ -495,6 +507,7 @@ def window_collectives(
     per_rank: dict[int, Sequence[RankCollective]] = {}
     groups: dict[str, list[int]] = {}
     notes: list[str] = []
+    said: dict[str, list[int]] = {}  # a reader's note -> the ranks that noted it
     blocks = _decoded(blocks, notes)
     for rank, block in sorted(blocks.items()):
         per_rank[rank] = block.calls if block is not None else ()
@@ -508,7 +521,9 @@ def window_collectives(
                 )
             if len(ranks) > len(groups.get(name, ())):
                 groups[name] = list(ranks)
-        notes += [f"rank {rank}: {n}" for n in block.notes]
+        for n in block.notes:
+            said.setdefault(n, []).append(rank)
+    notes += _merged(said)
     reply = match_window(per_rank, groups, nodes, shown, step_ms=step_ms)
     for part in reply["ranks"]:
         block = blocks.get(part["rank"])
@@ -516,8 +531,21 @@ def window_collectives(
         mine = (rank_step_ms or {}).get(part["rank"])
         if mine and part["wait_us_per_step"]:
             part["wait_share"] = part["wait_us"] / len(part["wait_us_per_step"]) / (mine * 1e3)
-    reply["problems"] = notes[:64] + reply["problems"]
+    problems = notes + reply["problems"]
+    if len(problems) > MAX_PROBLEMS:
+        left = len(problems) - MAX_PROBLEMS + 1
+        problems = problems[: MAX_PROBLEMS - 1] + [f"... and {left} more problem lines"]
+    reply["problems"] = problems
     return reply
+
+
+def _merged(said: Mapping[str, list[int]]) -> list[str]:
+    """Each reader's note once, with the ranks that noted it (``ranks 0-1023: ...``)."""
+    out = []
+    for note, ranks in sorted(said.items(), key=lambda kv: (kv[1][0], kv[0])):
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranges(ranks)}"
+        out.append(f"{who}: {note}")
+    return out
 
 
 def _decoded(
@@ -574,8 +602,9 @@ def last_arriver(
         "waiting_ranks": others,
         "wait_ms_per_step": per_step,
         "reason": (
-            f"arrives last at {n} of {total} collectives; ranks {_ranges(others)} wait "
-            f"{per_step:.3g} ms a step"
+            f"arrives last at {n} of {total} collectives; "
+            + (f"rank {others[0]} waits" if len(others) == 1 else f"ranks {_ranges(others)} wait")
+            + f" {per_step:.3g} ms a step"
         ),
         "agrees": False,
         "note": None,
@@ -590,4 +619,5 @@ def _ranges(values: Sequence[int]) -> str:
             out[-1] = [out[-1][0], v]
         else:
             out.append([v])
-    return ", ".join("-".join(map(str, run)) for run in out)
+    text = ", ".join("-".join(map(str, run)) for run in out[:MAX_RUNS])
+    return text + (f", ... ({len(values)} in all)" if len(out) > MAX_RUNS else "")

@@ -71,15 +71,15 @@ def _header(reply: Mapping[str, Any]) -> str:
 
 
 def _rank_rows(ranks: Sequence[RankCollectives], steps: int) -> list[str]:
-    """A row a rank: the ``RANK_ROWS`` that arrived last most (then clocks set, then by rank)
-    when there are more, in rank order."""
+    """A row a rank, in rank order: when there are more than ``RANK_ROWS``, those that made
+    the others wait most (then arrived last most, then clocks set)."""
     kept = ranks
     if len(ranks) > RANK_ROWS:
-        kept = sorted(ranks, key=lambda p: (-p["arrived_last"], not p["clock_corrected"],
-                                            -p["wait_us"], p["rank"]))[:RANK_ROWS]  # fmt: skip
+        kept = sorted(ranks, key=_weight)[:RANK_ROWS]
         kept = sorted(kept, key=lambda p: p["rank"])
     head = (
-        f"{'rank':>6} {'colls':>6} {'last':>5} {'wait ms':>10} {'ms/step':>9} {'of step':>8} "
+        f"{'rank':>6} {'colls':>6} {'last':>5} {'made wait ms':>13} {'wait ms':>10} "
+        f"{'ms/step':>9} {'of step':>8} "
         f"{'clock offset ms':>22} {'set':>4} {'cut':>5}"
     )
     out = [head]
@@ -93,16 +93,20 @@ def _rank_rows(ranks: Sequence[RankCollectives], steps: int) -> list[str]:
             clock += f" vs {p['clock_reference']}"
         out.append(
             f"{p['rank']:>6} {p['collectives']:>6} {p['arrived_last']:>5} "
-            f"{_ms(p['wait_us']):>10} {_ms(per_step):>9} {_share(p.get('wait_share')):>8} "
-            f"{clock:>22} "
+            f"{_ms(p['made_wait_us']):>13} {_ms(p['wait_us']):>10} {_ms(per_step):>9} "
+            f"{_share(p.get('wait_share')):>8} {clock:>22} "
             f"{'yes' if p['clock_corrected'] else 'no':>4} {p['cut']:>5}"
         )
     if len(kept) < len(ranks):
         out.append(
-            f"  ... {len(ranks) - len(kept)} more ranks left out (those shown arrived last most; "
-            "--json lists every one)"
+            f"  ... {len(ranks) - len(kept)} more ranks left out (those shown made the others "
+            "wait most; --json lists every one)"
         )
     return out
+
+
+def _weight(p: RankCollectives) -> tuple[float, int, bool, int]:
+    return (-p["made_wait_us"], -p["arrived_last"], not p["clock_corrected"], p["rank"])
 
 
 def _share(x: float | None) -> str:

@@ -124,8 +124,11 @@ class RankCollectives(TypedDict):
     rank: int
     collectives: int  # matched collectives it took part in
     arrived_last: int  # of those, how many it arrived last at (with a skew over the floor)
+    arrived_last_per_step: dict[str, int]  # step (as a string) -> of those, in that step
+    made_wait_us: float  # the others' wait for it where it arrived last (their mean, summed)
     wait_us: float  # its wait in them, all together
-    wait_us_per_step: dict[str, float]  # step (as a string) -> its wait in that step
+    wait_us_per_step: dict[str, float]  # step (as a string; "none": outside every step) -> its
+    # wait in that step
     wait_share: float | None  # its wait a step over its mean step time (None: not timed)
     clock_reference: int  # the rank its clock is estimated against (itself: none links them)
     clock_offset_us: float  # its clock minus the reference's, as estimated

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import weakref
 from typing import Any
 
+from coordinator.core.aggregate import WindowAggregate
 from coordinator.core.collectives import SHOWN, window_collectives
 from coordinator.core.run import Run
 from coordinator.core.state import trainer_window
 from coordinator.core.validate import is_int, role_problem, trainer_id_problem
-from coordinator.protocol.collective_replies import WindowCollectivesReply
+from coordinator.protocol.collective_replies import CollectivesReply, WindowCollectivesReply
 from coordinator.service.shell import CoordinatorShell
 
 MAX_SHOWN = 100_000
@@ -56,12 +58,7 @@ async def collectives(
         if (found := st.ranks.get((tid or "", r))) is not None
         and isinstance(node := getattr(found, "node_id", None), str)
     }
-    step = statistics.median(agg.rank_step_ms.values()) if agg and agg.rank_step_ms else None
-    loop = asyncio.get_running_loop()
-    steps = dict(agg.rank_step_ms) if agg is not None else {}
-    reply = await loop.run_in_executor(
-        shell.reads, window_collectives, blocks, nodes, shown, step, steps
-    )
+    reply = await _matched(shell, agg, blocks, nodes, shown)
     out: WindowCollectivesReply = {
         **reply,
         "run": target.name,
@@ -73,5 +70,39 @@ async def collectives(
         "ranks_without": sorted(r for r, b in blocks.items() if b is None),
     }
     if rec is not None and agg is not None and not agg.collectives:
-        out["problems"].insert(0, "no rank's trace of this window had a collective")
+        out["problems"] = [
+            "no rank's summary of this window carried a collective (their traces had none, or "
+            "the run's record was written before collectives were kept)",
+            *out["problems"],
+        ]
     return out
+
+
+_MATCHED: weakref.WeakKeyDictionary[WindowAggregate, tuple[Any, CollectivesReply]] = (
+    weakref.WeakKeyDictionary()
+)
+"""The last reply matched for each aggregate: a window page asks again every few seconds, and
+matching a large window costs about 1 s of CPU; matched again when ranks came in since."""
+
+
+async def _matched(
+    shell: CoordinatorShell,
+    agg: WindowAggregate | None,
+    blocks: dict[int, bytes | None],
+    nodes: dict[int, str],
+    shown: int,
+) -> CollectivesReply:
+    """``window_collectives`` of ``agg``'s blocks on the reads thread, or as last matched."""
+    key = (len(blocks), len(agg.collectives) if agg is not None else 0, shown, len(nodes))
+    kept = _MATCHED.get(agg) if agg is not None else None
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    step = statistics.median(agg.rank_step_ms.values()) if agg and agg.rank_step_ms else None
+    steps = dict(agg.rank_step_ms) if agg is not None else {}
+    loop = asyncio.get_running_loop()
+    reply = await loop.run_in_executor(
+        shell.reads, window_collectives, blocks, nodes, shown, step, steps
+    )
+    if agg is not None:
+        _MATCHED[agg] = (key, reply)
+    return reply

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from typing import Any
 
 from coordinator.core.aggregate import (
@@ -24,6 +25,7 @@ from coordinator.core.aggregate import (
 )
 
 ARRIVER_QUIET_S = 1.0
+log = logging.getLogger(__name__)
 
 
 class StragglerRefresh:
@@ -76,8 +78,10 @@ class StragglerRefresh:
         self.arriver_runs += 1
 
         def done(f: Any) -> None:
-            if not f.cancelled() and f.exception() is None:
-                keep_arriver(agg, snap, f.result())
+            ok = not f.cancelled() and f.exception() is None
+            if not ok:  # (kept as none found: never matched again each second for ever)
+                log.warning("the last arriver of a window could not be found: %s", f.exception())
+            keep_arriver(agg, snap, f.result() if ok else None)
             if not arriver_known(agg):  # (collectives came in while it ran)
                 self.request_arriver(agg)
 

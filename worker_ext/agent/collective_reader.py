@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +34,6 @@ from coordinator.core.collectives import kind_of
 from coordinator.protocol.collective_replies import (
     DEFAULT_COLLECTIVES_CAP,
     MAX_FOLDED,
-    MAX_GROUP_RANKS,
     MAX_GROUPS,
     MAX_NOTES,
     CollectiveBlock,
@@ -44,6 +44,9 @@ from worker_ext.agent.trace_reader import RUNTIME, CommArgs, TraceDigest
 
 DEFAULT_CAP = DEFAULT_COLLECTIVES_CAP
 DEFAULT_GROUP = "0"
+MAX_LISTED_RANKS = 65_536
+"""Ranks a summary lists in its process groups, all together (about 200 KB)."""
+_DIGITS = re.compile(r"-?[0-9]{1,19}")
 
 # Bytes per element, by the names torch writes for a dtype ("Float", "float", "c10::BFloat16").
 _ITEMSIZE = {
@@ -61,10 +64,11 @@ _SCATTERS = frozenset({"reduce_scatter", "scatter"})
 class _Call:
     """One c10d op on a calling thread, as it is being put together."""
 
-    __slots__ = ("args", "end", "kernel", "kind", "shaped", "start", "thread", "work")
+    __slots__ = ("args", "end", "kernel", "kind", "own", "shaped", "start", "thread", "work")
 
-    def __init__(self, thread: int, start: int, end: int, kind: str) -> None:
+    def __init__(self, thread: int, start: int, end: int, kind: str, own: CommArgs | None) -> None:
         self.thread, self.start, self.end, self.kind = thread, start, end, kind
+        self.own = own  # the op's own arguments (its tensors' shapes, with record_shapes)
         self.args: CommArgs | None = None  # record_param_comms' arguments
         self.shaped: CommArgs | None = None  # the nccl: span's under it (its input shapes)
         self.kernel: tuple[int, int] | None = None  # device start, end (ns)
@@ -75,7 +79,7 @@ def collectives_of(d: TraceDigest, cap: int = DEFAULT_CAP) -> CollectiveBlock | 
     """The window's collectives of one rank's digest (module docstring); None when its trace
     has no collective at all."""
     notes: list[str] = []
-    groups = _groups(d.groups, d.rank, notes)
+    groups = _groups(d.groups, d.world_size, notes)
     calls = _calls(d)
     if not calls and not any(_kernel_kind(d, e[2]) for e in d.device):
         return None
@@ -125,13 +129,16 @@ def bounded(
     return list(found[:keep]), folded, len(found) - keep
 
 
-def _groups(config: Any, rank: int | None, notes: list[str]) -> dict[str, list[int]]:
-    """The process groups ``pg_config`` lists (name -> ranks), those holding ``rank`` first in
-    the trace's order; entries that are not a group's are said and left out."""
+def _groups(config: Any, world: int | None, notes: list[str]) -> dict[str, list[int]]:
+    """The process groups ``pg_config`` lists (name -> ranks), in the trace's order; entries
+    that are not a group's are said and left out. At most ``MAX_LISTED_RANKS`` ranks are listed
+    in all (a summary has a size cap): a group past it keeps its name, its ranks not listed
+    (said). No ``pg_config``: the default group of ``world`` ranks, where the trace says it."""
     if config is None:
-        return {}
+        fits = world is not None and 1 < world <= MAX_LISTED_RANKS
+        return {DEFAULT_GROUP: list(range(world))} if fits and world is not None else {}
     out: dict[str, list[int]] = {}
-    bad = 0
+    bad = listed = 0
     for g in config if isinstance(config, list) else []:
         name = g.get("pg_name") if isinstance(g, dict) else None
         ranks = g.get("ranks") if isinstance(g, dict) else None
@@ -143,18 +150,27 @@ def _groups(config: Any, rank: int | None, notes: list[str]) -> dict[str, list[i
         members: list[int] = [r for r in ranks if type(r) is int and 0 <= r < 2**62]
         if len(members) != len(ranks):
             bad += 1
-        elif len(out) < MAX_GROUPS and len(members) <= MAX_GROUP_RANKS:
-            out[str(name)[:256] or DEFAULT_GROUP] = sorted(set(members))
+        elif len(out) < MAX_GROUPS:
+            key = str(name)[:256] or DEFAULT_GROUP
+            fits = listed + len(members) <= MAX_LISTED_RANKS
+            out[key] = sorted(set(members)) if fits else []
+            listed += len(members) if fits else 0
+            if not fits:
+                notes.append(
+                    f"group {key} lists {len(members):,} ranks, past the {MAX_LISTED_RANKS:,} a "
+                    "summary lists: its ranks are those recorded"
+                )
     if bad or not isinstance(config, list):
         notes.append(f"the trace's process groups (pg_config) hold {bad or 1} malformed entries")
     return out
 
 
 def _int_list(text: str) -> list[int] | None:
-    try:
-        return [int(x) for x in text.strip("[] ").split(",") if x.strip()]
-    except ValueError:
+    """``"[0, 1]"`` as ints; None when any part is not one (or the text is over the cap)."""
+    if len(text) > 8 * MAX_LISTED_RANKS:
         return None
+    out = [_int(x) for x in text.strip("[] ").split(",") if x.strip()]
+    return None if any(x is None for x in out) else [x for x in out if x is not None]
 
 
 def _calls(d: TraceDigest) -> list[_Call]:
@@ -171,12 +187,10 @@ def _calls(d: TraceDigest) -> list[_Call]:
         if kind is None or start < last_end.get(thread, -(2**62)):
             continue
         last_end[thread] = end
-        calls.append(_Call(thread, start, end, kind))
-    by_thread: dict[int, list[_Call]] = {}
-    for c in calls:
-        by_thread.setdefault(c.thread, []).append(c)
+        calls.append(_Call(thread, start, end, kind, args))
+    by_thread = _by_thread(calls)
     for thread, start, name, args in params:
-        owner = _enclosing(by_thread.get(thread, []), start)
+        owner = _enclosing(by_thread.get(thread), start)
         if owner is None or args is None:
             continue
         if name == "record_param_comms" and owner.args is None:
@@ -186,9 +200,22 @@ def _calls(d: TraceDigest) -> list[_Call]:
     return calls
 
 
-def _enclosing(calls: list[_Call], t: int) -> _Call | None:
-    """The call (sorted by start, not overlapping) whose span holds ``t``."""
-    i = bisect.bisect_right([c.start for c in calls], t) - 1
+def _by_thread(calls: list[_Call]) -> dict[int, tuple[list[int], list[_Call]]]:
+    """Each thread's calls (sorted by start, not overlapping) and their starts, to bisect."""
+    out: dict[int, tuple[list[int], list[_Call]]] = {}
+    for c in calls:
+        starts, mine = out.setdefault(c.thread, ([], []))
+        starts.append(c.start)
+        mine.append(c)
+    return out
+
+
+def _enclosing(found: tuple[list[int], list[_Call]] | None, t: int) -> _Call | None:
+    """The call of one thread's (``_by_thread``) whose span holds ``t``."""
+    if found is None:
+        return None
+    starts, calls = found
+    i = bisect.bisect_right(starts, t) - 1
     return calls[i] if i >= 0 and calls[i].start <= t <= calls[i].end else None
 
 
@@ -203,14 +230,12 @@ def _link_kernels(d: TraceDigest, calls: list[_Call]) -> None:
     if not kernels or not calls:
         return
     cpu = d.cpu()
-    by_thread: dict[int, list[_Call]] = {}
-    for c in calls:
-        by_thread.setdefault(c.thread, []).append(c)
+    by_thread = _by_thread(calls)
     for i in (cpu.kind == RUNTIME).nonzero()[0].tolist():
         span = kernels.get(int(cpu.corr[i]))
         if span is None:
             continue
-        owner = _enclosing(by_thread.get(int(cpu.thread[i]), []), int(cpu.start[i]))
+        owner = _enclosing(by_thread.get(int(cpu.thread[i])), int(cpu.start[i]))
         if owner is not None:
             k = owner.kernel
             owner.kernel = span if k is None else (min(k[0], span[0]), max(k[1], span[1]))
@@ -227,13 +252,11 @@ def _pair_backend_spans(d: TraceDigest, calls: list[_Call], notes: list[str]) ->
     for kind, found in spans.items():
         found = sorted(s for s in found if s[2] not in calling)  # (nccl: on the caller: not work)
         starts = [s[0] for s in found]
-        used = [False] * len(found)
+        used, nxt = [False] * len(found), 0  # (calls come in order of start: so do their spans)
         for c in (c for c in calls if c.kind == kind and c.kernel is None):
-            i = bisect.bisect_left(starts, c.start)
-            while i < len(found) and used[i]:
-                i += 1
+            i = max(bisect.bisect_left(starts, c.start), nxt)
             if i < len(found):
-                used[i] = True
+                used[i], nxt = True, i + 1
                 c.work = (found[i][0], found[i][1], found[i][3], found[i][2])
         if not all(used):
             notes.append(
@@ -326,9 +349,15 @@ def _size(c: _Call, args: CommArgs | None, group_size: int) -> tuple[int, str]:
     dtype = dtype if isinstance(dtype, str) else ""
     n_in, n_out = _int(getattr(args, "in_nelems", None)), _int(getattr(args, "out_nelems", None))
     if n_in is None and n_out is None:
-        n_in, dtype = _first_shape((c.work[2] if c.work is not None else None, c.shaped, args))
-        if n_in is not None and c.kind in _GATHERS and group_size:
+        spans = (c.work[2] if c.work is not None else None, c.shaped, args)
+        n_in, dtype = _first_shape(spans)
+        n_op, op_type = _op_size(c.own, c.kind, group_size)
+        if n_op is not None:  # (the op's own tensors: its output too, where it has one)
+            n_in, dtype = n_op, op_type or dtype
+        elif n_in is not None and c.kind in _GATHERS and group_size:
             n_out = n_in * group_size
+    if c.kind == "barrier":
+        return 0, ""
     item = _ITEMSIZE.get(dtype.lower(), 0)
     nbytes = max(n_in or 0, n_out or 0) * item
     return (nbytes if 0 <= nbytes < 2**62 else 0), dtype[:32]
@@ -365,6 +394,29 @@ def _first_shape(sources: tuple[CommArgs | None, ...]) -> tuple[int | None, str]
         if n is not None:
             return n, dtype
     return None, ""
+
+
+def _op_size(own: CommArgs | None, kind: str, group_size: int) -> tuple[int | None, str]:
+    """The largest of a c10d op's tensors (its output where the trace records it:
+    ``_allgather_base_(output, input)``), elements and dtype ("" for a tensor list); a
+    gather whose output list is not recorded (``allgather_``): its input times the group."""
+    dims, types = getattr(own, "input_dims", None), getattr(own, "input_type", None)
+    if not isinstance(dims, list) or not isinstance(types, list):
+        return None, ""
+    sizes: list[tuple[int, str]] = []
+    for shape, kind_of_arg in zip(dims, types, strict=False):
+        if kind_of_arg in ("", "Scalar", "ScalarList") or not isinstance(shape, list) or not shape:
+            continue
+        n, dtype = _shape_elems(CommArgs(input_dims=[shape], input_type=[kind_of_arg]))
+        if n is None:
+            return None, ""
+        sizes.append((n, dtype))
+    if not sizes or max(sizes)[0] <= 0:
+        return None, ""
+    n, dtype = max(sizes)
+    if kind in _GATHERS and len(sizes) == 1 and group_size:
+        n *= group_size
+    return n, dtype
 
 
 def _shape_elems(args: CommArgs | None) -> tuple[int | None, str]:
@@ -422,8 +474,10 @@ def _step_of(d: TraceDigest, t: int) -> int | None:
 
 
 def _int(value: Any) -> int | None:
+    """``value`` as an int within +-2**62 (an int, or a string of at most 19 ASCII digits);
+    None for anything else: a trace's arguments never raise here."""
     if type(value) is int and -(2**62) < value < 2**62:
         return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    if isinstance(value, str) and len(value) <= 20 and _DIGITS.fullmatch(value.strip()):
         return _int(int(value))
     return None

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.protocol.atomic_file import atomic_path
-from coordinator.protocol.collective_replies import DEFAULT_COLLECTIVES_CAP
+from coordinator.protocol.collective_replies import DEFAULT_COLLECTIVES_CAP, CollectiveBlock
 from coordinator.protocol.reasons import reason
 from coordinator.protocol.replies import Reason
-from coordinator.protocol.summary_codec import encode_summary
+from coordinator.protocol.summary_codec import RankSummary, encode_summary
 from worker_ext.agent.kineto_traces import KinetoRequest, await_trace, settle_steps
 from worker_ext.agent.trace_summary import summarise_trace
 
@@ -120,7 +120,7 @@ def summarise_job(job: TraceJob) -> tuple[JobResult, bytes | None, list[str] | N
             clip=job.kineto is not None,
             collectives_cap=job.collectives_cap,
         )
-        blob = encode_summary(summary)
+        blob = _encoded(summary)
         if job.kineto is not None:
             blob, why = settle_steps(blob, job.steps)
             if why is not None:
@@ -129,6 +129,21 @@ def summarise_job(job: TraceJob) -> tuple[JobResult, bytes | None, list[str] | N
     except Exception as exc:  # the reason goes to the rank's status
         res.errors.append(reason("summary", exc))
         return res, None, None
+
+
+def _encoded(summary: RankSummary) -> bytes:
+    """The summary's bytes; one whose collectives take it past its cap goes without them (a
+    note in their place says so), never lost whole for them."""
+    try:
+        return encode_summary(summary)
+    except ValueError as exc:
+        block = summary.collectives
+        if block is None:
+            raise
+        kept = len(block.calls) + block.cut
+        note = f"its {kept} collectives were left out: the summary would not fit ({exc})"
+        summary.collectives = CollectiveBlock((), (), kept, (), (note[:500],))
+        return encode_summary(summary)
 
 
 def finish_trace(job: TraceJob, folded: list[str] | None, res: JobResult) -> None:

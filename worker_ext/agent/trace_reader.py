@@ -190,6 +190,8 @@ class TraceDigest:
     """``baseTimeNanoseconds``: what the trace's ``ts`` count from (None: not in the trace)."""
     host: str | None = None
     """``host_name``: the host that wrote the trace (None: not in the trace)."""
+    world_size: int | None = None
+    """``distributedInfo.world_size`` (None: not in the trace)."""
     _ids: dict[str, int] = field(default_factory=dict)
     _thread_ids: dict[tuple[Any, Any], int] = field(default_factory=dict)
     _chunks: list[CpuColumns] = field(default_factory=list)
@@ -211,6 +213,9 @@ class TraceDigest:
         info = getattr(doc, "distributedInfo", None)
         if isinstance(info, dict) and info.get("pg_config") is not None:
             self.groups = info.get("pg_config")
+        world = info.get("world_size") if isinstance(info, dict) else None
+        if type(world) is int and 0 < world < 2**31:
+            self.world_size = world
         base = getattr(doc, "baseTimeNanoseconds", None)
         if type(base) is int and 0 <= base < 2**63:
             self.base_ns = base

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordinator.protocol.collective_replies import CollectiveBlock
 from coordinator.protocol.summary_codec import (
     MAX_NAME_CHARS,
     Breakdown,
@@ -124,7 +125,7 @@ def summarise(
         peak_bytes=peak,
         memory=memory,
         memory_flow=flow,
-        collectives=collectives_of(d, collectives_cap),
+        collectives=_collectives(d, collectives_cap),
     )
     if device == "cuda" and d.device:
         # Attributed by their launch: to each recorded step, or (no step marker: the trace
@@ -137,6 +138,15 @@ def summarise(
     if stacks:
         folded = [f"{path} {round(ns / 1e3)}" for path, ns in cpu.folded.items() if ns >= 500]
     return summary, folded
+
+
+def _collectives(d: TraceDigest, cap: int) -> CollectiveBlock | None:
+    """``collectives_of``, whose failure costs the collectives (a note says why), never the
+    rank's summary."""
+    try:
+        return collectives_of(d, cap)
+    except Exception as exc:  # noqa: BLE001 - a reader's bug must not lose the window
+        return CollectiveBlock((), (), 0, (), (f"its collectives could not be read: {exc!r:.300}",))
 
 
 def _on_cpu(s: RankSummary, d: TraceDigest, cpu: _CpuResult, window_ns: int, top_k: int) -> None:
