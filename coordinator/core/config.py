@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.core.attach import Attach
+from coordinator.core.findings import checked_advise
 from coordinator.core.memory_config import Memory, MemorySnapshot
 from coordinator.core.roles import POLICY, checked_ranks, checked_roles, role_ranks
 from coordinator.core.slowdown import AutoCapture
@@ -175,6 +176,9 @@ class ProfilerConfig:
     when that was steadier, or the step time, at least this factor over the median of the
     run's earlier windows, besides passing their spread (``status()``, ``kernel_diff``;
     docs/results.md, "Window diffs and regression marks")."""
+    advise: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The findings' thresholds, by rule: ``{rule_id: {threshold: value}}`` (``ray-profiler
+    advise``; each rule's thresholds, defaults and their sources in docs/advise.md)."""
     auto_capture: AutoCapture = field(default_factory=AutoCapture)
     """Profile slow steps by themselves: ``enable``, ``slowdown_ratio``, ``after_steps``,
     ``active``, ``warmup``, ``cooldown_steps``, ``max_per_run``, ``ignore_first``,
@@ -306,6 +310,7 @@ class ProfilerConfig:
                 )
         for name, section in SECTIONS.items():
             setattr(self, name, section.from_value(getattr(self, name)).validate())
+        self.advise = checked_advise(self.advise)
         self.ranks = checked_ranks(self.ranks)
         self.roles = checked_roles(self.roles)
         _validate_activities(self)

@@ -71,11 +71,17 @@ _EXAMPLES = {
         "  ray-profiler collectives --window 3 --role policy --json | jq .ranks\n"
         "  ray-profiler collectives --from s3://bucket/profiles/job-0412 --window 3"
     ),
+    "advise": (
+        "ray-profiler advise   # the latest window's findings, the costliest first\n"
+        "  ray-profiler advise --window 3 --json | jq '.findings[] | {rule, ranks}'\n"
+        "  ray-profiler advise --from s3://bucket/profiles/job-0412 --window 3"
+    ),
     "summarise": (
         "ray-profiler summarise ./window_0003_steps_100-102/policy   # every rank's trace\n"
         "  ray-profiler summarise rank0.json.gz rank1.json.gz --steps 551-552 --by op --json\n"
         "  ray-profiler summarise s3://bucket/profiles/job-0412 --window 3   # a finished run's\n"
-        "  ray-profiler summarise ./traces --collectives --json   # collectives across ranks"
+        "  ray-profiler summarise ./traces --collectives --json   # collectives across ranks\n"
+        "  ray-profiler summarise ./traces --advise   # the findings across ranks"
     ),
     "diff": (
         "ray-profiler diff 0 7            # window 7 against window 0 of the run\n"
@@ -220,6 +226,14 @@ def _reading_commands(command: Command) -> None:
     top.add_argument("--trainer", default=None, help="whose ranks, by trainer id")
     _add_by(top)
     _collectives_args(command("collectives", "a window's collectives matched across its ranks"))
+    _advise_args(command("advise", "a window's findings across ranks: rule, ranks, cost a step"))
+
+
+def _advise_args(adv: argparse.ArgumentParser) -> None:
+    adv.add_argument("--window", type=int, default=None, help="default: the latest closed")
+    adv.add_argument("--role", default=None, help="whose ranks: rollout, ... (default: policy)")
+    adv.add_argument("--trainer", default=None, help="whose ranks, by trainer id")
+    adv.add_argument("--run", default=None, help="an earlier run (status shows previous_runs)")
 
 
 def _collectives_args(coll: argparse.ArgumentParser) -> None:
@@ -264,6 +278,9 @@ def _offline_commands(command: Command) -> None:
         "--collectives",
         action="store_true",
         help="the collectives matched across the traces' ranks, not the kernel table",
+    )
+    summ.add_argument(
+        "--advise", action="store_true", help="the window's findings, not the kernel table"
     )
 
 
@@ -450,6 +467,11 @@ def read(h: Any, args: argparse.Namespace) -> str | None:
             raise CliError(f"--shown must be in 0..100000, got {a.shown}")
         co = call(h, "collectives", a.window, a.trainer, a.run, a.role, a.shown)
         return dump(co) if a.json else render_collectives(co)
+    if a.command == "advise":
+        from coordinator.ops.finding_table import render_findings
+
+        fr = call(h, "advise", a.window, a.trainer, a.run, a.role)
+        return dump(fr) if a.json else render_findings(fr)
     if a.command == "windows":
         windows = call(h, "status")["windows"]
         return dump(windows) if a.json else render_windows(windows, last=None)
@@ -711,8 +733,10 @@ def summarise_command(args: argparse.Namespace) -> int:
     With ``--window``, a finished run's window, its traces read from ``save_path``: exit 1
     naming each rank whose trace is not there, after the table of the others."""
     from coordinator.ops.collective_table import render_collectives
+    from coordinator.ops.finding_table import render_findings
     from coordinator.ops.offline import (
         TraceInputError,
+        advise_reply,
         collectives_reply,
         parse_steps,
         summarise_traces,
@@ -730,7 +754,12 @@ def summarise_command(args: argparse.Namespace) -> int:
         except (TraceInputError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_USAGE
-    reply = collectives_reply(done) if args.collectives else done.table
+    reply: Any = done.table
+    render: Any = render_top
+    if args.advise:
+        reply, render = advise_reply(done), render_findings
+    elif args.collectives:
+        reply, render = collectives_reply(done), render_collectives
     if args.json:
         print(json.dumps(reply))
     else:
@@ -738,7 +767,7 @@ def summarise_command(args: argparse.Namespace) -> int:
             print(f"note: {note}")
         files = ", ".join(f"rank {r} {p}" for r, p in done.files.items())
         print(f"{len(done.files)} trace(s): {files}")
-        print(render_collectives(reply) if args.collectives else render_top(done.table))
+        print(render(reply))
     if missing:
         said = "; ".join(f"window {args.window} rank {r}: {why}" for r, why in missing.items())
         print(f"error: missing: {said}", file=sys.stderr)

@@ -13,18 +13,22 @@ read whole as one window.
 ``summarise --collectives``: the window's collectives matched across the traces' ranks
 (``collectives_reply``, docs/collectives.md), from the same summaries' ``collectives`` blocks,
 each rank's node the trace's ``host_name`` where it has one.
+
+``summarise --advise``: the window's findings (``advise_reply``, docs/advise.md), judged by the
+coordinator's rules on the same table and collectives.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from msgspec.structs import replace
 
 from coordinator.core.aggregate import WindowAggregate
 from coordinator.core.collectives import SHOWN, window_collectives
+from coordinator.core.findings import window_findings
 from coordinator.core.partial import fold_summaries
 from coordinator.protocol.partial_codec import decode_partial, encode_partial
 from coordinator.protocol.summary_codec import (
@@ -38,6 +42,7 @@ from worker_ext.agent.trace_summary import summarise
 
 if TYPE_CHECKING:
     from coordinator.protocol.collective_replies import CollectiveBlock, WindowCollectivesReply
+    from coordinator.protocol.finding_replies import FindingsReply
     from coordinator.protocol.replies import KernelSummaryReply
 
 TRACE_SUFFIXES = (".json", ".json.gz")
@@ -168,6 +173,20 @@ def collectives_reply(done: Offline, shown: int = SHOWN) -> WindowCollectivesRep
         "ranks_without": sorted(r for r, b in done.blocks.items() if b is None),
         **reply,
     }
+
+
+def advise_reply(
+    done: Offline, settings: dict[str, dict[str, float]] | None = None
+) -> FindingsReply:
+    """The traces' window's findings: the ``advise()`` RPC's reply for run ``offline``, window
+    0 (``core.findings.window_findings`` on the table and ``collectives_reply``)."""
+    coll = collectives_reply(done, 0)  # (the window's keys are the collectives reply's)
+    found, quiet = window_findings(done.table, coll, settings)
+    head = {k: cast("dict[str, Any]", coll)[k] for k in ("run", "window", "steps", "trainer_id")}
+    return cast(
+        "FindingsReply",
+        {**head, "role": None, "findings": found, "quiet": quiet, "problems": []},
+    )
 
 
 def _steps(

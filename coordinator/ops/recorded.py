@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 from typing import Any, cast
 
@@ -62,6 +63,7 @@ class RecordedCoordinator:
     """The coordinator's read calls, answered from a record (see the module docstring)."""
 
     def __init__(self, rec: Recorded) -> None:
+        from coordinator.service import advise_reads
         from coordinator.service.diffs import Diffs
         from coordinator.service.readers import Readers
         from coordinator.service.shell import CoordinatorShell
@@ -72,6 +74,7 @@ class RecordedCoordinator:
         self._calls: dict[str, Any] = {
             "kernel_summary": readers.kernel_summary,
             "collectives": readers.collectives,
+            "advise": functools.partial(advise_reads.advise, readers),
             "kernel_diff": Diffs(shell, readers).kernel_diff,
             "phase_times": readers.phase_times,
             "step_series": readers.step_series,
@@ -126,7 +129,7 @@ def _actor_class() -> type:
 
 READS = (
     "kernel_summary", "kernel_diff", "phase_times", "step_series", "status", "stalls", "memory",
-    "collectives",
+    "collectives", "advise",
 )  # fmt: skip
 """The calls a record answers."""
 

@@ -9,6 +9,7 @@ from coordinator.core.step_series import DEFAULT_POINTS
 from coordinator.core.tracker_figures import TOP_KERNELS, settled_after, window_figures
 from coordinator.core.validate import is_int, trainer_id_problem
 from coordinator.protocol.collective_replies import WindowCollectivesReply
+from coordinator.protocol.finding_replies import FindingsReply
 from coordinator.protocol.memory_replies import MemoryReply, SnapshotReply
 from coordinator.protocol.replies import (
     BaselineReply,
@@ -19,6 +20,7 @@ from coordinator.protocol.replies import (
     TrackerFiguresReply,
     WindowFigures,
 )
+from coordinator.service import advise_reads
 from coordinator.service.diffs import Diffs
 from coordinator.service.memory_watch import MemoryWatcher
 from coordinator.service.readers import Readers
@@ -58,6 +60,24 @@ class OperatorRPCs:
             [(r["rank"], r["arrived_last"], r["wait_us"]) for r in c["ranks"]]
         """
         return await self._readers.collectives(window, trainer_id, run, role, shown)
+
+    async def advise(
+        self,
+        window: int | None = None,
+        trainer_id: str | None = None,
+        run: str | None = None,
+        role: str | None = None,
+    ) -> FindingsReply:
+        """One window's findings across ranks, in words: each rule's ranks, what it costs a
+        step, the figures it used and one sentence of advice, the costliest first (issue 57;
+        docs/advise.md). The arguments are ``collectives()``'s.
+
+        Example::
+
+            a = ray.get(h.advise.remote())
+            [(f["rule"], f["ranks"], f["cost_ms_per_step"]) for f in a["findings"]]
+        """
+        return await advise_reads.advise(self._readers, window, trainer_id, run, role)
 
     async def stacks(
         self,

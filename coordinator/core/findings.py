@@ -1,0 +1,417 @@
+"""A window's findings across ranks, in words (issue 57; docs/advise.md). Pure: no Ray, torch.
+
+Each rule is a small function of one window's cross-rank figures, the ones the coordinator
+already holds: the ``kernel_summary()`` table (stragglers with the last arriver, the time
+breakdown per rank, launch statistics and device step times, memory peaks) and, where a read
+has them, the window's matched collectives (``core.collectives.window_collectives``). No rule
+reads a trace. A rule gives at most one ``Finding``: the ranks that show it, what it costs a
+step (``cost_ms_per_step``, from the window's own figures), the numbers it used, one sentence
+of advice naming the API to change, and where to look.
+
+How costs are estimated: a rank's share of a category (``comm``, device idle) of its window's
+breakdown, times its step time; a finding over several ranks costs the mean of theirs, but for
+``straggler``, whose cost is its slowest rank's (a synchronous step waits for the slowest).
+
+How overlapping lost time is resolved, so no time is reported twice (rules run in this order):
+
+- ``collective_wait``: the ranks' wait for the last arriver, counted here only.
+- ``straggler``: a rank that is also the last arriver costs its excess minus that wait (the
+  others' wait for it is the same time); nothing left, no finding.
+- ``exposed_comm``: each rank's exposed communication minus its own wait in collectives (a
+  rank spinning in an all_reduce for a late peer is waiting, not communicating).
+- ``launch_bound``: the device idle of each rank's launch-bound steps.
+- ``gpu_idle``: each CUDA rank's device idle minus what ``launch_bound`` counted of it.
+- ``memory_peak``: costs no time (0 ms): it says how close a rank came to its device's memory.
+
+Findings come costliest first (ties by rule order); every threshold can be set in the config
+(``advise: {rule_id: {threshold: value}}``, ``checked_advise``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.core.validate import check_known_keys
+from coordinator.protocol.finding_replies import Finding
+
+Settings = dict[str, dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """One settable number of a rule: its default, its range, and where it came from."""
+
+    default: float
+    low: float
+    high: float
+    source: str
+
+
+@dataclass
+class Figures:
+    """One window's figures, as the rules read them (``figures_of``)."""
+
+    window: int | None
+    steps: list[int]
+    ranks: list[int]
+    step_ms: dict[int, float]  # each rank's step time (CUDA: its device span a step)
+    median_step_ms: float
+    stragglers: Mapping[str, Any]
+    breakdown: dict[int, Mapping[str, float]]
+    cuda: set[int]  # the ranks with device figures
+    launch: Mapping[int, Mapping[str, Any]]
+    device_steps: Mapping[int, list[list[float]]]
+    peaks: Mapping[int, int]
+    last_arriver: Mapping[str, Any] | None
+    wait_ms: dict[int, float]  # each rank's wait in collectives a step
+    spent: dict[str, dict[int, float]] = field(default_factory=dict)  # rule -> rank -> ms
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule: its id, its thresholds, and its function of the figures."""
+
+    id: str
+    thresholds: dict[str, Threshold]
+    judge: Callable[[Figures, dict[str, float]], Finding | None]
+    what: str
+
+
+def _finding(
+    fig: Figures, rule: str, ranks: list[int], cost: float, evidence: dict[str, Any], advice: str
+) -> Finding:
+    ranks = sorted(ranks)
+    page = f"#/window/{fig.window}" if fig.window is not None else None
+    return {
+        "rule": rule,
+        "ranks": ranks,
+        "all_ranks": bool(fig.ranks) and ranks == sorted(fig.ranks),
+        "steps": list(fig.steps),
+        "cost_ms_per_step": round(max(cost, 0.0), 3),
+        "evidence": evidence,
+        "advice": advice,
+        "where": {"window": fig.window, "page": page},
+    }
+
+
+def _over_ranks(
+    fig: Figures, rule: str, costs: dict[int, float], more: dict[str, Any], advice: str
+) -> Finding:
+    """A finding over the ranks of ``costs`` (rank -> its ms a step), costing their mean; its
+    evidence each rank's ms a step and ``more``."""
+    ms = {r: round(costs[r], 3) for r in sorted(costs)}
+    evidence = {"ms_per_step": ms, **more}
+    return _finding(fig, rule, sorted(costs), statistics.fmean(costs.values()), evidence, advice)
+
+
+def _names(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}" + (" ..." * (len(ranks) > 8))
+
+
+def _per_step(fig: Figures, rank: int, part_us: float) -> float:
+    """``part_us`` of a rank's window (a breakdown category) as ms a step: its share of the
+    window times the rank's step time (else the window's steps share it evenly)."""
+    row = fig.breakdown.get(rank, {})
+    window_us = row.get("window_us", 0.0)
+    step = fig.step_ms.get(rank)
+    if window_us > 0 and step:
+        return part_us / window_us * step
+    return part_us / 1e3 / max(len(fig.steps), 1)
+
+
+ADVICE = {
+    "launch_bound": "Kernels run shorter than their launches and the device waits for the "
+    "host: launch fewer, larger kernels (torch.compile, CUDA graphs with torch.cuda.graphs or "
+    "mode='reduce-overhead', a larger batch).",
+    "gpu_idle": "The device idles between kernels while the host works: find the gap on the "
+    "window's timeline (ray-profiler collect --merge) and overlap it (DataLoader "
+    "pin_memory=True with .to(non_blocking=True), fewer .item() calls).",
+}
+"""The advice of the rules whose sentence names no figure."""
+
+
+def collective_wait(fig: Figures, th: dict[str, float]) -> Finding | None:
+    la = fig.last_arriver
+    if la is None or not fig.median_step_ms:
+        return None
+    cost = float(la["wait_ms_per_step"])
+    if cost < th["min_share"] * fig.median_step_ms:
+        return None
+    rank, waiting = int(la["rank"]), [int(r) for r in la["waiting_ranks"]]
+    fig.spent["collective_wait"] = {rank: cost}  # the time its lateness costs the step
+    evidence = {
+        "arrived_last": la["arrived_last"],
+        "collectives": la["collectives"],
+        "waiting_ranks": waiting,
+        "wait_ms_per_step": cost,
+        "median_step_ms": fig.median_step_ms,
+        "reason": la.get("reason"),
+    }
+    advice = (
+        f"Rank {rank} arrives last at its collectives and the others wait {cost:.1f} ms a step "
+        "for it: find what it does before them (its DataLoader's num_workers, host work, an "
+        "uneven shard from its DistributedSampler) and even it out."
+    )
+    return _finding(fig, "collective_wait", [rank], cost, evidence, advice)
+
+
+def straggler(fig: Figures, th: dict[str, float]) -> Finding | None:
+    s = fig.stragglers
+    med_step, med_compute = s.get("median_step_ms") or 0.0, s.get("median_compute_ms") or 0.0
+    n = max(len(fig.steps), 1)
+    over: dict[int, float] = {}
+    for r, v in s.get("ranks", {}).items():
+        ratios = (v.get("step_ratio"), v.get("compute_ratio"))
+        if not any(x is not None and x > th["ratio"] for x in ratios):
+            continue
+        step_excess = (v["step_ms"] - med_step) if v.get("step_ms") is not None else 0.0
+        excess = max(step_excess, (v["compute_ms"] - med_compute) / n)
+        excess -= fig.spent.get("collective_wait", {}).get(int(r), 0.0)
+        if excess > 0 and excess >= th["min_share"] * fig.median_step_ms:
+            over[int(r)] = excess
+    if not over:
+        return None
+    worst = max(over, key=lambda r: over[r])
+    v = s["ranks"][worst]
+    evidence = {
+        "excess_ms": {r: round(c, 3) for r, c in sorted(over.items())},
+        "step_ms": v.get("step_ms"),
+        "median_step_ms": med_step,
+        "compute_ms": v.get("compute_ms"),
+        "median_compute_ms": med_compute,
+        "compute_ratio": v.get("compute_ratio"),
+        "step_ratio": v.get("step_ratio"),
+    }
+    advice = (
+        f"{_names(sorted(over)).capitalize()} compute{'s' * (len(over) == 1)} longer than the "
+        "median rank: compare its kernel table with a peer's (ray-profiler top --window N, "
+        "kernel_summary(per_rank=True)) for extra work, a slower device or an uneven batch."
+    )
+    return _finding(fig, "straggler", sorted(over), over[worst], evidence, advice)
+
+
+def exposed_comm(fig: Figures, th: dict[str, float]) -> Finding | None:
+    costs: dict[int, float] = {}
+    shares: dict[int, float] = {}
+    for r, row in fig.breakdown.items():
+        comm = row.get("comm_us", 0.0)
+        exposed = comm - row.get("overlap_us", 0.0) if r in fig.cuda else comm
+        ms = _per_step(fig, r, max(exposed, 0.0)) - fig.wait_ms.get(r, 0.0)
+        step = fig.step_ms.get(r) or fig.median_step_ms
+        limit = th["share_cuda"] if r in fig.cuda else th["share_cpu"]
+        if step and ms > limit * step:
+            costs[r], shares[r] = ms, ms / step
+    if not costs:
+        return None
+    more = {
+        "share_of_step": {r: round(shares[r], 4) for r in sorted(costs)},
+        "wait_subtracted_ms": {r: round(fig.wait_ms.get(r, 0.0), 3) for r in sorted(costs)},
+        "cuda": [r for r in sorted(costs) if r in fig.cuda],
+    }
+    advice = (
+        f"Communication not hidden by compute takes {statistics.fmean(shares.values()):.0%} of "
+        "the step: overlap it (DistributedDataParallel's bucket_cap_mb, FSDP's prefetch) or do "
+        "it less often (gradient accumulation under DDP's no_sync(), a larger batch)."
+    )
+    return _over_ranks(fig, "exposed_comm", costs, more, advice)
+
+
+def launch_bound(fig: Figures, th: dict[str, float]) -> Finding | None:
+    costs: dict[int, float] = {}
+    steps: dict[int, list[int]] = {}
+    for r, entry in fig.launch.items():
+        bound = set(entry.get("launch_bound") or ())
+        recorded = fig.device_steps.get(r) or []
+        if not bound or not recorded:
+            continue
+        idle_us = sum(span - busy for s, busy, span in recorded if int(s) in bound)
+        ms = idle_us / 1e3 / len(recorded)
+        step = fig.step_ms.get(r) or fig.median_step_ms
+        if step and ms >= th["min_share"] * step:
+            costs[r], steps[r] = ms, sorted(bound)
+    if not costs:
+        return None
+    fig.spent["launch_bound"] = costs
+    more = {
+        "launch_bound_steps": steps,
+        "delay_p50_us": {r: fig.launch[r].get("delay_p50_us") for r in sorted(costs)},
+        "short_share": {r: fig.launch[r].get("short_share") for r in sorted(costs)},
+    }
+    return _over_ranks(fig, "launch_bound", costs, more, ADVICE["launch_bound"])
+
+
+def gpu_idle(fig: Figures, th: dict[str, float]) -> Finding | None:
+    costs: dict[int, float] = {}
+    for r in sorted(fig.cuda):
+        row = fig.breakdown.get(r)
+        if not row or row.get("window_us", 0.0) <= 0:
+            continue
+        ms = _per_step(fig, r, row.get("other_us", 0.0))
+        ms -= fig.spent.get("launch_bound", {}).get(r, 0.0)  # counted by launch_bound
+        step = fig.step_ms.get(r) or fig.median_step_ms
+        if step and ms > th["share"] * step:
+            costs[r] = ms
+    if not costs:
+        return None
+    spent = fig.spent.get("launch_bound", {})
+    more = {
+        "idle_share": {r: round(fig.breakdown[r].get("other_share", 0.0), 4) for r in costs},
+        "launch_bound_subtracted_ms": {r: round(spent.get(r, 0.0), 3) for r in costs},
+    }
+    return _over_ranks(fig, "gpu_idle", costs, more, ADVICE["gpu_idle"])
+
+
+def memory_peak(fig: Figures, th: dict[str, float]) -> Finding | None:
+    device = th["device_gib"] * 2**30
+    if device <= 0 or not fig.cuda:
+        return None  # the device's memory is not known: quiet
+    over = {r: p for r, p in fig.peaks.items() if r in fig.cuda and p > th["share"] * device}
+    if not over:
+        return None
+    ranks = sorted(over)
+    evidence = {
+        "peak_bytes": {r: over[r] for r in ranks},
+        "device_bytes": int(device),
+        "share": {r: round(over[r] / device, 4) for r in ranks},
+    }
+    advice = (
+        f"{_names(ranks).capitalize()} peak{'s' * (len(ranks) == 1)} over "
+        f"{th['share']:.0%} of the device's memory: lower it before the allocator's retries or an "
+        "OOM cost steps (torch.utils.checkpoint, torch.autocast, a smaller micro-batch)."
+    )
+    return _finding(fig, "memory_peak", ranks, 0.0, evidence, advice)
+
+
+TB = "torch-tb-profiler's recommendations"
+MIN_SHARE = Threshold(0.02, 0.0, 1.0, "issue 57's no-false-alarm bound: 2% of the step")
+RULES: dict[str, Rule] = {
+    r.id: r
+    for r in (
+        Rule("collective_wait", {"min_share": MIN_SHARE}, collective_wait,
+             "the last arriver of the window's collectives and the others' wait for it"),
+        Rule("straggler", {
+            "ratio": Threshold(1.25, 1.0, 100.0, "the config's straggler_threshold (1.25)"),
+            "min_share": MIN_SHARE,
+        }, straggler, "a rank whose step or compute time is over ratio x the median"),
+        Rule("exposed_comm", {
+            "share_cuda": Threshold(0.05, 0.0, 1.0, "TraceLens: exposed communication over 5%"),
+            "share_cpu": Threshold(0.10, 0.0, 1.0, f"{TB}: communication over 10% of the step"),
+        }, exposed_comm, "communication not hidden by compute, less the wait in collectives"),
+        Rule("launch_bound", {"min_share": MIN_SHARE}, launch_bound,
+             "the device idle of launch-bound steps (HTA's launch statistics)"),
+        Rule("gpu_idle", {
+            "share": Threshold(0.15, 0.0, 1.0, "TraceLens: idle over 15% of the step"),
+        }, gpu_idle, "a CUDA rank's device idle, less its launch-bound steps'"),
+        Rule("memory_peak", {
+            "share": Threshold(0.90, 0.0, 1.0, f"{TB}: peak memory over 90% of the device"),
+            "device_gib": Threshold(0.0, 0.0, 1e6, "the device's memory (0: not known, quiet)"),
+        }, memory_peak, "a device memory peak near the device's memory"),
+    )
+}  # fmt: skip
+"""Every rule, in the order overlaps are resolved (the module docstring)."""
+
+
+def checked_advise(value: Any) -> Settings:
+    """The config's ``advise`` mapping checked: ``{rule_id: {threshold: number}}``; ValueError
+    naming the rule, the threshold and the value (an unknown one with the closest valid)."""
+    if value is None or not hasattr(value, "keys"):
+        raise ValueError(
+            "profiler config: 'advise' must be a mapping of rule ids to their thresholds, "
+            f"got {type(value).__name__}: {value!r:.80}"
+        )
+    keys = list(value.keys())
+    check_known_keys(keys, list(RULES), prefix="advise.")
+    out: Settings = {}
+    for rule in keys:
+        given = value[rule]
+        if given is None or not hasattr(given, "keys"):
+            raise ValueError(
+                f"profiler config: 'advise.{rule}' must be a mapping of thresholds "
+                f"({', '.join(RULES[rule].thresholds)}), got {type(given).__name__}: {given!r:.80}"
+            )
+        names = list(given.keys())
+        check_known_keys(names, list(RULES[rule].thresholds), prefix=f"advise.{rule}.")
+        out[str(rule)] = {str(n): _threshold(rule, n, given[n]) for n in names}
+    return out
+
+
+def _threshold(rule: str, name: str, v: Any) -> float:
+    t = RULES[rule].thresholds[name]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(
+            f"profiler config: 'advise.{rule}.{name}' must be a finite number, "
+            f"got {type(v).__name__}: {v!r:.80}"
+        )
+    if not t.low <= v <= t.high:
+        raise ValueError(
+            f"profiler config: 'advise.{rule}.{name}' must be in {t.low:g}..{t.high:g}, got {v}"
+        )
+    return float(v)
+
+
+def figures_of(table: Mapping[str, Any], collectives: Mapping[str, Any] | None) -> Figures:
+    """The rules' figures from a ``kernel_summary()`` table and, when given, the window's
+    ``collectives()`` reply (its last arriver and each rank's own wait are then exact)."""
+    s = table.get("stragglers") or {}
+    step_ms = {int(r): v["step_ms"] for r, v in s.get("ranks", {}).items() if v.get("step_ms")}
+    la = (collectives or {}).get("last_arriver") or s.get("last_arriver")
+    wait: dict[int, float] = {}
+    if la is not None:
+        wait = {int(r): float(la["wait_ms_per_step"]) for r in la["waiting_ranks"]}
+    for rc in (collectives or {}).get("ranks", []):
+        per = rc["wait_us_per_step"]
+        if per:
+            wait[int(rc["rank"])] = sum(per.values()) / len(per) / 1e3
+    rows = {int(r): v for r, v in (table.get("breakdown") or {}).get("ranks", {}).items()}
+    if not step_ms:  # no step marker: the window is one step
+        n = max(len(table.get("steps") or []), 1)
+        step_ms = {r: v["window_us"] / 1e3 / n for r, v in rows.items() if v.get("window_us")}
+    median = s.get("median_step_ms") or (statistics.median(step_ms.values()) if step_ms else 0.0)
+    device_steps = table.get("device_steps") or {}
+    cuda = {int(r) for r in device_steps} | {int(r) for r in table.get("launch") or {}}
+    if table.get("device") == "cuda":
+        cuda |= {int(r) for r in (table.get("breakdown") or {}).get("ranks", {})}
+    memory = table.get("memory") or {}
+    return Figures(
+        window=table.get("window"),
+        steps=list(table.get("steps") or []),
+        ranks=sorted(int(r) for r in table.get("ranks") or s.get("ranks", {})),
+        step_ms=step_ms,
+        median_step_ms=float(median),
+        stragglers=s,
+        breakdown=rows,
+        cuda=cuda,
+        launch={int(r): v for r, v in (table.get("launch") or {}).items()},
+        device_steps={int(r): v for r, v in device_steps.items()},
+        peaks={int(r): int(p) for r, p in (memory.get("peak_bytes") or {}).items()},
+        last_arriver=la,
+        wait_ms=wait,
+    )
+
+
+def window_findings(
+    table: Mapping[str, Any],
+    collectives: Mapping[str, Any] | None = None,
+    settings: Mapping[str, Mapping[str, float]] | None = None,
+) -> tuple[list[Finding], list[str]]:
+    """Every rule's finding of one window (``figures_of``), the costliest first, and the ids
+    of the rules that stayed quiet. ``settings``: the config's ``advise`` (checked)."""
+    fig = figures_of(table, collectives)
+    found: list[tuple[float, int, Finding]] = []
+    quiet: list[str] = []
+    for order, rule in enumerate(RULES.values()):
+        th = {n: t.default for n, t in rule.thresholds.items()}
+        th.update((settings or {}).get(rule.id, {}))
+        if rule.id == "straggler" and "ratio" not in (settings or {}).get(rule.id, {}):
+            th["ratio"] = float(fig.stragglers.get("threshold") or th["ratio"])
+        f = rule.judge(fig, th)
+        if f is None:
+            quiet.append(rule.id)
+        else:
+            found.append((-f["cost_ms_per_step"], order, f))
+    return [f for *_, f in sorted(found, key=lambda x: (x[0], x[1]))], quiet

@@ -1,0 +1,55 @@
+"""The ``advise()`` read: one window's findings across ranks, in words (issue 57;
+docs/advise.md).
+
+The figures are the ones ``kernel_summary()`` and ``collectives()`` answer (each builds its
+large parts on the shell's reads thread); the rules (``core.findings.window_findings``) run on
+that thread too, never on the event loop. A record answers it the same way
+(``ops/recorded.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from coordinator.core.findings import window_findings
+from coordinator.protocol.finding_replies import Finding, FindingsReply
+from coordinator.service.readers import Readers
+
+
+async def advise(
+    readers: Readers,
+    window: int | None = None,
+    trainer_id: str | None = None,
+    run: str | None = None,
+    role: str | None = None,
+) -> FindingsReply:
+    """The findings of window ``window`` (None: the latest closed) of ``run``'s trainer
+    ``trainer_id`` (or the one with ``role``; neither: the stepping trainer), costliest first."""
+    table = await readers.kernel_summary(window, 0, trainer_id, False, run, role)
+    target = readers.shell.find_run(run)
+    settings = target.config.advise if target is not None else {}
+    problems: list[str] = []
+    found: list[Finding] = []
+    quiet: list[str] = []
+    if table["window"] is None:
+        problems.append("no window has closed yet: nothing to judge")
+    else:
+        coll = await readers.collectives(table["window"], trainer_id, run, role, 0)
+        loop = asyncio.get_running_loop()
+        found, quiet = await loop.run_in_executor(
+            readers.shell.reads, window_findings, table, coll, settings
+        )
+        if table["summaries_pending"]:
+            pending = ", ".join(map(str, table["summaries_pending"][:16]))
+            problems.append(f"summaries still pending (ranks {pending}): the findings may change")
+        problems += [f"rank {r}: {why}" for r, why in sorted(table["bad_ranks"].items())][:16]
+    return {
+        "run": table["run"],
+        "window": table["window"],
+        "steps": table["steps"] or None,
+        "trainer_id": table["trainer_id"],
+        "role": table["role"],
+        "findings": found,
+        "quiet": quiet,
+        "problems": problems,
+    }
