@@ -311,11 +311,17 @@ def match_one(
 ) -> MatchedCollective:
     """One collective recorded by two or more ranks of its group, matched (module docstring);
     ``shift``: what to take off each rank's times, ``size``: the group's size."""
-    arrive = {r: c.arrive_us - shift.get(r, 0.0) for r, c in at.items()}
-    latest = max(arrive.values())
-    last = max(arrive, key=lambda r: (arrive[r], r))
-    transfer = min(c.work_us for c in at.values())
-    nbytes = max(c.nbytes for c in at.values())
+    if shift:
+        arrive = {r: c.arrive_us - shift.get(r, 0.0) for r, c in at.items()}
+    else:
+        arrive = {r: c.arrive_us for r, c in at.items()}
+    latest, last, earliest = -math.inf, -1, math.inf
+    for r, a in arrive.items():  # (one pass: the latest, the highest rank of a tie, earliest)
+        if a > latest or (a == latest and r > last):
+            latest, last = a, r
+        earliest = a if a < earliest else earliest
+    transfer = min([c.work_us for c in at.values()])
+    nbytes = max([c.nbytes for c in at.values()])
     first = at[min(at)]
     algbw = nbytes / transfer / 1e3 if nbytes > 0 and transfer > 0 else None
     factor = busbw_factor(first.name, size)
@@ -327,7 +333,7 @@ def match_one(
         "missing": [],
         "step": first.step,
         "last_rank": last,
-        "skew_us": latest - min(arrive.values()),
+        "skew_us": latest - earliest,
         "wait_us": {str(r): latest - a for r, a in sorted(arrive.items())},
         "transfer_us": transfer,
         "bytes": nbytes,
@@ -390,18 +396,19 @@ def _match_group(
         return []
     counts = _step_counts(keys)
     uneven = sorted(s for s, per in counts.items() if len(set(per.values())) > 1)
+    skipped = set(uneven)
     out, lacking, disagree = [], dict[int, int](), []
     for key, at in sorted(keys.items()):
-        if key[0] != SEQ and key[0] in uneven:
+        if key[0] != SEQ and key[0] in skipped:
             continue
-        for r in member:
-            if r not in at:
-                lacking[r] = lacking.get(r, 0) + 1
+        missing = [r for r in member if r not in at] if len(at) < len(member) else []
+        for r in missing:
+            lacking[r] = lacking.get(r, 0) + 1
         if len({c.name for c in at.values()}) > 1:
             disagree.append(key)
         elif len(at) >= 2:
             m = match_one(group, key, at, size, shift)
-            m["missing"] = [r for r in member if r not in at]
+            m["missing"] = missing
             out.append(m)
     _said(group, len(keys), lacking, uneven, disagree, counts, problems)
     return out
