@@ -105,7 +105,7 @@ def test_sizes_come_from_the_op_s_own_tensors_its_output_where_recorded():
 def test_a_reader_that_fails_costs_the_collectives_never_the_summary(monkeypatch):
     from worker_ext.agent import trace_summary
 
-    def broken(d, cap):  # (fault injection: a bug in the collectives reader)
+    def broken(d, cap, in_steps):  # (fault injection: a bug in the collectives reader)
         raise KeyError("injected")
 
     monkeypatch.setattr(trace_summary, "collectives_of", broken)
@@ -114,3 +114,24 @@ def test_a_reader_that_fails_costs_the_collectives_never_the_summary(monkeypatch
     )
     assert summary.kernels and summary.collectives is not None
     assert summary.collectives.calls == () and "injected" in summary.collectives.notes[0]
+
+
+def test_a_clipped_window_keeps_only_the_collectives_of_its_steps(tmp_path):
+    """libkineto's trace spans more than its window (``clip``): its collectives outside the
+    recorded steps are left out, as its other events are, and said."""
+    from worker_ext.agent.trace_summary import summarise_trace
+
+    def no_step_4(doc):  # (step 4's marker gone: its 7 collectives fall outside every step)
+        doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("name") != "ProfilerStep#4"]
+
+    path = rewritten(tmp_path, NCCL, no_step_4)
+    whole, _ = summarise_trace(
+        path, rank=0, window=0, steps=(5, 6), partial=False, device="cuda", top_k=20
+    )
+    clipped, _ = summarise_trace(
+        path, rank=0, window=0, steps=(5, 6), partial=False, device="cuda", top_k=20, clip=True
+    )
+    assert whole.collectives is not None and clipped.collectives is not None
+    assert len(whole.collectives.calls) == 21 and len(clipped.collectives.calls) == 14
+    assert {c.step for c in clipped.collectives.calls} == {5, 6}
+    assert "7 collective(s) outside the window's steps were left out" in clipped.collectives.notes

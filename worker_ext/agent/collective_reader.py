@@ -75,9 +75,12 @@ class _Call:
         self.work: tuple[int, int, CommArgs | None, int] | None = None  # backend's span, thread
 
 
-def collectives_of(d: TraceDigest, cap: int = DEFAULT_CAP) -> CollectiveBlock | None:
+def collectives_of(
+    d: TraceDigest, cap: int = DEFAULT_CAP, in_steps: bool = False
+) -> CollectiveBlock | None:
     """The window's collectives of one rank's digest (module docstring); None when its trace
-    has no collective at all."""
+    has no collective at all. ``in_steps``: only those in the recorded steps (a trace that
+    spans more than its window: libkineto's), the others said."""
     notes: list[str] = []
     groups = _groups(d.groups, d.world_size, notes)
     calls = _calls(d)
@@ -91,6 +94,11 @@ def collectives_of(d: TraceDigest, cap: int = DEFAULT_CAP) -> CollectiveBlock | 
     notes += _unsized(calls, found)
     found += _lone_kernels(d, calls, groups)
     kept = [c for c in found if c is not None]
+    if in_steps and d.steps:
+        outside = sum(c.step is None for c in kept)
+        kept = [c for c in kept if c.step is not None]
+        if outside:
+            notes.append(f"{outside} collective(s) outside the window's steps were left out")
     kept.sort(key=lambda c: c.arrive_us)
     calls_kept, folded, cut = bounded(kept, cap)
     if cut:

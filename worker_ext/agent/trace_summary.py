@@ -125,7 +125,7 @@ def summarise(
         peak_bytes=peak,
         memory=memory,
         memory_flow=flow,
-        collectives=_collectives(d, collectives_cap),
+        collectives=_collectives(d, collectives_cap, clip and bool(step_spans)),
     )
     if device == "cuda" and d.device:
         # Attributed by their launch: to each recorded step, or (no step marker: the trace
@@ -140,11 +140,11 @@ def summarise(
     return summary, folded
 
 
-def _collectives(d: TraceDigest, cap: int) -> CollectiveBlock | None:
-    """``collectives_of``, whose failure costs the collectives (a note says why), never the
-    rank's summary."""
+def _collectives(d: TraceDigest, cap: int, in_steps: bool) -> CollectiveBlock | None:
+    """``collectives_of`` (``in_steps``: as the other tables clip), whose failure costs the
+    collectives (a note says why), never the rank's summary."""
     try:
-        return collectives_of(d, cap)
+        return collectives_of(d, cap, in_steps)
     except Exception as exc:  # noqa: BLE001 - a reader's bug must not lose the window
         return CollectiveBlock((), (), 0, (), (f"its collectives could not be read: {exc!r:.300}",))
 
