@@ -1,0 +1,193 @@
+"""What a window's findings (issue 57) cost the coordinator: the rules at 1,024 ranks.
+
+``advise()`` (``coordinator/service/advise_reads.py``) reuses two reads: the window's
+``kernel_summary()`` table and its ``collectives()`` reply. This times what it adds once it has
+both, on the coordinator's reads thread: ``core.findings.window_findings`` (``figures_of`` and
+the six rules), against the budget of 5 ms a window (issue 57, item 6); and the whole
+``advise()`` once its two reads have answered (the executor hop, the problem lines, the reply).
+
+The window: ``--ranks`` ranks of ``bench/scale_sim.py``'s template (2,000 kernels, device
+"cuda" with a breakdown but no device figures), ``--per-rank`` collectives each
+(``scale_sim.collective_blocks``), folded into node partials and a ``WindowAggregate`` as
+``ingest_partial`` does; its last arriver found as ``StragglerRefresh`` finds it; the table
+``WindowAggregate.to_dict`` as ``kernel_summary()`` answers it (``top_k`` 0, not per rank);
+the reply ``window_collectives`` as ``collectives()`` matches it (``shown`` 0). Two windows:
+
+- ``template``: the template's ranks as they are (communication 10% of every rank's window,
+  less its wait: ``exposed_comm`` names 607 ranks; no launch statistics, device steps or peaks);
+- ``cuda``: each rank also with its device steps (busy and span), launch statistics, a peak of
+  memory, one in 8 ranks launch-bound in every step and one in 16 at 95% of an 80 GiB device
+  (``memory_peak``'s ``device_gib`` set to 80): every rule reads its figures.
+
+CPU time is ``time.process_time`` (every thread of the process), the best of ``--rounds``.
+
+Run: .venv/bin/python bench/advise_cost.py [--ranks 1024] [--per-rank 200] [--rounds 50]
+
+Last figures (2026-12-07, da4b6f0, this shared 2-core machine at a load of 1.2-2.3, 8 runs of
+50-200 rounds; CPU time is noisy here by about 1 ms): ``window_findings`` 3.9-4.9 ms a window
+on the template (0.77-0.98x the 5 ms budget; one run 7.9 ms), 5.2-7.6 ms on the CUDA window
+(1.04-1.53x): ``figures_of`` 0.9-1.8 ms, ``exposed_comm`` (607 ranks named) 1.9-3.5,
+``gpu_idle`` 0.6-1.1, ``straggler`` 0.5-1.1, ``launch_bound`` 0.6-1.3 and ``memory_peak``
+0.2-0.3 on the CUDA window. What ``advise()`` adds beyond the rules is within the noise (-2.4
+to +2.9 ms, about +0.3 ms in most runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from collectives_cost import best  # noqa: E402
+from scale_sim import PER_NODE, collective_blocks, node_ranks, template  # noqa: E402
+
+from coordinator.core.aggregate import WindowAggregate, find_arriver, keep_arriver  # noqa: E402
+from coordinator.core.collectives import window_collectives  # noqa: E402
+from coordinator.core.findings import RULES, figures_of, window_findings  # noqa: E402
+from coordinator.core.partial import fold_summaries  # noqa: E402
+from coordinator.protocol.partial_codec import decode_partial, encode_partial  # noqa: E402
+from coordinator.protocol.summary_codec import LaunchRow, RankSummary  # noqa: E402
+from coordinator.service.advise_reads import advise  # noqa: E402
+
+BUDGET_MS = 5.0
+DEVICE_GIB = 80.0
+
+
+def with_device(s: RankSummary) -> RankSummary:
+    """``s`` with a CUDA rank's device figures: device steps, launch statistics, a peak."""
+    rnd = random.Random(s.rank)
+    bound = s.rank % 8 == 0
+    s.step_device = [
+        (step, us * (0.4 if bound else 0.9), us) for step, us in s.step_us
+    ]  # fmt: skip
+    s.launch = LaunchRow(50_000, rnd.uniform(5.0, 40.0), rnd.uniform(40.0, 400.0), 0.7 * bound)
+    s.launch_bound = [step for step, _ in s.step_us] if bound else []
+    share = 0.95 if s.rank % 16 == 0 else rnd.uniform(0.3, 0.8)
+    s.peak_bytes = int(share * DEVICE_GIB * 2**30)
+    return s
+
+
+def window(ranks: int, per_rank: int, cuda: bool) -> WindowAggregate:
+    """The window's aggregate, its node partials folded in and its last arriver found."""
+    bl = collective_blocks(ranks, per_rank)
+
+    def rank(r: int) -> RankSummary:
+        s = template(r)
+        s.collectives = bl[r]
+        return with_device(s) if cuda else s
+
+    agg = WindowAggregate(0)
+    for n, first in enumerate(range(0, ranks, PER_NODE)):
+        part = fold_summaries(f"node-{n}", [rank(r) for r in node_ranks(first, ranks)])
+        agg.add_partial(decode_partial(encode_partial(part)))
+    snap = agg.snapshot()
+    keep_arriver(agg, snap, find_arriver(snap))  # (what StragglerRefresh does off the loop)
+    return agg
+
+
+def reads(agg: WindowAggregate) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What ``kernel_summary()`` and ``collectives()`` answer for the window (the parts the
+    rules read: the service adds the run, trainer and window's names)."""
+    table = dict(agg.snapshot().to_dict(0, 1.25, False, "kernel"))
+    blocks: dict[int, bytes | None] = dict.fromkeys(agg.rank_totals, None)
+    blocks.update(agg.collectives)
+    nodes = {r: f"node-{r // PER_NODE}" for r in blocks}
+    step = sorted(agg.rank_step_ms.values())[len(agg.rank_step_ms) // 2]
+    coll = dict(window_collectives(blocks, nodes, 0, step, dict(agg.rank_step_ms)))
+    return table, coll
+
+
+class Answered:
+    """Stands in for ``service.readers.Readers`` once its two reads have answered: ``advise()``
+    gets the finished table and reply back, and runs the rules on a reads thread of its own."""
+
+    def __init__(self, table: dict[str, Any], coll: dict[str, Any]) -> None:
+        self.table, self.coll = table, coll
+        self.shell = self
+        self.reads = ThreadPoolExecutor(1)
+
+    def find_run(self, run: str | None) -> None:
+        return None
+
+    async def kernel_summary(self, *_: Any) -> dict[str, Any]:
+        return self.table
+
+    async def collectives(self, *_: Any) -> dict[str, Any]:
+        return self.coll
+
+
+def advise_cpu(table: dict[str, Any], coll: dict[str, Any], rounds: int) -> float:
+    """The least CPU time of ``rounds`` ``advise()`` calls on answered reads."""
+    readers = Answered(table, coll)
+
+    async def go() -> float:
+        times = []
+        for _ in range(rounds):
+            t0 = time.process_time()
+            await advise(readers)  # type: ignore[arg-type]
+            times.append(time.process_time() - t0)
+        return min(times)
+
+    try:
+        return asyncio.run(go())
+    finally:
+        readers.reads.shutdown()
+
+
+def per_rule(table: dict[str, Any], coll: dict[str, Any], settings: Any, rounds: int) -> str:
+    """Each rule's least CPU time over ``rounds`` runs of all of them in order (they share
+    the figures: an earlier rule's time is subtracted by a later one)."""
+    least: dict[str, float] = {}
+    for _ in range(rounds):
+        fig = figures_of(table, coll)
+        for rule in RULES.values():
+            th = {n: t.default for n, t in rule.thresholds.items()}
+            th.update(settings.get(rule.id, {}))
+            t0 = time.process_time()
+            rule.judge(fig, th)
+            least[rule.id] = min(least.get(rule.id, 1.0), time.process_time() - t0)
+    return ", ".join(f"{r} {s * 1e3:.2f}" for r, s in least.items())
+
+
+def run(ranks: int, per_rank: int, rounds: int, cuda: bool) -> None:
+    agg = window(ranks, per_rank, cuda)
+    table, coll = reads(agg)
+    settings = {"memory_peak": {"device_gib": DEVICE_GIB}} if cuda else {}
+    window_findings(table, coll, settings)  # (warm)
+    rules, (found, quiet) = best(lambda: window_findings(table, coll, settings), rounds)
+    figs, _ = best(lambda: figures_of(table, coll), rounds)
+    whole = advise_cpu(table, coll, rounds)
+    each = per_rule(table, coll, settings, rounds)
+    names = ", ".join(f"{f['rule']} ({len(f['ranks'])} ranks)" for f in found)
+    label = "cuda (device steps, launch, peaks)" if cuda else "template (breakdown only)"
+    parts = [
+        f"{label}, {ranks} ranks x {per_rank} collectives: window_findings {rules * 1e3:.2f} ms "
+        f"of CPU a window ({rules * 1e3 / BUDGET_MS:.2f}x the {BUDGET_MS:g} ms budget), of "
+        f"which figures_of {figs * 1e3:.2f} ms",
+        f"the whole advise() once its two reads answered {whole * 1e3:.2f} ms "
+        f"(+{(whole - rules) * 1e3:.2f} ms)",
+        f"findings: {names or 'none'}",
+        f"quiet: {', '.join(quiet) or 'none'}",
+        f"each rule, ms: {each}",
+    ]
+    print("; ".join(parts))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for flag, default in (("--ranks", 1024), ("--per-rank", 200), ("--rounds", 50)):
+        ap.add_argument(flag, type=int, default=default)
+    args = ap.parse_args()
+    for cuda in (False, True):
+        run(args.ranks, args.per_rank, args.rounds, cuda)
+
+
+if __name__ == "__main__":
+    main()
