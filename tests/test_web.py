@@ -962,3 +962,18 @@ def test_a_run_s_record_is_served_read_only_with_the_live_answers(served, tmp_pa
         assert errors == []
     finally:
         web.close()
+
+
+def test_a_window_with_no_finding_says_so_in_one_line(served):
+    status, a = served.http("GET", "/api/windows/1/advise")
+    assert status == 200 and a["window"] == 1 and a["findings"] == [], a
+    assert served.http("GET", "/api/windows/1/advise?role=no%20such")[0] == 400
+    with chromium_browser() as browser:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        sign_in(page, served.url)
+        page.goto(served.url + "/#/window/1")
+        page.wait_for_selector("#findings .findings-none", timeout=30_000)
+        assert page.inner_text("#findings") == "no finding for this window"
+        headings = page.locator("h2").all_inner_texts()
+        top = headings.index("Top kernels, and their spread across ranks")
+        assert headings.index("Findings") < top

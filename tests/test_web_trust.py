@@ -76,7 +76,7 @@ async def test_an_expensive_read_past_the_limit_is_answered_429(path):
 
 API_READS = [
     "/api/viewer", "/api/status", "/api/windows/0/kernels", "/api/windows/0/stragglers",
-    "/api/windows/0/collectives",
+    "/api/windows/0/collectives", "/api/windows/0/advise",
     "/api/windows/0/traces.tar.gz", "/api/windows/0/timeline.json.gz", "/api/diff?a=0&b=1",
     "/api/phases", "/api/chart", "/api/memory",
 ]  # fmt: skip

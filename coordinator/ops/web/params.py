@@ -117,15 +117,20 @@ def kernels_args(query: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-def collectives_args(query: Mapping[str, str]) -> dict[str, Any]:
-    """``collectives`` keyword arguments from ``?trainer_id&role&run&shown`` (``shown``: the
-    largest skews listed, 40 by default: the window page charts that many)."""
+def advise_args(query: Mapping[str, str]) -> dict[str, Any]:
+    """``advise`` keyword arguments from ``?trainer_id&role&run``."""
     return {
         "trainer_id": str_param(query, "trainer_id"),
         "role": role_param(query),
         "run": str_param(query, "run"),
-        "shown": int_param(query, "shown", SHOWN_COLLECTIVES, 0, MAX_SHOWN_COLLECTIVES),
     }
+
+
+def collectives_args(query: Mapping[str, str]) -> dict[str, Any]:
+    """``collectives`` keyword arguments from ``?trainer_id&role&run&shown`` (``shown``: the
+    largest skews listed, 40 by default: the window page charts that many)."""
+    shown = int_param(query, "shown", SHOWN_COLLECTIVES, 0, MAX_SHOWN_COLLECTIVES)
+    return advise_args(query) | {"shown": shown}
 
 
 def diff_args(query: Mapping[str, str]) -> dict[str, Any]:

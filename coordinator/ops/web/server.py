@@ -33,6 +33,7 @@ from coordinator.ops.web import auth, files, perfetto
 from coordinator.ops.web.params import (
     MAX_BODY_BYTES,
     BadRequest,
+    advise_args,
     capture_args,
     collectives_args,
     diff_args,
@@ -226,6 +227,7 @@ class WebServer:
         r.add_get("/api/windows/{window}/kernels", self.kernels)
         r.add_get("/api/windows/{window}/stragglers", self.stragglers)
         r.add_get("/api/windows/{window}/collectives", self.collectives)
+        r.add_get("/api/windows/{window}/advise", self.advise)
         r.add_get("/api/windows/{window}/traces.tar.gz", self.traces)
         r.add_get("/api/windows/{window}/timeline.json.gz", self.timeline)
         r.add_get("/api/diff", self.diff)
@@ -384,6 +386,11 @@ class WebServer:
         """The window's collectives matched across its ranks (``WindowCollectivesReply``)."""
         window = window_index(request.match_info["window"])
         return reply(await self.link.call("collectives", window, **collectives_args(request.query)))
+
+    async def advise(self, request: web.Request) -> web.StreamResponse:
+        """The window's findings across its ranks, costliest first (``FindingsReply``)."""
+        window = window_index(request.match_info["window"])
+        return reply(await self.link.call("advise", window, **advise_args(request.query)))
 
     async def diff(self, request: web.Request) -> web.StreamResponse:
         """Window ``b`` against window ``a``; a side whose run the coordinator does not keep

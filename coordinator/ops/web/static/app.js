@@ -140,6 +140,7 @@ function runPage(main, st) {
          ? `${st.next_window.index} (${st.next_window.kind}, ${st.next_window.first}-${st.next_window.last})` : "" },
      { label: "ranks", get: () => counts }, { label: "run dir", get: () => st.run_dir ?? "" }],
     [st]));
+  latestFindings(main, st);
   main.append(el("h2", {}, "Trainers"));
   main.append(table(
     [{ label: "trainer", get: t => t.trainer_id }, { label: "role", get: t => t.role },
@@ -343,6 +344,7 @@ async function windowPage(main, index, role, by) {
     const mark = regressionText(part ? part.regression : null);
     if (mark) main.append(el("p", { class: "slower" }, mark));
   }
+  findingsSection(main, index, role);
   const base = `#/window/${index}/${encodeURIComponent(ks.role ?? "policy")}`;
   main.append(el("p", { class: "pills" }, "table: ",
     el("a", { href: `${base}/kernel`, id: "by-kernel" }, "kernels"),
@@ -370,6 +372,70 @@ async function windowPage(main, index, role, by) {
   collectivesSection(main, index, role);
   stepStrip(main, ks);
   memory(main, ks);
+}
+
+// ------------------------------------------------------ findings in words
+
+// A finding's figures as one line: key=value, per-rank maps and lists compact, numbers rounded.
+function compact(v) {
+  if (typeof v === "number") return Number.isInteger(v) ? String(v) : String(+v.toFixed(3));
+  if (Array.isArray(v)) return `[${v.map(compact).join(", ")}]`;
+  if (v && typeof v === "object") return `{${Object.entries(v).map(([k, x]) => `${k}: ${compact(x)}`).join(", ")}}`;
+  return String(v);
+}
+
+function evidenceText(ev) {
+  return Object.entries(ev || {}).map(([k, v]) => `${k}=${compact(v)}`).join("; ");
+}
+
+// The findings of a window (``FindingsReply``), the costliest first, at most ``most`` of them;
+// one line when there is none. What was drawn is kept on ``holder`` ($findings).
+function drawFindings(holder, f, most) {
+  const shown = f.findings.slice(0, most ?? f.findings.length);
+  holder.$findings = shown.map(x => ({ rule: x.rule, ranks: x.ranks, all_ranks: x.all_ranks,
+                                       cost_ms_per_step: x.cost_ms_per_step }));
+  const kids = [];
+  if (!shown.length) kids.push(el("p", { class: "muted findings-none" }, "no finding for this window"));
+  else {
+    const cut = t => t.length > 300 ? t.slice(0, 300) + "…" : t;
+    kids.push(table(
+      [{ label: "ms/step", get: x => num(x.cost_ms_per_step, 1), num: true }, { label: "rule", get: x => x.rule },
+       { label: "ranks", get: x => x.all_ranks ? "every rank" : x.ranks.join(", ") },
+       { label: "advice", cls: "advice", get: x => x.advice },
+       { label: "evidence", cls: "evidence", get: x => cut(evidenceText(x.evidence)), title: x => evidenceText(x.evidence) }],
+      shown));
+    if (f.findings.length > shown.length) kids.push(el("p", { class: "muted" },
+      `and ${f.findings.length - shown.length} more on the window's page`));
+  }
+  if (f.problems.length) kids.push(el("ul", { class: "findings-problems" }, f.problems.map(p => el("li", { class: "slower" }, p))));
+  holder.replaceChildren(...kids);
+}
+
+// The window page's Findings: filled when the answer comes; the page does not wait for it.
+function findingsSection(main, index, role) {
+  const holder = el("div", { id: "findings" }, el("p", { class: "muted" }, "reading the findings..."));
+  main.append(el("h2", {}, "Findings"), holder);
+  api(`/api/windows/${index}/advise${role ? "?role=" + encodeURIComponent(role) : ""}`).then(res => {
+    if (!res.ok) { holder.replaceChildren(el("p", { class: "error" }, `findings: ${res.status} ${res.body?.error ?? ""}`)); return; }
+    drawFindings(holder, res.body);
+  });
+}
+
+const PANEL_FINDINGS = 3;
+
+// The run page's panel: the latest closed window's costliest findings, loaded on its own.
+function latestFindings(main, st) {
+  const closed = st.windows.filter(w => w.steps);
+  if (!closed.length) return;
+  const index = closed[closed.length - 1].index;
+  const holder = el("div", { id: "latest-findings" }, el("p", { class: "muted" }, "reading the findings..."));
+  main.append(el("h2", {}, "Findings of the latest window"),
+    el("p", {}, el("a", { href: `#/window/${index}`, id: "latest-findings-link" }, `window ${index}`),
+       el("span", { class: "muted" }, ", the costliest first")), holder);
+  api(`/api/windows/${index}/advise`).then(res => {
+    if (!res.ok) { holder.replaceChildren(el("p", { class: "error" }, `findings: ${res.status} ${res.body?.error ?? ""}`)); return; }
+    drawFindings(holder, res.body, PANEL_FINDINGS);
+  });
 }
 
 // ------------------------------------------------ collectives across ranks
