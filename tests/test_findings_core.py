@@ -242,3 +242,18 @@ def test_every_threshold_says_where_it_came_from() -> None:
     for rule in RULES.values():
         for t in rule.thresholds.values():
             assert t.source and t.low <= t.default <= t.high
+
+
+def test_a_finding_over_many_ranks_lists_its_costliest_in_its_evidence() -> None:
+    from coordinator.core.findings import EVIDENCE_RANKS
+
+    t = table(ranks=100)
+    for r in range(100):  # every rank over 10%, rank r's comm 20 + r/10 ms
+        t["breakdown"]["ranks"][r] = _row(comm_ms=20.0 + r / 10)
+    f = rules(t)["exposed_comm"]
+    assert f["ranks"] == list(range(100)) and f["all_ranks"]  # every rank named
+    ev = f["evidence"]
+    assert list(ev["ms_per_step"]) == list(range(100 - EVIDENCE_RANKS, 100))  # the costliest
+    assert list(ev["share_of_step"]) == list(ev["ms_per_step"])
+    assert ev["ranks_in_evidence"] == f"the {EVIDENCE_RANKS} costliest of 100"
+    assert f["cost_ms_per_step"] == pytest.approx(20.0 + 4.95)  # the mean over all 100

@@ -29,6 +29,7 @@ Findings come costliest first (ties by rule order); every threshold can be set i
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 from collections.abc import Callable, Mapping
@@ -39,6 +40,8 @@ from coordinator.core.validate import check_known_keys
 from coordinator.protocol.finding_replies import Finding
 
 Settings = dict[str, dict[str, float]]
+EVIDENCE_RANKS = 32
+"""A finding's per-rank evidence lists its costliest ranks at most (its ``ranks`` lists all)."""
 
 
 @dataclass(frozen=True)
@@ -102,10 +105,22 @@ def _over_ranks(
     fig: Figures, rule: str, costs: dict[int, float], more: dict[str, Any], advice: str
 ) -> Finding:
     """A finding over the ranks of ``costs`` (rank -> its ms a step), costing their mean; its
-    evidence each rank's ms a step and ``more``."""
-    ms = {r: round(costs[r], 3) for r in sorted(costs)}
+    evidence each rank's ms a step and ``more``, for its ``EVIDENCE_RANKS`` costliest ranks
+    when there are more (``ranks_in_evidence`` then says how many of how many)."""
+    top = shown(costs)
+    if len(top) < len(costs):
+        more["ranks_in_evidence"] = f"the {len(top)} costliest of {len(costs)}"
+    ms = {r: round(costs[r], 3) for r in top}
     evidence = {"ms_per_step": ms, **more}
     return _finding(fig, rule, sorted(costs), statistics.fmean(costs.values()), evidence, advice)
+
+
+def shown(costs: Mapping[int, float]) -> list[int]:
+    """The ranks a finding's per-rank evidence lists: every one, or its ``EVIDENCE_RANKS``
+    costliest (ascending)."""
+    if len(costs) <= EVIDENCE_RANKS:
+        return sorted(costs)
+    return sorted(heapq.nlargest(EVIDENCE_RANKS, costs, key=costs.__getitem__))
 
 
 def _names(ranks: list[int]) -> str:
@@ -208,10 +223,11 @@ def exposed_comm(fig: Figures, th: dict[str, float]) -> Finding | None:
             costs[r], shares[r] = ms, ms / step
     if not costs:
         return None
+    top = shown(costs)
     more = {
-        "share_of_step": {r: round(shares[r], 4) for r in sorted(costs)},
-        "wait_subtracted_ms": {r: round(fig.wait_ms.get(r, 0.0), 3) for r in sorted(costs)},
-        "cuda": [r for r in sorted(costs) if r in fig.cuda],
+        "share_of_step": {r: round(shares[r], 4) for r in top},
+        "wait_subtracted_ms": {r: round(fig.wait_ms.get(r, 0.0), 3) for r in top},
+        "cuda": [r for r in top if r in fig.cuda],
     }
     advice = (
         f"Communication not hidden by compute takes {statistics.fmean(shares.values()):.0%} of "
@@ -237,10 +253,11 @@ def launch_bound(fig: Figures, th: dict[str, float]) -> Finding | None:
     if not costs:
         return None
     fig.spent["launch_bound"] = costs
+    top = shown(costs)
     more = {
-        "launch_bound_steps": steps,
-        "delay_p50_us": {r: fig.launch[r].get("delay_p50_us") for r in sorted(costs)},
-        "short_share": {r: fig.launch[r].get("short_share") for r in sorted(costs)},
+        "launch_bound_steps": {r: steps[r] for r in top},
+        "delay_p50_us": {r: fig.launch[r].get("delay_p50_us") for r in top},
+        "short_share": {r: fig.launch[r].get("short_share") for r in top},
     }
     return _over_ranks(fig, "launch_bound", costs, more, ADVICE["launch_bound"])
 
@@ -259,9 +276,10 @@ def gpu_idle(fig: Figures, th: dict[str, float]) -> Finding | None:
     if not costs:
         return None
     spent = fig.spent.get("launch_bound", {})
+    top = shown(costs)
     more = {
-        "idle_share": {r: round(fig.breakdown[r].get("other_share", 0.0), 4) for r in costs},
-        "launch_bound_subtracted_ms": {r: round(spent.get(r, 0.0), 3) for r in costs},
+        "idle_share": {r: round(fig.breakdown[r].get("other_share", 0.0), 4) for r in top},
+        "launch_bound_subtracted_ms": {r: round(spent.get(r, 0.0), 3) for r in top},
     }
     return _over_ranks(fig, "gpu_idle", costs, more, ADVICE["gpu_idle"])
 
