@@ -5,19 +5,13 @@ delay within 30%, and the same run without the sleep names no wait near it."""
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
-from tests.configs import profiler_config
-from tests.fault_cases import wait_for_windows
-from trainers.hooks import ProfilingHooks
-from trainers.reference.model import ModelConfig, sft_batch, sft_corpus
+from tests.late_window import late_window
 
 pytestmark = pytest.mark.ray
 
 LATE_S = 0.08
-ACTIVE = 4
 
 
 @pytest.fixture(scope="module")
@@ -29,24 +23,8 @@ def late_pair(ray_session):
 
 
 def advise_window(ray, workers, tmp_path, late: dict[int, float]) -> dict:
-    """One window of ``ACTIVE`` SFT steps, rank r late by ``late[r]`` s at each all-reduce;
-    the coordinator's ``advise()`` once the window settled."""
-    cfg = profiler_config(tmp_path, wait=1, warmup=1, active=ACTIVE, repeat=1, record_shapes=True)
-    hooks = ProfilingHooks.attach(cfg, workers, trainer_id="sft", name=f"p-{uuid.uuid4().hex[:8]}")
-    ray.get([w.set_late.remote(late.get(r, 0.0)) for r, w in enumerate(workers)])
-    corpus, seq = sft_corpus(), ModelConfig().seq_len
-    try:
-        with hooks.session(first_step=0):
-            for step in range(2 + ACTIVE + 1):
-                rows = sft_batch(corpus, step, 8, seq, seed=0)
-                ray.get([w.sft_step.remote(rows) for w in workers])
-                hooks.step(step)
-        wait_for_windows(ray, hooks.coordinator, timeout=60)
-        reply: dict = ray.get(hooks.coordinator.advise.remote())
-        return reply
-    finally:
-        ray.get([w.set_late.remote(0.0) for w in workers])
-        ray.kill(hooks.coordinator)
+    """The coordinator's ``advise()`` of one late window (``tests/late_window.py``)."""
+    return late_window(ray, workers, tmp_path, late, lambda c, _: ray.get(c.advise.remote()))
 
 
 def test_collective_wait_names_the_sleeping_rank_at_its_delay(ray_session, late_pair, tmp_path):

@@ -5,21 +5,16 @@ the other rank's wait equals the delay."""
 
 from __future__ import annotations
 
-import uuid
 from statistics import median
 
 import pytest
 
 from coordinator.ops.timeline import merge_window
-from tests.configs import profiler_config
-from tests.fault_cases import wait_for_windows
-from trainers.hooks import ProfilingHooks
-from trainers.reference.model import ModelConfig, sft_batch, sft_corpus
+from tests.late_window import ACTIVE, late_window
 
 pytestmark = pytest.mark.ray
 
 LATE_S = 0.08
-ACTIVE = 4
 
 
 @pytest.fixture(scope="module")
@@ -31,29 +26,18 @@ def late_pair(ray_session):
 
 
 def run_window(ray, workers, tmp_path, late: dict[int, float]) -> dict:
-    """One window of ``ACTIVE`` SFT steps, rank r late by ``late[r]`` s at each all-reduce;
-    the coordinator's ``collectives()`` and ``status()`` once the window settled."""
-    cfg = profiler_config(tmp_path, wait=1, warmup=1, active=ACTIVE, repeat=1, record_shapes=True)
-    hooks = ProfilingHooks.attach(cfg, workers, trainer_id="sft", name=f"p-{uuid.uuid4().hex[:8]}")
-    ray.get([w.set_late.remote(late.get(r, 0.0)) for r, w in enumerate(workers)])
-    corpus, seq = sft_corpus(), ModelConfig().seq_len
-    try:
-        with hooks.session(first_step=0):
-            for step in range(2 + ACTIVE + 1):
-                rows = sft_batch(corpus, step, 8, seq, seed=0)
-                ray.get([w.sft_step.remote(rows) for w in workers])
-                hooks.step(step)
-        st = wait_for_windows(ray, hooks.coordinator, timeout=60)
-        merged = merge_window(hooks.coordinator, 0, str(tmp_path / "w0.json"))
+    """One late window (``tests/late_window.py``): the coordinator's ``collectives()``,
+    ``kernel_summary()``, ``status()`` and the merged timeline once the window settled."""
+
+    def read(coordinator, status):
         return {
-            "merged": merged,
-            "status": st,
-            "collectives": ray.get(hooks.coordinator.collectives.remote()),
-            "summary": ray.get(hooks.coordinator.kernel_summary.remote(top_k=0)),
+            "merged": merge_window(coordinator, 0, str(tmp_path / "w0.json")),
+            "status": status,
+            "collectives": ray.get(coordinator.collectives.remote()),
+            "summary": ray.get(coordinator.kernel_summary.remote(top_k=0)),
         }
-    finally:
-        ray.get([w.set_late.remote(0.0) for w in workers])
-        ray.kill(hooks.coordinator)
+
+    return late_window(ray, workers, tmp_path, late, read)
 
 
 def test_the_rank_that_sleeps_before_the_all_reduce_is_last_and_the_other_waits_its_delay(
