@@ -135,3 +135,15 @@ def test_a_clipped_window_keeps_only_the_collectives_of_its_steps(tmp_path):
     assert len(whole.collectives.calls) == 21 and len(clipped.collectives.calls) == 14
     assert {c.step for c in clipped.collectives.calls} == {5, 6}
     assert "7 collective(s) outside the window's steps were left out" in clipped.collectives.notes
+
+
+def test_a_list_form_gather_whose_output_is_not_recorded_is_its_input_times_the_group():
+    from worker_ext.agent.trace_reader import CommArgs
+
+    listed = CommArgs(
+        input_dims=[[], [[1000]], [], []], input_type=["", "TensorList", "", "Scalar"]
+    )
+    assert cr._op_size(listed, "all_gather", 4) == (4000, "")  # gloo's c10d::allgather_
+    assert cr._op_size(listed, "broadcast", 4) == (1000, "")  # (not a gather: its own size)
+    based = CommArgs(input_dims=[[4096], [1024], []], input_type=["float", "float", ""])
+    assert cr._op_size(based, "all_gather", 4) == (4096, "float")  # the output is recorded
