@@ -13,6 +13,7 @@ if os.environ.get("CI"):
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest_plugins = ["tests.timings"]  # PROFILER_TEST_TIMINGS=<file>: each test's wall and CPU
 
 
 # Fixtures that start Ray or another process: a test that uses one (directly or through another
