@@ -195,9 +195,9 @@ def test_a_real_run_s_figures_are_read_back_from_each_tracker(
     windows = [(k, m) for k, m in own if "profiler/step_ms_median" in m]
     assert [k for k, _ in windows] == [4, 9]  # each window at its last recorded step
     for (_, m), ks in zip(windows, tables, strict=True):  # what the live table says
-        assert {k: v for k, v in m.items() if not k.startswith("profiler/marked")} == (
-            window_figures(ks, None)
-        )
+        apart = ("profiler/marked", "profiler/finding")  # (the findings: test_status_findings)
+        assert {k: v for k, v in m.items() if not k.startswith(apart)} == window_figures(ks, None)
+        assert "profiler/finding/straggler_ms_per_step" in m  # (each rule that ran)
         assert m.get("profiler/marked", 0.0) == 0.0  # a steady run: nothing marked
     phases = [(k, m) for k, m in own if f"{PHASE_PREFIX}step_ms" in m]
     assert phases and all(m[f"{PHASE_PREFIX}train_ms"] > 0 for _, m in phases)

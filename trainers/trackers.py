@@ -38,6 +38,12 @@ class Fanout:
         """Each step: the trackers that wait for the trainer's own commits go on."""
         self._each(lambda sink: getattr(sink, "tick", lambda: None)())
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A window's findings as text, to the trackers that take text (TensorBoard, MLflow,
+        the trainer's own ``log`` when it has a ``text(tag, text, step)``); the others get
+        its figures only."""
+        self._each(lambda sink: getattr(sink, "text", lambda *_: None)(tag, text, step))
+
     def _each(self, call: Callable[[Log], None]) -> None:
         """``call`` on each tracker; one that raises is dropped, the others go on."""
         for name, sink in list(self.sinks.items()):
@@ -82,17 +88,28 @@ def make_tracker(trackers: Trackers, run_name: str, own: Log | None = None) -> F
 
 
 def _tensorboard(spec: dict[str, Any], run_name: str) -> tuple[Log, Callable[[], None]]:
-    """Scalars in ``log_dir``'s event files (``torch.utils.tensorboard``; needs tensorboard)."""
+    """Scalars in ``log_dir``'s event files (``torch.utils.tensorboard``; needs tensorboard),
+    and the findings as text (its Text tab)."""
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(log_dir=spec["log_dir"])
+    sink = _TensorBoard(SummaryWriter(log_dir=spec["log_dir"]))
+    return sink, sink.writer.close
 
-    def sink(metrics: dict[str, float], step: int) -> None:
+
+class _TensorBoard:
+    """A ``SummaryWriter`` as a sink: ``add_scalar`` each figure, ``add_text`` the findings."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
         for name, value in metrics.items():
-            writer.add_scalar(name, value, step)
-        writer.flush()
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
 
-    return sink, writer.close
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.writer.add_text(tag, text, step)
+        self.writer.flush()
 
 
 def _mlflow(spec: dict[str, Any], run_name: str) -> tuple[Log, Callable[[], None] | None]:
@@ -114,11 +131,18 @@ def _mlflow(spec: dict[str, Any], run_name: str) -> tuple[Log, Callable[[], None
         close = None  # the trainer's own run: it ends it
     client, run_id = MlflowClient(), active.info.run_id
 
-    def sink(metrics: dict[str, float], step: int) -> None:
-        now = int(time.time() * 1000)
-        client.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+    class Sink:
+        """Metrics by ``log_batch``; the findings as a text artifact per window."""
 
-    return sink, close
+        def __call__(self, metrics: dict[str, float], step: int) -> None:
+            now = int(time.time() * 1000)
+            batch = [Metric(k, v, now, step) for k, v in metrics.items()]
+            client.log_batch(run_id, metrics=batch)
+
+        def text(self, tag: str, text: str, step: int) -> None:
+            client.log_text(run_id, text, f"{tag}/step_{step:09d}.md")
+
+    return Sink(), close
 
 
 def _wandb(spec: dict[str, Any], run_name: str) -> tuple[Log, Callable[[], None] | None]:

@@ -5,8 +5,10 @@ It runs on the training thread, at the end of ``hooks.step``, and never waits th
 
 - **Windows.** Every ``ask_every_s`` (2 s) it sends ``tracker_figures(after)`` to the
   coordinator and goes on; a later step finds the answer (``ray.wait`` with no timeout) and logs
-  each settled window's figures at the window's last recorded step. No thread of its own: a
-  thread in the training process would compete for the GIL.
+  each settled window's figures at the window's last recorded step (its findings' costs among
+  them), and its findings as a table of text to the trackers that take text (a sink's
+  ``text(tag, text, step)``). No thread of its own: a thread in the training process would
+  compete for the GIL.
 - **Phase times.** At most once every ``phases_every_s`` (1 s) it logs the mean of each region
   and of the step's wall time over the steps since the last time (``profiler/phase/...``).
 - **Faults.** A ``log`` that raises is reported once and the feed stops logging; an answer
@@ -21,9 +23,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from coordinator.core.tracker_figures import findings_text
+
 log = logging.getLogger(__name__)
 Log = Callable[[dict[str, float], int], None]
 PHASE_PREFIX = "profiler/phase/"
+FINDINGS_TEXT = "profiler/findings"
+"""The tag of each window's findings as text (``core.tracker_figures.findings_text``)."""
 LOGGED_KEPT = 256
 """The latest windows logged that ``logged_windows`` keeps (what a test or a notebook reads)."""
 
@@ -151,6 +157,19 @@ class TrackerFeed:
             if w["window"] > self.after and self._emit(w["metrics"], w["step"]):
                 self.after = w["window"]
                 self.logged_windows.append(w["window"])
+                self._emit_text(w.get("findings"), w["step"])  # (an older coordinator: none)
+
+    def _emit_text(self, findings: list[Any] | None, step: int) -> None:
+        """The window's findings as text, to the trackers that take it (``text``)."""
+        text = getattr(self.sink, "text", None)
+        if text is None or not findings:
+            return
+        try:
+            text(FINDINGS_TEXT, findings_text(findings), step)
+        except Exception as exc:
+            log.warning("profiler: the tracker failed (%s: %s); no more is logged to it",
+                        type(exc).__name__, exc)  # fmt: skip
+            self.sink = None
 
     def _emit(self, metrics: dict[str, float], step: int) -> bool:
         if self.sink is None:

@@ -70,7 +70,7 @@ class RecordedCoordinator:
 
         self.rec = rec
         shell = cast(CoordinatorShell, _RecordShell(rec))
-        readers = Readers(shell)
+        self._readers = readers = advise_reads.keep_findings(Readers(shell))
         self._calls: dict[str, Any] = {
             "kernel_summary": readers.kernel_summary,
             "collectives": readers.collectives,
@@ -86,7 +86,7 @@ class RecordedCoordinator:
     async def _status(self, ranks: str = "summary") -> StatusReply:
         if ranks not in ("summary", "all"):
             raise ValueError(f"ranks must be 'summary' or 'all', got {ranks!r:.80}")
-        return recorded_status(self.rec, ranks)
+        return recorded_status(self.rec, ranks, await self._readers.latest_findings(self.rec.run))
 
     async def _stalls(self) -> list[StallEntry]:
         """The stalls the run recorded, with their grouped stacks."""

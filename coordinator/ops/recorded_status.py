@@ -9,17 +9,21 @@ record was read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from coordinator.core.memory_record import memory_status
+from coordinator.protocol.finding_replies import StatusFindings
 from coordinator.protocol.replies import RecordEntry, StatusReply
 from coordinator.service.record_reader import Recorded
 
 FULL_STATUS_RANKS = 256  # (as ``Readers.status``: larger runs list cut windows by default)
+Found = Sequence[StatusFindings]
+"""``status()["findings"]``: the latest closed window's (``status_findings.FindingCache``)."""
 
 
-def recorded_status(rec: Recorded, ranks: str = "summary") -> StatusReply:
-    """The ``StatusReply`` of the run ``rec`` holds (see the module docstring)."""
-    head, run = rec.file, rec.run
-    st = run.state
+def recorded_status(rec: Recorded, ranks: str = "summary", found: Found = ()) -> StatusReply:
+    """The ``StatusReply`` of the run ``rec`` holds (see the module docstring), ``found``."""
+    head, run, st = rec.file, rec.run, rec.run.state
     complete = ranks == "all" or sum(head.rank_counts.values()) <= FULL_STATUS_RANKS
     return {
         "name": "record",
@@ -75,6 +79,7 @@ def recorded_status(rec: Recorded, ranks: str = "summary") -> StatusReply:
         "stalls": list(rec.stalls),
         "attach_problems": [],
         "schedule_problems": [],
+        "findings": list(found),
     }
 
 

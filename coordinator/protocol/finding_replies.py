@@ -41,3 +41,29 @@ class FindingsReply(TypedDict):
     findings: list[Finding]
     quiet: list[str]  # the rules that ran and found nothing
     problems: list[str]
+
+
+class StatusFinding(TypedDict):
+    """One finding as ``status()`` and the tracker carry it: ``Finding`` without its evidence
+    and its steps, its ranks bounded as the evidence is (``ranks_total`` says how many)."""
+
+    rule: str
+    ranks: list[int]  # every rank, or the 32 costliest (ascending) when there are more
+    ranks_total: int  # the ranks that show it
+    all_ranks: bool
+    cost_ms_per_step: float
+    advice: str
+
+
+class StatusFindings(TypedDict):
+    """``status()["findings"]``: one trainer's part of the latest closed window, its costliest
+    findings (at most 3; ``advise()`` has every one with its evidence). ``problems``: what
+    could not be judged, a fault of the rules included (``status()`` still answers)."""
+
+    window: int
+    steps: list[int] | None
+    trainer_id: str
+    role: str | None
+    findings: list[StatusFinding]
+    findings_total: int  # the window's findings for this trainer, listed or not
+    problems: list[str]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Literal, TypedDict
 
 from coordinator.protocol.collective_replies import LastArriver as LastArriver
+from coordinator.protocol.finding_replies import StatusFindings as StatusFindings
 from coordinator.protocol.memory_replies import MemoryStatusEntry as MemoryStatusEntry
 from coordinator.protocol.stack_replies import StackDump as StackDump
 from coordinator.protocol.stack_replies import StackEntry as StackEntry
@@ -501,6 +502,7 @@ class StatusReply(TypedDict):
     attach_problems: list[AttachProblemEntry]  # attached processes not profiled (bounded)
     schedule_problems: list[str]  # what of the schedule the engine cannot serve (kineto_fit)
     memory: MemoryStatusEntry | None  # the leaks named (``memory()`` has every rank)
+    findings: list[StatusFindings]  # the latest closed window's costliest, per trainer
 
 
 NodePath = Literal["agent", "direct"]
@@ -759,6 +761,7 @@ class WindowFigures(TypedDict):
     kind: str
     step: int
     metrics: dict[str, float]
+    findings: list[StatusFindings]  # each trainer's costliest (the tracker's text)
 
 
 class TrackerFiguresReply(TypedDict):

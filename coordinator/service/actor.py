@@ -29,6 +29,7 @@ from coordinator.protocol.replies import (
     StepReply,
     WaitWindowReply,
 )
+from coordinator.service.advise_reads import keep_findings
 from coordinator.service.agent_reports import AgentReports
 from coordinator.service.captures import CAPTURE_REPORT_TIMEOUT_S, Captures
 from coordinator.service.diffs import Diffs
@@ -51,7 +52,7 @@ class _Coordinator(OperatorRPCs, SpmdRPCs):
         self._captures = Captures(self._shell)
         self._runs = RunCalls(self._shell, self._captures)
         self._reports = AgentReports(self._shell)
-        self._readers = Readers(self._shell)
+        self._readers = keep_findings(Readers(self._shell))  # (status()["findings"])
         self._stacks = StackCalls(self._shell)
         self._diffs = Diffs(self._shell, self._readers)
         self._watchdog = StallWatchdog(self._shell, self._stacks, self._runs.stop)

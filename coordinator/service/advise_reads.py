@@ -4,16 +4,26 @@ docs/advise.md).
 The figures are the ones ``kernel_summary()`` and ``collectives()`` answer (each builds its
 large parts on the shell's reads thread); the rules (``core.findings.window_findings``) run on
 that thread too, never on the event loop. A record answers it the same way
-(``ops/recorded.py``).
+(``ops/recorded.py``). ``status()`` and the tracker read its replies as ``keep_findings`` keeps
+them (``status_findings.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from coordinator.core.findings import window_findings
 from coordinator.protocol.finding_replies import Finding, FindingsReply
 from coordinator.service.readers import Readers
+from coordinator.service.status_findings import FindingCache
+
+
+def keep_findings(readers: Readers) -> Readers:
+    """``readers``, keeping each window's findings as ``advise`` makes them, once per window
+    (``readers.findings``: ``status()["findings"]``, the tracker's)."""
+    readers.findings = FindingCache(functools.partial(advise, readers))
+    return readers
 
 
 async def advise(

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 from coordinator.core.collectives import SHOWN
 from coordinator.core.step_series import DEFAULT_POINTS
-from coordinator.core.tracker_figures import TOP_KERNELS, settled_after, window_figures
+from coordinator.core.tracker_figures import (
+    TOP_KERNELS,
+    finding_figures,
+    settled_after,
+    window_figures,
+)
 from coordinator.core.validate import is_int, trainer_id_problem
 from coordinator.protocol.collective_replies import WindowCollectivesReply
-from coordinator.protocol.finding_replies import FindingsReply
+from coordinator.protocol.finding_replies import FindingsReply, StatusFindings
 from coordinator.protocol.memory_replies import MemoryReply, SnapshotReply
 from coordinator.protocol.replies import (
     BaselineReply,
@@ -25,6 +30,7 @@ from coordinator.service.diffs import Diffs
 from coordinator.service.memory_watch import MemoryWatcher
 from coordinator.service.readers import Readers
 from coordinator.service.stacks import STACK_TIMEOUT_S, StackCalls
+from coordinator.service.status_findings import bounded
 
 
 class OperatorRPCs:
@@ -140,7 +146,9 @@ class OperatorRPCs:
         """The figures of the current run's settled windows after window ``after`` (-1: from
         the first), for the trainer's tracker: each window's index, kind, last recorded step
         and ``metrics`` (every role's step time, breakdown shares, top kernels' shares,
-        stragglers and marks; see ``coordinator/core/tracker_figures.py``). In window order; it
+        stragglers, marks and each rule's cost a step: ``core/tracker_figures.py``), and
+        ``findings`` (each trainer's costliest, as ``status()`` carries them, for the
+        tracker's text; made once a window, ``status_findings.py``). In window order; it
         stops before the first closed window whose summaries are still coming. The hooks ask
         for them now and then, never on the step path. A ``TrackerFiguresReply``.
 
@@ -157,12 +165,18 @@ class OperatorRPCs:
         for rec in settled_after(run.state.closed_windows(), after):
             index, steps = rec.window.index, rec.steps or (0, 0)
             metrics: dict[str, float] = {}
+            found: list[StatusFindings] = []
             for tid in sorted(rec.aggregates):
                 ks = await self._readers.kernel_summary(index, TOP_KERNELS, tid, False, run.name)
                 metrics |= window_figures(ks, getattr(rec, "marks", {}).get(tid))
+                if self._readers.findings is not None:  # (the rules on the reads thread, once)
+                    reply = await self._readers.findings.window(run, rec, tid)
+                    metrics |= finding_figures(reply)
+                    found.append(bounded(reply))
             out.append(
-                {"window": index, "kind": rec.window.kind, "step": steps[1], "metrics": metrics}
-            )
+                {"window": index, "kind": rec.window.kind, "step": steps[1], "metrics": metrics,
+                 "findings": found}
+            )  # fmt: skip
         return {"run": run.name, "windows": out}
 
     async def kernel_diff(

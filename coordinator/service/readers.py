@@ -22,6 +22,7 @@ from coordinator.core.state import kernel_summary, rank_counts, trainer_window, 
 from coordinator.core.step_series import MAX_POINTS, step_series
 from coordinator.core.validate import is_int, is_number, role_problem, trainer_id_problem
 from coordinator.protocol.collective_replies import WindowCollectivesReply
+from coordinator.protocol.finding_replies import StatusFindings
 from coordinator.protocol.replies import (
     KernelSummaryReply,
     NodesEntry,
@@ -38,6 +39,7 @@ from coordinator.protocol.replies import (
 from coordinator.service import collective_reads
 from coordinator.service.node_fanout import NodeFanOut
 from coordinator.service.shell import CoordinatorShell
+from coordinator.service.status_findings import FindingCache
 
 WaitUntil = Literal["summaries", "traces"]
 FULL_STATUS_RANKS = 256  # up to this many ranks, status() lists every one by default
@@ -52,6 +54,7 @@ class Readers:
 
     def __init__(self, shell: CoordinatorShell) -> None:
         self.shell = shell
+        self.findings: FindingCache | None = None  # set by whoever answers advise()
         self._series: tuple[tuple[str, int, int], StepSeriesReply] | None = None
 
     async def status(self, ranks: str = "summary") -> StatusReply:
@@ -64,6 +67,7 @@ class Readers:
         run = sh.run
         complete = ranks == "all" or len(run.state.ranks) <= FULL_STATUS_RANKS
         parts = await self._large_parts(complete)
+        found = await self.latest_findings(run)
         st, plan = run.state, run.plan
         cur, nxt = plan.current, plan.next_window()
         listed = [r.to_dict() for r in st.ranks.values() if complete or r.reason is not None]
@@ -110,7 +114,13 @@ class Readers:
                 run.config, run.detector.step_s() if run.detector else None
             ),
             "memory": sh.memory_entry(),
+            "findings": found,
         }
+
+    async def latest_findings(self, run: Run) -> list[StatusFindings]:
+        """``status()["findings"]``: ``run``'s latest closed window's, as kept (none kept:
+        a ``Readers`` no ``advise`` was given to, ``advise_reads.keep_findings``)."""
+        return await self.findings.latest(run) if self.findings is not None else []
 
     async def ranks(
         self, offset: int, limit: int, state: str | None, trainer_id: str | None

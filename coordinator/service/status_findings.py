@@ -1,0 +1,134 @@
+"""Each trainer's findings of a window, made once per window and kept, for ``status()`` and the
+tracker (issue 57; docs/advise.md#in-status-and-the-tracker).
+
+``status()`` is polled, and the rules cost 4-8 ms a window at 1,024 ranks: a window's findings
+are made by ``advise()`` itself (its figures and its rules on the shell's reads thread, never
+on the event loop) the first time they are asked, then kept until the window changes (a
+summary more, a trace written over) or falls out of the ``KEPT`` latest. A fault of the rules
+is kept too, as a problem line: ``status()`` and the tracker answer with it and never fail.
+
+``status()["findings"]`` lists one entry per trainer of the latest closed window (its stepping
+trainer first, at most ``MAX_TRAINERS``), not one for the run: a policy and its rollout each
+have their own part of a window, and their own findings, as ``advise(role=...)`` answers them.
+Each entry carries its ``SHOWN`` costliest findings, without their evidence, their ranks
+bounded as the evidence bounds them (``EVIDENCE_RANKS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from coordinator.core.findings import EVIDENCE_RANKS
+from coordinator.core.records import WindowRecord
+from coordinator.core.run import Run
+from coordinator.protocol.finding_replies import (
+    Finding,
+    FindingsReply,
+    StatusFinding,
+    StatusFindings,
+)
+
+SHOWN = 3  # findings a trainer's entry lists, the costliest
+MAX_TRAINERS = 8  # trainers of a window listed in status()
+KEPT = 32  # (run, window, trainer) findings kept
+MAX_PROBLEMS = 4  # problem lines an entry carries
+Advise = Callable[..., Awaitable[FindingsReply]]
+"""``advise_reads.advise`` bound to the readers: ``(window=, trainer_id=, run=)``."""
+
+
+def status_finding(f: Finding) -> StatusFinding:
+    """``f`` without evidence or steps; over ``EVIDENCE_RANKS`` ranks, the ones its evidence
+    lists (its costliest), else its first."""
+    ranks = f["ranks"]
+    if len(ranks) > EVIDENCE_RANKS:
+        listed = (f.get("evidence") or {}).get("ms_per_step")
+        ranks = sorted(map(int, listed)) if isinstance(listed, dict) else ranks[:EVIDENCE_RANKS]
+    return {
+        "rule": f["rule"],
+        "ranks": ranks[:EVIDENCE_RANKS],
+        "ranks_total": len(f["ranks"]),
+        "all_ranks": f["all_ranks"],
+        "cost_ms_per_step": f["cost_ms_per_step"],
+        "advice": f["advice"],
+    }
+
+
+def bounded(reply: FindingsReply, shown: int = SHOWN) -> StatusFindings:
+    """``advise()``'s reply as ``status()`` carries it: its ``shown`` costliest findings."""
+    return {
+        "window": reply["window"] if reply["window"] is not None else -1,
+        "steps": reply["steps"],
+        "trainer_id": reply["trainer_id"] or "",
+        "role": reply["role"],
+        "findings": [status_finding(f) for f in reply["findings"][:shown]],
+        "findings_total": len(reply["findings"]),
+        "problems": reply["problems"][:MAX_PROBLEMS],
+    }
+
+
+def window_key(rec: WindowRecord, tid: str) -> tuple[Any, ...]:
+    """What changes whenever trainer ``tid``'s figures of ``rec`` can change: a summary more
+    (or a failed one), one less pending, the steps, a record written over."""
+    agg = rec.aggregates.get(tid)
+    sizes = (len(agg.rank_totals), len(agg.bad_ranks)) if agg is not None else (0, 0)
+    pending = sum(1 for t, _ in rec.summaries_pending if t == tid)
+    return (rec.closed, rec.steps, getattr(rec, "changes", 0), pending, sizes)
+
+
+def failed(run: str, rec: WindowRecord, tid: str, exc: BaseException) -> FindingsReply:
+    """The reply of a window whose findings could not be made: one problem line."""
+    return {
+        "run": run,
+        "window": rec.window.index,
+        "steps": list(rec.steps) if rec.steps else None,
+        "trainer_id": tid,
+        "role": getattr(rec, "roles", {}).get(tid),
+        "findings": [],
+        "quiet": [],
+        "problems": [f"the findings could not be made: {type(exc).__name__}: {exc}"[:300]],
+    }
+
+
+class FindingCache:
+    """A window's findings per trainer, made by ``advise`` once per change of the window, the
+    ``kept`` latest kept (see the module docstring)."""
+
+    def __init__(self, advise: Advise, kept: int = KEPT) -> None:
+        self.advise, self.kept = advise, kept
+        self.made = 0  # how often the rules ran (a test reads it)
+        self._done: collections.OrderedDict[tuple[str, int, str], tuple[Any, FindingsReply]]
+        self._done = collections.OrderedDict()
+        self._lock = asyncio.Lock()  # (one status() makes them; one polled meanwhile waits)
+
+    async def window(self, run: Run, rec: WindowRecord, tid: str) -> FindingsReply:
+        """Trainer ``tid``'s findings of ``rec``, made now only when they changed; a fault is
+        a problem line, never raised."""
+        where, key = (run.name, rec.window.index, tid), window_key(rec, tid)
+        async with self._lock:
+            hit = self._done.get(where)
+            if hit is not None and hit[0] == key:
+                self._done.move_to_end(where)
+                return hit[1]
+            try:
+                reply = await self.advise(window=rec.window.index, trainer_id=tid, run=run.name)
+            except Exception as exc:  # (a rule's fault: said, never raised to status())
+                reply = failed(run.name, rec, tid, exc)
+            self.made += 1
+            self._done[where] = (key, reply)
+            self._done.move_to_end(where)
+            while len(self._done) > self.kept:
+                self._done.popitem(last=False)
+            return reply
+
+    async def latest(self, run: Run) -> list[StatusFindings]:
+        """``status()["findings"]``: each trainer's part of ``run``'s latest closed window."""
+        closed = run.state.closed_windows()
+        if not closed:
+            return []
+        rec = closed[-1]  # (as advise() picks it)
+        primary = getattr(rec, "primary", None)
+        tids = sorted(rec.aggregates, key=lambda t: (t != primary, t))[:MAX_TRAINERS]
+        return [bounded(await self.window(run, rec, tid)) for tid in tids]
