@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from typing import Any
 
 import pytest
+
+from tests.gloo_windows import join, profiler, run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACES = os.path.join(ROOT, "tests", "data", "gpu-traces")
@@ -30,25 +30,11 @@ def _rank_main(rank: int, world: int, out: str, port: int) -> None:
     in the first window's steps (its warm-up too), not in the second's."""
     import torch
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile, schedule
 
-    torch.set_num_threads(1)  # two ranks' matmuls not fighting over every core
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    names = iter(("late", "quiet"))
-
-    def export(p: Any) -> None:
-        folder = os.path.join(out, next(names))
-        os.makedirs(folder, exist_ok=True)
-        p.export_chrome_trace(os.path.join(folder, f"rank{rank}.json"))
-
+    join(rank, world, port)
     t, a = torch.ones(4096), torch.randn(128, 128)
     per = 1 + ACTIVE
-    with profile(
-        activities=[ProfilerActivity.CPU],
-        schedule=schedule(wait=0, warmup=1, active=ACTIVE, repeat=2),
-        on_trace_ready=export,
-    ) as prof:
+    with profiler(out, rank, ("late", "quiet"), ACTIVE) as prof:
         for step in range(2 * per):
             for _ in range(20):
                 a = torch.tanh(a @ a)
@@ -69,16 +55,7 @@ def _job(out: str, port: int) -> None:
 @pytest.fixture(scope="module")
 def gloo_windows(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The job's two windows' traces: ``late/`` and ``quiet/`` (made once for the module)."""
-    out, listener = str(tmp_path_factory.mktemp("gloo2")), socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    listener.close()  # (free again for the job's rank 0)
-    argv = [sys.executable, os.path.abspath(__file__), out, str(port)]
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for name in ("late", "quiet"):
-        assert sorted(os.listdir(os.path.join(out, name))) == ["rank0.json", "rank1.json"]
-    return out
+    return run_job(__file__, str(tmp_path_factory.mktemp("gloo2")), ("late", "quiet"), 2)
 
 
 def advise_json(capsys: Any, *argv: str) -> dict[str, Any]:

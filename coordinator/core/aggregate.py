@@ -30,6 +30,7 @@ from coordinator.protocol.summary_codec import (
     BREAKDOWN_KEYS,
     UNIT,
     Breakdown,
+    HostRow,
     RankSummary,
     StreamRow,
 )
@@ -61,6 +62,7 @@ _SNAPSHOT_COPIES = (
     *("step_ranks", "rank_dropped", "bad_ranks", "breakdowns", "streams", "peak_bytes"),
     "memory_flow",
     "collectives",
+    "host",
 )
 """What a snapshot copies (the rest it shares: per-rank values are only ever appended to)."""
 TORN = (
@@ -122,6 +124,7 @@ class WindowAggregate:
         self.peak_bytes: dict[int, int] = {}
         self.memory_flow: dict[int, tuple[int, int, int]] = {}  # peak step, allocated, freed
         self.collectives: dict[int, bytes] = {}  # each rank's, as ``encode_block`` made them
+        self.host: dict[int, HostRow] = {}  # DataLoader and gradient-zeroing time a step
         self._kernels = RowTable(NS)
         self._memory = RowTable(1)
         self.gpu = DeviceFigures()  # what CUDA ranks add: ops, launches, device step times
@@ -200,6 +203,8 @@ class WindowAggregate:
                 self.memory_flow[rank] = tuple(part.memory_flow)  # type: ignore[assignment]
         if part.collectives is not None:
             self.collectives[rank] = part.collectives
+        if part.host is not None:
+            self.host[rank] = part.host
 
     def step_sums(self) -> tuple[dict[int, float], dict[int, int]]:
         """Each recorded step's time summed over ranks, and how many ranks timed it (made on
@@ -305,10 +310,13 @@ class WindowAggregate:
 
     def breakdown(self) -> BreakdownTable:
         """Per rank and on average: compute, comm, memcpy and other time, and shares."""
-        ranks = {r: _breakdown_row(Breakdown(*b)) for r, b in sorted(self.breakdowns.items())}
+        ranks = {
+            r: _breakdown_row(Breakdown(*b), self.host.get(r))
+            for r, b in sorted(self.breakdowns.items())
+        }
         n = len(ranks)
         mean = (
-            {key: sum(row[key] for row in ranks.values()) / n for key in next(iter(ranks.values()))}
+            {key: sum(row.get(key, 0.0) for row in ranks.values()) / n for key in _keys(ranks)}
             if n
             else {}
         )
@@ -585,7 +593,18 @@ def _compute_us(agg: WindowAggregate, rank: int) -> float:
     return agg.rank_totals[rank]  # no breakdown: every op's self time
 
 
-def _breakdown_row(b: Breakdown) -> dict[str, float]:
+def _keys(rows: dict[int, dict[str, float]]) -> list[str]:
+    """The keys of ``rows``, in their first row's order, then the host keys where any has them
+    (a rank without them counts 0 in the mean)."""
+    keys = list(next(iter(rows.values())))
+    return keys + [k for k in HOST_KEYS if k not in keys and any(k in r for r in rows.values())]
+
+
+HOST_KEYS = ("dataloader_us_per_step", "zero_grad_us_per_step")
+"""The breakdown row's keys of a rank's host time (``HostRow``), where its summary has it."""
+
+
+def _breakdown_row(b: Breakdown, host: HostRow | None = None) -> dict[str, float]:
     row = {f"{k}_us": getattr(b, f"{k}_us") for k in BREAKDOWN_KEYS}
     row["window_us"] = b.window_us
     row.update({f"{k}_share": b.share(k) for k in BREAKDOWN_KEYS})
@@ -593,6 +612,9 @@ def _breakdown_row(b: Breakdown) -> dict[str, float]:
     # (HTA's comp_comm_overlap_pctg / 100).
     row["overlap_us"] = b.overlap_us
     row["comm_overlap"] = b.overlap_us / b.comm_us if b.comm_us > 0 else 0.0
+    if host is not None:  # (the findings' dataloader and zero_grad rules read them)
+        row["dataloader_us_per_step"] = host.dataloader_us
+        row["zero_grad_us_per_step"] = host.zero_grad_us
     return row
 
 
@@ -614,7 +636,7 @@ def saved_aggregate(agg: WindowAggregate, detail: bool = True) -> AggregateFile:
         memory=agg._memory.saved(), gpu=agg.gpu.saved(),
         detail=list(agg._detail) if detail and agg._detail is not None else None,
         torn=agg._torn | folding, memory_flow=dict(agg.memory_flow),
-        collectives=dict(agg.collectives),
+        collectives=dict(agg.collectives), host=dict(agg.host),
     )  # fmt: skip
 
 
@@ -634,4 +656,5 @@ def restored_aggregate(f: AggregateFile) -> WindowAggregate:
     agg._detail = list(f.detail) if f.detail is not None else None
     agg._torn = set(f.torn)
     agg.collectives = dict(f.collectives)
+    agg.host = dict(f.host)
     return agg

@@ -14,13 +14,19 @@ breakdown, times its step time; a finding over several ranks costs the mean of t
 
 How overlapping lost time is resolved, so no time is reported twice (rules run in this order):
 
-- ``collective_wait``: the ranks' wait for the last arriver, counted here only.
+- ``dataloader``: each rank's time inside its DataLoader's ``__next__``, counted here only.
+- ``zero_grad``: each rank's time in the ops that zero its gradients, counted here only.
+- ``collective_wait``: the ranks' wait for the last arriver, less the late rank's time that
+  ``dataloader`` and ``zero_grad`` counted beyond the waiting ranks' mean of it (the others
+  wait for exactly that time: it is the data loading's, or the zeroing's, not counted again).
 - ``straggler``: a rank that is also the last arriver costs its excess minus that wait (the
-  others' wait for it is the same time); nothing left, no finding.
+  others' wait for it is the same time), and minus its ``dataloader`` and ``zero_grad`` time
+  beyond the other ranks' mean; nothing left, no finding.
 - ``exposed_comm``: each rank's exposed communication minus its own wait in collectives (a
   rank spinning in an all_reduce for a late peer is waiting, not communicating).
 - ``launch_bound``: the device idle of each rank's launch-bound steps.
-- ``gpu_idle``: each CUDA rank's device idle minus what ``launch_bound`` counted of it.
+- ``gpu_idle``: each CUDA rank's device idle minus what ``launch_bound`` counted of it, and
+  minus the time ``dataloader`` counted on it (the device idles while its host loads data).
 - ``memory_peak``: costs no time (0 ms): it says how close a rank came to its device's memory.
 
 Findings come costliest first (ties by rule order); every threshold can be set in the config
@@ -72,6 +78,7 @@ class Figures:
     last_arriver: Mapping[str, Any] | None
     wait_ms: dict[int, float]  # each rank's wait in collectives a step
     spent: dict[str, dict[int, float]] = field(default_factory=dict)  # rule -> rank -> ms
+    host_sums: dict[str, float] = field(default_factory=dict)  # a host key's sum over ranks
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,12 @@ ADVICE = {
     "launch_bound": "Kernels run shorter than their launches and the device waits for the "
     "host: launch fewer, larger kernels (torch.compile, CUDA graphs with torch.cuda.graphs or "
     "mode='reduce-overhead', a larger batch).",
+    "dataloader": "The training loop waits for its DataLoader's __next__: load the batches "
+    "ahead in worker processes (DataLoader(num_workers=N) with persistent_workers=True, "
+    "prefetch_factor), and pin them for the copy (pin_memory=True).",
+    "zero_grad": "Gradients are zeroed by kernels each step: set them to None instead "
+    "(optimizer.zero_grad(set_to_none=True), the default since torch 2.0, or "
+    "model.zero_grad(set_to_none=True)).",
     "gpu_idle": "The device idles between kernels while the host works: find the gap on the "
     "window's timeline (ray-profiler collect --merge) and overlap it (DataLoader "
     "pin_memory=True with .to(non_blocking=True), fewer .item() calls).",
@@ -150,20 +163,77 @@ ADVICE = {
 """The advice of the rules whose sentence names no figure."""
 
 
+HOST_RULES = {"dataloader": "dataloader_us_per_step", "zero_grad": "zero_grad_us_per_step"}
+"""The rules of a rank's host time, and the key of its breakdown row each reads (the agent's
+``HostRow``, as ``aggregate.HOST_KEYS`` puts it there): a late or slow rank's excess may be
+that time."""
+
+
+def host_excess(fig: Figures, rank: int, others: list[int] | None) -> float:
+    """What ``dataloader`` and ``zero_grad`` counted on ``rank`` beyond ``others``' mean of the
+    same time (None: every other rank's), in ms a step (0 where neither fired on it)."""
+    excess, rows = 0.0, fig.breakdown
+    for rule, key in HOST_RULES.items():
+        mine = fig.spent.get(rule, {}).get(rank)
+        if mine is None:
+            continue
+        if others is not None:
+            n, total = len(others), sum(rows.get(o, {}).get(key, 0.0) for o in others)
+        else:  # every other rank's: the sum over all (once a window) less its own
+            if key not in fig.host_sums:
+                fig.host_sums[key] = sum(row.get(key, 0.0) for row in rows.values())
+            n = len(rows) - (rank in rows)
+            total = fig.host_sums[key] - rows.get(rank, {}).get(key, 0.0)
+        excess += max(mine - (total / n / 1e3 if n else 0.0), 0.0)
+    return excess
+
+
+def _host_rule(fig: Figures, rule: str, share: float, advice: str) -> Finding | None:
+    """A finding over the ranks whose host time of ``rule`` (``HOST_RULES``) is over ``share``
+    of their step (``share`` 0: any), its cost their mean; what it counted in ``fig.spent``."""
+    costs: dict[int, float] = {}
+    key, step_ms, median = HOST_RULES[rule], fig.step_ms, fig.median_step_ms
+    for r, row in fig.breakdown.items():
+        us = row.get(key)
+        if us and us > share * (step_ms.get(r) or median) * 1e3:
+            costs[r] = us / 1e3
+    if not costs:
+        return None
+    fig.spent[rule] = costs
+    top = shown(costs)
+    steps = {r: step_ms.get(r) or median for r in top}
+    more = {
+        "share_of_step": {r: round(costs[r] / steps[r], 4) if steps[r] else None for r in top},
+        "step_ms": {r: round(steps[r], 3) for r in top},
+    }
+    return _over_ranks(fig, rule, costs, more, advice)
+
+
+def dataloader(fig: Figures, th: dict[str, float]) -> Finding | None:
+    return _host_rule(fig, "dataloader", th["share"], ADVICE["dataloader"])
+
+
+def zero_grad(fig: Figures, th: dict[str, float]) -> Finding | None:
+    return _host_rule(fig, "zero_grad", th["min_share"], ADVICE["zero_grad"])
+
+
 def collective_wait(fig: Figures, th: dict[str, float]) -> Finding | None:
     la = fig.last_arriver
     if la is None or not fig.median_step_ms:
         return None
-    cost = float(la["wait_ms_per_step"])
-    if cost < th["min_share"] * fig.median_step_ms:
+    waiting = [int(r) for r in la["waiting_ranks"]]
+    counted = host_excess(fig, int(la["rank"]), waiting)
+    cost = float(la["wait_ms_per_step"]) - counted
+    if cost <= 0 or cost < th["min_share"] * fig.median_step_ms:
         return None
-    rank, waiting = int(la["rank"]), [int(r) for r in la["waiting_ranks"]]
+    rank = int(la["rank"])
     fig.spent["collective_wait"] = {rank: cost}  # the time its lateness costs the step
     evidence = {
         "arrived_last": la["arrived_last"],
         "collectives": la["collectives"],
         "waiting_ranks": waiting,
         "wait_ms_per_step": cost,
+        "host_subtracted_ms": round(counted, 3),
         "median_step_ms": fig.median_step_ms,
         "reason": la.get("reason"),
     }
@@ -187,6 +257,7 @@ def straggler(fig: Figures, th: dict[str, float]) -> Finding | None:
         step_excess = (v["step_ms"] - med_step) if v.get("step_ms") is not None else 0.0
         excess = max(step_excess, (v["compute_ms"] - med_compute) / n)
         excess -= fig.spent.get("collective_wait", {}).get(int(r), 0.0)
+        excess -= host_excess(fig, int(r), None)
         if excess > 0 and excess >= th["min_share"] * fig.median_step_ms:
             over[int(r)] = excess
     if not over:
@@ -270,6 +341,7 @@ def gpu_idle(fig: Figures, th: dict[str, float]) -> Finding | None:
             continue
         ms = _per_step(fig, r, row.get("other_us", 0.0))
         ms -= fig.spent.get("launch_bound", {}).get(r, 0.0)  # counted by launch_bound
+        ms -= fig.spent.get("dataloader", {}).get(r, 0.0)  # the host loading data
         step = fig.step_ms.get(r) or fig.median_step_ms
         if step and ms > th["share"] * step:
             costs[r] = ms
@@ -307,9 +379,17 @@ def memory_peak(fig: Figures, th: dict[str, float]) -> Finding | None:
 
 TB = "torch-tb-profiler's recommendations"
 MIN_SHARE = Threshold(0.02, 0.0, 1.0, "issue 57's no-false-alarm bound: 2% of the step")
+PATTERNS = "PyTorch's pattern matcher (torch.profiler._pattern_matcher)"
 RULES: dict[str, Rule] = {
     r.id: r
     for r in (
+        Rule("dataloader", {
+            "share": Threshold(0.05, 0.0, 1.0, f"{TB}: DataLoader over 5% of the step"),
+        }, dataloader, "a rank's time inside its DataLoader's __next__, per step"),
+        Rule("zero_grad", {
+            "min_share": Threshold(0.0, 0.0, 1.0, f"{PATTERNS}: GradNotSetToNonePattern flags "
+                                   "any aten::zero_ under a zero_grad (0: any time)"),
+        }, zero_grad, "the ops that zero gradients under a zero_grad, per step"),
         Rule("collective_wait", {"min_share": MIN_SHARE}, collective_wait,
              "the last arriver of the window's collectives and the others' wait for it"),
         Rule("straggler", {

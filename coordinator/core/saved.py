@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from coordinator.protocol.summary_codec import LaunchRow, StreamRow
+from coordinator.protocol.summary_codec import HostRow, LaunchRow, StreamRow
 
 BigInt = int | str
 """An int, or its decimal digits beyond msgpack's 64 bits (a sum of squares of nanoseconds
@@ -98,6 +98,8 @@ class AggregateFile(msgspec.Struct):
     collectives: dict[int, bytes] = {}
     """Per rank: the window's collectives its summary carried, as ``encode_block`` made them
     (a file written before: none)."""
+    host: dict[int, HostRow] = {}
+    """Per rank: its DataLoader and gradient-zeroing time (a file written before: none)."""
 
 
 class WindowSpan(msgspec.Struct):

@@ -24,6 +24,7 @@ from coordinator.protocol.summary_codec import (
     MAX_STEPS,
     MAX_STREAMS,
     Count,
+    HostRow,
     LaunchRow,
     Micros,
     Name,
@@ -91,6 +92,8 @@ class RankPart(msgspec.Struct, array_like=True, frozen=True, gc=False):
     memory_flow: tuple[Annotated[int, msgspec.Meta(ge=-1)], Count, Count] | None = None
     collectives: Annotated[bytes, msgspec.Meta(max_length=MAX_BLOCK_BYTES)] | None = None
     """Its summary's collectives (``collective_replies.encode_block``), decoded when read."""
+    host: HostRow | None = None
+    """Its summary's DataLoader and gradient-zeroing time (``summary_codec.HostRow``)."""
     # (Tuples, not lists: a tuple of numbers or untracked rows leaves the garbage collector's
     # lists at its first pass, and the coordinator keeps these for every rank of a window.)
 

@@ -111,6 +111,19 @@ class LaunchRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     short_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 
 
+class HostRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Host time the findings' ``dataloader`` and ``zero_grad`` rules read (issue 57), each a
+    mean over the window's recorded steps (inclusive: the span with everything under it): the
+    DataLoader's ``__next__`` and its calls in the window; the ops that zero gradients under a
+    ``zero_grad`` (``aten::zero_``, ``aten::fill_``, ``aten::_foreach_zero_``) and their
+    calls."""
+
+    dataloader_us: Micros
+    dataloader_calls: Count
+    zero_grad_us: Micros
+    zero_grad_ops: Count
+
+
 class MemoryRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """An op's allocations in the window: bytes allocated (frees not subtracted), how many."""
 
@@ -152,6 +165,8 @@ class RankSummary:
     """CUDA: the op table (``OpRow``); on CPU ranks ``kernels`` is already per op."""
     collectives: CollectiveBlock | None = None
     """The window's collectives as this rank ran them (issue 56); None: its trace has none."""
+    host: HostRow | None = None
+    """Its DataLoader and gradient-zeroing time (``HostRow``); None: its trace has neither."""
 
     @property
     def total_us(self) -> float:
@@ -190,6 +205,7 @@ class _Wire(msgspec.Struct, forbid_unknown_fields=True):
     ops: Annotated[list[OpRow], msgspec.Meta(max_length=MAX_KERNELS)]
     memory_flow: tuple[Annotated[int, msgspec.Meta(ge=-1)], Count, Count] | None = None
     collectives: CollectiveBlock | None = None
+    host: HostRow | None = None
 
     def __post_init__(self) -> None:
         if self.steps[0] > self.steps[1]:
@@ -225,6 +241,7 @@ def encode_summary(summary: RankSummary) -> bytes:
         ops=list(summary.ops),
         memory_flow=summary.memory_flow if summary.peak_bytes is not None else None,
         collectives=summary.collectives,
+        host=summary.host,
     )
     return strict_encode(wire, "summary", decode_summary)
 
@@ -287,4 +304,5 @@ def decode_summary(data: Any) -> RankSummary:
         ops=w.ops,
         memory_flow=w.memory_flow,
         collectives=w.collectives,
+        host=w.host,
     )

@@ -18,6 +18,7 @@ from coordinator.protocol.collective_replies import CollectiveBlock
 from coordinator.protocol.summary_codec import (
     MAX_NAME_CHARS,
     Breakdown,
+    HostRow,
     KernelRow,
     LaunchRow,
     MemoryRow,
@@ -54,6 +55,13 @@ _COMM = re.compile(r"^(nccl|c10d::|gloo:|record_param_comms)", re.IGNORECASE)
 _ASYNC_WORK = re.compile(r"^(gloo|nccl|mpi|ucc|xccl):")
 _CPU_COPY = re.compile(r"^(aten::(copy_|_to_copy|to)$|cudaMemcpy|cudaMemset|Memcpy|Memset)")
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+# The findings' host time (issue 57): torch.profiler's span of a DataLoader iterator's
+# ``__next__``; the scopes of a ``zero_grad`` (the optimizer's span, a Python frame with
+# ``with_stack``) and the ops under them that zero a gradient (not those of a new zeros tensor).
+_DATALOADER = re.compile(r"^enumerate\(DataLoader\)#.*\.__next__$")
+_ZERO_GRAD_SCOPE = re.compile(r"(^Optimizer\.zero_grad#|: zero_grad$)")
+_ZEROING = frozenset({"aten::zero_", "aten::fill_", "aten::_foreach_zero_"})
+_NEW_ZEROS = frozenset({"aten::zeros", "aten::zeros_like", "aten::new_zeros"})
 
 
 def summarise_trace(
@@ -126,6 +134,7 @@ def summarise(
         memory=memory,
         memory_flow=flow,
         collectives=_collectives(d, collectives_cap, clip and bool(step_spans)),
+        host=_host_row(cpu.host_ns, max(len(step_spans), 1)),
     )
     if device == "cuda" and d.device:
         # Attributed by their launch: to each recorded step, or (no step marker: the trace
@@ -299,6 +308,7 @@ class _CpuResult:
     comm_spans: list[tuple[int, int]]  # outermost collective spans, on every thread
     launches: Launches  # the launch calls, each with the innermost op around it
     op_names: set[int]  # the name ids of ops (``OP`` events)
+    host_ns: tuple[int, int, int, int]  # DataLoader ns and calls, zeroing ns and ops (_host_ns)
 
 
 def _nest(d: TraceDigest, stacks: bool, span: tuple[int, int], clip: bool = False) -> _CpuResult:
@@ -349,7 +359,50 @@ def _nest(d: TraceDigest, stacks: bool, span: tuple[int, int], clip: bool = Fals
     folded = _folded(names, name, kind, parent, self_ns) if stacks else {}
     launches = launches_of(kind, corr, start, end, name, parent)
     op_names = set(name[kind == OP].tolist())  # (np.unique would import numpy.ma: 7 ms)
-    return _CpuResult(rows, brk, allocs, folded, comm_spans, launches, op_names)
+    host = _host_ns(names, name, kind, start, end, parent, span)
+    return _CpuResult(rows, brk, allocs, folded, comm_spans, launches, op_names, host)
+
+
+def _host_ns(
+    names: list[str],
+    name: np.ndarray,
+    kind: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+    parent: np.ndarray,
+    span: tuple[int, int],
+) -> tuple[int, int, int, int]:
+    """Inside ``span`` (each event clipped to it): the inclusive time of the outermost
+    DataLoader ``__next__`` spans and their number; of the outermost gradient-zeroing ops under
+    a ``zero_grad`` scope (``_ZERO_GRAD_SCOPE``; none under a new zeros tensor) and their
+    number. Events of the sorted ``_nest`` arrays; a trace without such names costs one scan
+    of its names."""
+    loader = np.array([bool(_DATALOADER.match(n)) for n in names] or [False])
+    zeroing = np.array([n in _ZEROING for n in names] or [False])
+    if not len(name) or not (loader.any() or zeroing.any()):
+        return (0, 0, 0, 0)
+    clipped = np.clip(np.minimum(end, span[1]) - np.maximum(start, span[0]), 0, None)
+    has_parent = parent >= 0
+    p = np.where(has_parent, parent, 0)
+
+    def outermost(flag: np.ndarray) -> np.ndarray:
+        out: np.ndarray = flag & ~(has_parent & _inherited(flag, parent)[p])
+        return out
+
+    dl = outermost((kind == ANNOTATION) & loader[name]) & (clipped > 0)
+    scope = np.array([bool(_ZERO_GRAD_SCOPE.search(n)) for n in names])[name]
+    new_zeros = np.array([n in _NEW_ZEROS for n in names])[name]
+    zero = outermost((kind == OP) & zeroing[name]) & (clipped > 0)
+    zero &= _inherited(scope, parent) & ~_inherited(new_zeros, parent)
+    return (int(clipped[dl].sum()), int(dl.sum()), int(clipped[zero].sum()), int(zero.sum()))
+
+
+def _host_row(ns: tuple[int, int, int, int], steps: int) -> HostRow | None:
+    """``_host_ns`` as ``HostRow`` (times a mean over ``steps``), None when it found none."""
+    loader_ns, calls, zero_ns, ops = ns
+    if not calls and not ops:
+        return None
+    return HostRow(loader_ns / 1e3 / steps, calls, zero_ns / 1e3 / steps, ops)
 
 
 def _parents(thread: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
