@@ -45,10 +45,10 @@ class Rank:
 
     def measure(self, cfg: dict[str, Any], worker: Any, steps: int, rounds: int) -> dict[str, Any]:
         from trainers.hooks import ProfilingHooks
-        from trainers.rank_session import RankSession
+        from worker_ext.rank.rank_session import RankSession
 
         r0 = RankSession.attach(cfg, trainer_id="spmd", rank=0, world_size=2, namespace="bench")
-        import trainers.rank_session as rs
+        import worker_ext.rank.rank_session as rs
 
         rs._release(r0)  # (two sessions in one process, for this benchmark only: ranks 0 and 1)
         r1 = RankSession.attach(cfg, trainer_id="spmd", rank=1, world_size=2, namespace="bench")

@@ -16,7 +16,7 @@ loads only the modules it uses.
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from coordinator.client.attach import (
+    from coordinator.client.connect import (
         attach_coordinator,
         connect,
         get_or_create_coordinator,
@@ -56,7 +56,7 @@ def __getattr__(name: str) -> Any:
 
         return ProfilerCoordinator
     if name in _CLIENT_NAMES:
-        from coordinator.client import attach
+        from coordinator.client import connect
 
-        return getattr(attach, name)
+        return getattr(connect, name)
     raise AttributeError(f"module 'coordinator' has no attribute {name!r}")

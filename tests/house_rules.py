@@ -64,18 +64,30 @@ RULES = (
     ),
     Rule(
         "worker_ext",
-        ("coordinator.core", "coordinator.protocol", "coordinator.raylink", "worker_ext"),
-        why="a rank and its agent speak to the coordinator only through the protocol",
+        (
+            "coordinator.core",
+            "coordinator.protocol",
+            "coordinator.raylink",
+            "coordinator.client",
+            "worker_ext",
+        ),
+        why="a rank and its agent speak to the coordinator through the protocol (and an SPMD "
+        "rank's session through the trainer's client, which creates or finds the actor)",
         exempt=("worker_ext.attach",),
     ),
     Rule(
         "worker_ext.attach",
-        ("coordinator.core.attach", "worker_ext.agent.kineto_ipc"),
+        (
+            "coordinator.core.attach",
+            "worker_ext.agent.kineto_ipc",
+            "worker_ext.rank.attached",
+        ),
         ("torch",),
         "Ray's setup hook: the standard library and the config reader (and, for engine "
-        "kineto, libkineto's daemon environment, which must be set before torch is imported) "
-        "until the first optimizer step; never trainers, which sit above every worker_ext "
-        "room (the code a worker process runs lives in worker_ext)",
+        "kineto, libkineto's daemon environment, which must be set before torch is imported); "
+        "what a process becomes at its first optimizer step (worker_ext.rank.attached) is "
+        "imported only then; never trainers, which sit above every worker_ext room (the code a "
+        "worker process runs lives in worker_ext)",
     ),
     Rule(
         "worker_ext.agent",

@@ -151,7 +151,7 @@ def test_a_window_says_the_optimizer_steps_its_first_rank_gave_and_ignores_nonse
 def test_skyrl_s_summary_is_read_from_its_own_trainer_s_last_window():
     """``dump_profiler_summary`` on a SkyRL worker answers from the last window its own trainer
     took part in, not a later one of another trainer (a reference model's, say)."""
-    from trainers.skyrl_profiler import last_window_of
+    from worker_ext.rank.skyrl_profiler import last_window_of
 
     windows = [
         {"index": 0, "roles": {"skyrl": {}, "ref": {}}},

@@ -104,7 +104,7 @@ def test_a_disabled_config_touches_nothing():
 def test_a_fault_in_the_hook_never_leaves_the_optimizer_step():
     proc = run(
         textwrap.dedent("""
-        import trainers.attach_hook as hook
+        import worker_ext.rank.attached as hook
         def broken(optimizer):
             raise RuntimeError("injected")
         hook.first_step = broken
@@ -140,7 +140,7 @@ def test_a_forked_child_is_never_profiled_and_says_so():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         pid = os.fork()
         if pid == 0:
-            import trainers.attach_hook as hook
+            import worker_ext.rank.attached as hook
             hook.first_step = None  # (a child that tried to attach would fail here)
             for _ in range(3):
                 model(torch.ones(1, 2)).sum().backward(); opt.step()
@@ -159,7 +159,7 @@ def test_the_count_goes_on_from_an_optimizer_state_a_checkpoint_restored():
     proc = run(
         """
         import copy, json, torch
-        from trainers.attach_hook import steps_taken
+        from worker_ext.rank.attached import steps_taken
         frozen, model = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
         frozen.requires_grad_(False)  # (no gradient, no state: looked past)
         params = [*frozen.parameters(), *model.parameters()]

@@ -138,7 +138,7 @@ def test_skyrl_own_profiler_calls_drive_the_coordinator_with_the_switch(head, tm
     # Without the hook SkyRL is as shipped: its own torch.profiler wrote one window per rank.
     assert plain["profiler"] == "skyrl.backends.skyrl_train.utils.profiler.Profiler"
     assert [s["window_count"] for s in plain["summaries"]] == [1, 1]
-    assert hooked["profiler"] == "trainers.skyrl_profiler.SkyRLProfiler"
+    assert hooked["profiler"] == "worker_ext.rank.skyrl_profiler.SkyRLProfiler"
     st = hooked["status"]
     # SkyRL's schedule (skip 2, warm-up 1, record 2), counted in its global steps from 0;
     # each global step ran two optimizer steps: the window and its table say both.

@@ -148,8 +148,8 @@ PUBLIC = [
     ("trainers.hooks", "ProfilingHooks.session"),
     ("trainers.hooks", "ProfilingHooks.step"),
     ("trainers.hooks", "ProfilingHooks.astep"),
-    ("coordinator.client.attach", "get_or_create_coordinator"),
-    ("coordinator.client.attach", "connect"),
+    ("coordinator.client.connect", "get_or_create_coordinator"),
+    ("coordinator.client.connect", "connect"),
     ("coordinator.service.actor", "_Coordinator.status"),
     ("coordinator.service.actor", "_Coordinator.kernel_summary"),
     ("coordinator.service.actor", "_Coordinator.request_capture"),
@@ -158,7 +158,7 @@ PUBLIC = [
     ("coordinator.ops.timeline", "write_timeline"),
     ("coordinator.core.config", "ProfilerConfig"),
     ("coordinator.core.config", "ProfilerConfig.from_dict"),
-    ("trainers.rank_session", "RankSession.attach"),
+    ("worker_ext.rank.rank_session", "RankSession.attach"),
 ]
 
 
@@ -185,13 +185,13 @@ def test_public_entry_points_say_what_they_take_return_and_raise(module, name):
         "coordinator.ops.run_chart",
         "coordinator.core.trackers_config",
         "coordinator.core.tracker_figures",
-        "coordinator.client.attach",
+        "coordinator.client.connect",
         "coordinator.client.phase_buffer",
         "coordinator.client.phase_clock",
         "coordinator.client.rank_reports",
         "coordinator.core.window_plan",
         "trainers.hooks",
-        "trainers.rank_session",
+        "worker_ext.rank.rank_session",
     ],
 )
 def test_the_examples_that_need_no_cluster_run(module):

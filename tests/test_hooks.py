@@ -73,12 +73,12 @@ def test_coordinator_dying_mid_run_pauses_profiling_with_one_warning(
 
 
 def test_unreachable_coordinator_at_attach_switches_profiling_off(tmp_path, caplog, monkeypatch):
-    import coordinator.client.attach as attach
+    import coordinator.client.connect as connect
 
     def unreachable(*a, **kw):
         raise ConnectionError("no cluster")
 
-    monkeypatch.setattr(attach, "attach_coordinator", unreachable)
+    monkeypatch.setattr(connect, "attach_coordinator", unreachable)
     caplog.set_level(logging.WARNING, logger="trainers.hooks")
     cfg = {"enable": True, "save_path": str(tmp_path), "activities": ["cpu"]}
     hooks = ProfilingHooks.attach(cfg, workers=[])

@@ -22,13 +22,8 @@ from tests.house_rules import (
 ROOT_PATH = Path(ROOT)
 
 
-# issue 55: being removed. The arrow up that Ray's setup hook takes into trainers for the attach
-# hook (its code is to move down into worker_ext); nothing else is let through.
-BEING_REMOVED_ARROWS_UP = (("worker_ext.attach", "trainers.attach_hook"),)
-
-
 def test_every_room_imports_only_what_it_may():
-    assert import_violations(ROOT_PATH, BEING_REMOVED_ARROWS_UP) == []
+    assert import_violations(ROOT_PATH) == []
 
 
 def test_no_circle_of_imports():
@@ -63,7 +58,7 @@ def test_the_check_fails_when_worker_ext_reaches_up_into_trainers_at_run_time(tm
     (tmp_path / "worker_ext" / "rank" / "peek.py").write_text(
         "def f():\n    from trainers import ProfilingHooks\n"
     )
-    found = import_violations(tmp_path, BEING_REMOVED_ARROWS_UP)
+    found = import_violations(tmp_path)
     assert {v.split(":")[0] for v in found} == {
         "worker_ext.rank.peek imports trainers",
         "worker_ext.rank.peek imports trainers.ProfilingHooks",

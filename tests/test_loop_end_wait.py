@@ -11,8 +11,8 @@ import pytest
 from coordinator.core.config import ProfilerConfig
 from coordinator.core.schedule import Schedule
 from coordinator.core.window_plan import WindowPlan
-from trainers.rank_session import FINISH_S, RankSession, _claim, _off
 from worker_ext.rank.rank_profiler import RankProfiler
+from worker_ext.rank.rank_session import FINISH_S, RankSession, _claim, _off
 
 
 def session_with(tmp_path, finish) -> RankSession:

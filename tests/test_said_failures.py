@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from coordinator.client.tracker_feed import TrackerFeed
-from trainers.rank_session import RankSession
+from worker_ext.rank.rank_session import RankSession
 
 
 class _Refusing:

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from trainers.rank_session import RankSession, _claim, _off
+from worker_ext.rank.rank_session import RankSession, _claim, _off
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

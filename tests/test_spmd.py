@@ -118,7 +118,7 @@ def _misuse(config: dict, name: str) -> dict:
     backwards. Each is refused with a clear reason, and the loop goes on."""
     import logging
 
-    from trainers.rank_session import RankSession
+    from worker_ext.rank.rank_session import RankSession
 
     said: list[str] = []
 
@@ -126,7 +126,7 @@ def _misuse(config: dict, name: str) -> dict:
         def emit(self, record: logging.LogRecord) -> None:
             said.append(record.getMessage())
 
-    logging.getLogger("trainers.rank_session").addHandler(Catch())
+    logging.getLogger("worker_ext.rank.rank_session").addHandler(Catch())
     where = {"name": name, "namespace": "profiler-tests", "trainer_id": "sft"}
     nobody = RankSession.attach(config, **where)
     with nobody.session(0):
@@ -417,7 +417,7 @@ def test_a_status_from_a_rank_s_earlier_process_is_refused_and_moves_nothing(
 ):
     """A Ray Train restart: rank 1 attached again (generation 2); its earlier process's close,
     arriving late, would move the new group's plan to its old step. It is refused."""
-    from coordinator.client.attach import attach_coordinator
+    from coordinator.client.connect import attach_coordinator
 
     ray = ray_session
     cfg = _config(tmp_path)

@@ -13,7 +13,7 @@ from coordinator.core.run import new_run
 from coordinator.core.schedule import Schedule
 from coordinator.core.window_plan import Ignored, Start, WindowPlan, replay
 from coordinator.service.spmd_ranks import SpmdRanks
-from trainers.rank_session import rank_and_world
+from worker_ext.rank.rank_session import rank_and_world
 
 
 def _cfg(**kw: object) -> ProfilerConfig:

@@ -217,7 +217,7 @@ def test_an_exit_of_another_run_or_process_is_refused_and_moves_no_step(
     coordinator name, where rank 0 is generation 1 again. Another run's name, or a pid other
     than the one the rank attached with, is refused and moves nothing; the rank's own process
     of this run moves the step."""
-    from coordinator.client.attach import attach_coordinator
+    from coordinator.client.connect import attach_coordinator
     from tests.configs import profiler_config
 
     ray = ray_session

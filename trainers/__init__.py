@@ -5,6 +5,6 @@ import neither torch nor Ray until attached with profiling enabled.
 """
 
 from trainers.hooks import ProfilingHooks
-from trainers.rank_session import RankSession
+from worker_ext.rank.rank_session import RankSession
 
 __all__ = ["ProfilingHooks", "RankSession"]

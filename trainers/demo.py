@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from coordinator.client.attach import address_problem
+from coordinator.client.connect import address_problem
 from coordinator.core.config import ProfilerConfig
 
 TRAINERS = ("sft", "rl", "async", "fully-async", "ray-train")

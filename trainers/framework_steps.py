@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from trainers.rank_session import RankSession
+from worker_ext.rank.rank_session import RankSession
 
 _LIVE: dict[int, FrameworkSteps] = {}  # pid -> the steps whose training began and never ended
 

@@ -403,7 +403,7 @@ def _attach(
     refusal from the actor (a bad registration, a clash of runs) as a plain ValueError."""
     import ray
 
-    from coordinator.client.attach import attach_coordinator
+    from coordinator.client.connect import attach_coordinator
 
     try:
         coord, run = attach_coordinator(cfg, where[0], where[1], trainer_id=trainer_id)

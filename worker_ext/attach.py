@@ -13,8 +13,8 @@ import watcher: when the training code imports ``torch.optim``, one optimizer st
 registered. A process that never steps an optimizer (a rollout engine, a data loader, a reward
 model) is never touched: no RPC, no thread, no further import.
 
-At its first optimizer step the process becomes a rank (``trainers.attach_hook``): it reads its
-config from ``RAY_PROFILER_CONFIG``, says who it is (``torch.distributed``, else Ray Train, else
+At its first optimizer step the process becomes a rank (``worker_ext.rank.attached``): it reads
+its config from ``RAY_PROFILER_CONFIG``, says who it is (``torch.distributed``, else Ray Train, else
 its actor class and index), attaches to the coordinator as an SPMD rank (``RankSession``) and
 from then on steps its profiler on each optimizer step, on its own training thread. A fault,
 a bad config or an unreachable coordinator switches its profiling off with one logged error
@@ -23,7 +23,7 @@ training goes on, and the hook never raises into ``optimizer.step()``.
 
 With ``attach: {skyrl: true}`` the watcher also waits for SkyRL's profiler module: SkyRL's own
 ``torch_profiler_config`` and its ``start_profile`` / ``profile_step`` / ``stop_profile`` /
-``dump_profiler_summary`` calls then drive the coordinator (``trainers.skyrl_profiler``), and
+``dump_profiler_summary`` calls then drive the coordinator (``worker_ext.rank.skyrl_profiler``), and
 optimizer steps attach nothing.
 
 With ``enable: true`` and ``engine: kineto`` in the config (read by the same reader as the
@@ -159,7 +159,7 @@ def _first(optimizer: Any) -> None:
         if _step is not None:  # (another thread got here first)
             _step(optimizer)
             return
-        from trainers.attach_hook import first_step
+        from worker_ext.rank.attached import first_step
 
         _step = first_step(optimizer) or nothing
 
@@ -209,8 +209,8 @@ def _register(module: ModuleType) -> None:
 
 def _skyrl(module: ModuleType) -> None:
     """SkyRL's profiler module has run: with ``attach.skyrl``, its ``Profiler`` becomes the
-    coordinated one (``trainers.skyrl_profiler``)."""
-    from trainers.attach_hook import skyrl_loaded
+    coordinated one (``worker_ext.rank.skyrl_profiler``)."""
+    from worker_ext.rank.attached import skyrl_loaded
 
     skyrl_loaded(module, driven_elsewhere)
 

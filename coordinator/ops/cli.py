@@ -368,7 +368,7 @@ def _steering_commands(command: Command) -> None:
 
 def connect(address: str, namespace: str, name: str) -> Any:
     """A coordinator handle, or CliError with one line that says what is missing."""
-    from coordinator.client.attach import connect as connect_to
+    from coordinator.client.connect import connect as connect_to
 
     try:
         return connect_to(name, namespace, address=address)

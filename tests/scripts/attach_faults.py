@@ -60,7 +60,7 @@ def main() -> None:
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, runtime_env={
         "worker_process_setup_hook": "worker_ext.attach.setup", "env_vars": env})  # fmt: skip
     if mode == "bad-config":
-        from coordinator.client.attach import get_or_create_coordinator
+        from coordinator.client.connect import get_or_create_coordinator
 
         get_or_create_coordinator({"enable": False}, name=name, namespace="profiler")
     actor = TwoOptimizers.remote()

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from trainers.rank_session import RankSession
 from trainers.reference.model import CausalLM, ModelConfig, sft_batch, sft_corpus
 from trainers.reference.workers import free_address, update
+from worker_ext.rank.rank_session import RankSession
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from typing import Any
 from coordinator.core.attach import CONFIG_ENV, Attach, Identity, identify, read_source
 from coordinator.core.config import ProfilerConfig
 from coordinator.protocol.names import DEFAULT_NAME, DEFAULT_NAMESPACE
-from trainers.rank_session import RankSession, with_train_storage
 from worker_ext.rank.process_place import actor_rank, dist_rank, process_where, train_rank
+from worker_ext.rank.rank_session import RankSession, with_train_storage
 
 log = logging.getLogger(__name__)
 Step = Callable[[Any], None]
@@ -39,7 +39,7 @@ def first_step(optimizer: Any) -> Step | None:
     try:
         mapping = read_source(os.environ.get(CONFIG_ENV))
         if not mapping.get("enable") or skyrl_switch(mapping):
-            return None  # (off; or SkyRL's profiler calls drive it: trainers.skyrl_profiler)
+            return None  # (off; or SkyRL's profiler calls drive it: worker_ext.rank.skyrl_profiler)
         cfg = ProfilerConfig.from_dict(with_train_storage(mapping))
     except ValueError as exc:
         _refused(str(exc), process_where(), DEFAULT_NAME, DEFAULT_NAMESPACE)
@@ -146,7 +146,7 @@ def skyrl_loaded(module: Any, driven_elsewhere: Callable[[Step], None]) -> None:
         log.error("profiler: SkyRL's profiler is left as it is: %s", exc)
         return
     if on:
-        from trainers import skyrl_profiler
+        from worker_ext.rank import skyrl_profiler
 
         skyrl_profiler.optimizer_steps_to = driven_elsewhere
         module.Profiler = skyrl_profiler.SkyRLProfiler

@@ -148,14 +148,12 @@ class RankSession:
     def _join(self, cfg: ProfilerConfig, role: str, name: str, namespace: str) -> None:
         import ray
 
-        from coordinator.service.actor import ProfilerCoordinator
+        from coordinator.client.connect import coordinator_handle
         from worker_ext.rank.kineto_rank import profiler_class
 
         if not ray.is_initialized():
             raise RuntimeError("ray is not initialised in this rank's process")
-        coord = ProfilerCoordinator.options(
-            name=name, namespace=namespace, lifetime="detached", get_if_exists=True
-        ).remote(cfg.to_dict(), name, namespace)
+        coord = coordinator_handle(cfg, name, namespace)
         where = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
         with contextlib.suppress(Exception):  # (not in an actor: a plain process)
             where["actor"] = ray.get_runtime_context().current_actor  # (for stacks())

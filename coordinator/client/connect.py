@@ -34,11 +34,7 @@ def attach_coordinator(
     cfg.validate()
     if not ray.is_initialized():
         raise RuntimeError("ray is not initialised: call ray.init() before creating the profiler")
-    from coordinator.service.actor import ProfilerCoordinator
-
-    handle = ProfilerCoordinator.options(
-        name=name, namespace=namespace, lifetime="detached", get_if_exists=True
-    ).remote(cfg.to_dict(), name, namespace)
+    handle = coordinator_handle(cfg, name, namespace)
     info: OpenRunReply = ray.get(handle.open_run.remote(cfg.to_dict(), trainer_id))
     key = (namespace, name, info["run"])
     if info["mismatch"] and key not in _WARNED:
@@ -52,6 +48,16 @@ def attach_coordinator(
             ", ".join(info["mismatch"]),
         )
     return handle, info
+
+
+def coordinator_handle(cfg: ProfilerConfig, name: str, namespace: str) -> Any:
+    """The named, detached coordinator's handle, the actor created with ``cfg`` if it does not
+    exist (Ray initialised; nothing asked of it yet)."""
+    from coordinator.service.actor import ProfilerCoordinator
+
+    return ProfilerCoordinator.options(
+        name=name, namespace=namespace, lifetime="detached", get_if_exists=True
+    ).remote(cfg.to_dict(), name, namespace)
 
 
 def get_or_create_coordinator(

@@ -32,8 +32,8 @@ from typing import Any
 
 from coordinator.core.attach import CONFIG_ENV, Attach, identify, read_source
 from coordinator.core.config import ProfilerConfig
-from trainers.rank_session import RankSession
 from worker_ext.rank.process_place import actor_rank, dist_rank, process_where
+from worker_ext.rank.rank_session import RankSession
 
 log = logging.getLogger(__name__)
 SKYRL_FIELDS = ("enable", "ranks", "save_path", "skip_first", "wait", "warmup", "active",
