@@ -376,25 +376,49 @@ def _host_ns(
     DataLoader ``__next__`` spans and their number; of the outermost gradient-zeroing ops under
     a ``zero_grad`` scope (``_ZERO_GRAD_SCOPE``; none under a new zeros tensor) and their
     number. Events of the sorted ``_nest`` arrays; a trace without such names costs one scan
-    of its names."""
-    loader = np.array([bool(_DATALOADER.match(n)) for n in names] or [False])
-    zeroing = np.array([n in _ZEROING for n in names] or [False])
-    if not len(name) or not (loader.any() or zeroing.any()):
+    of its names, one with them a walk up from those events only (``_above``)."""
+    bits = np.array([_host_bits(n) for n in names] or [0], dtype=np.int8)
+    if not len(name) or not (bits & (_LOADER | _ZEROES)).any():
         return (0, 0, 0, 0)
-    clipped = np.clip(np.minimum(end, span[1]) - np.maximum(start, span[0]), 0, None)
-    has_parent = parent >= 0
-    p = np.where(has_parent, parent, 0)
+    mine = bits[name]
+    found = []
+    # (events, their kind, what their ancestors may be: of ``mask``, exactly ``required``)
+    wanted = ((_LOADER, ANNOTATION, _LOADER, 0), (_ZEROES, OP, _ZEROES | _SCOPE | _NEW, _SCOPE))
+    for flag, what, mask, required in wanted:
+        idx = np.flatnonzero(((mine & flag) != 0) & (kind == what))
+        idx = idx[(np.minimum(end[idx], span[1]) > np.maximum(start[idx], span[0]))]
+        idx = idx[(_above(mine, idx, parent) & mask) == required]  # outermost (scoped, not new)
+        ns = np.minimum(end[idx], span[1]) - np.maximum(start[idx], span[0])
+        found += [int(ns.sum()), len(idx)]
+    return found[0], found[1], found[2], found[3]
 
-    def outermost(flag: np.ndarray) -> np.ndarray:
-        out: np.ndarray = flag & ~(has_parent & _inherited(flag, parent)[p])
-        return out
 
-    dl = outermost((kind == ANNOTATION) & loader[name]) & (clipped > 0)
-    scope = np.array([bool(_ZERO_GRAD_SCOPE.search(n)) for n in names])[name]
-    new_zeros = np.array([n in _NEW_ZEROS for n in names])[name]
-    zero = outermost((kind == OP) & zeroing[name]) & (clipped > 0)
-    zero &= _inherited(scope, parent) & ~_inherited(new_zeros, parent)
-    return (int(clipped[dl].sum()), int(dl.sum()), int(clipped[zero].sum()), int(zero.sum()))
+_LOADER, _ZEROES, _SCOPE, _NEW = 1, 2, 4, 8
+
+
+def _host_bits(name: str) -> int:
+    """What a name is to ``_host_ns``: a DataLoader ``__next__``, a zeroing op, a
+    ``zero_grad`` scope, a new zeros tensor (bits)."""
+    return (
+        _LOADER * bool(_DATALOADER.match(name))
+        | _ZEROES * (name in _ZEROING)
+        | _SCOPE * bool(_ZERO_GRAD_SCOPE.search(name))
+        | _NEW * (name in _NEW_ZEROS)
+    )
+
+
+def _above(bits: np.ndarray, idx: np.ndarray, parent: np.ndarray) -> np.ndarray:
+    """For each event of ``idx``, its ancestors' ``bits`` OR-ed: one step up a pass, over
+    those events only (a pass per level of the deepest)."""
+    acc = np.zeros(len(idx), dtype=bits.dtype)
+    cur = parent[idx]
+    live = np.flatnonzero(cur >= 0)
+    while len(live):
+        up = cur[live]
+        acc[live] |= bits[up]
+        cur[live] = parent[up]
+        live = live[cur[live] >= 0]
+    return acc
 
 
 def _host_row(ns: tuple[int, int, int, int], steps: int) -> HostRow | None:
