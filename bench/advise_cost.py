@@ -19,7 +19,10 @@ the reply ``window_collectives`` as ``collectives()`` matches it (``shown`` 0). 
   memory, one in 8 ranks launch-bound in every step and one in 16 at 95% of an 80 GiB device
   (``memory_peak``'s ``device_gib`` set to 80), and its host time (``HostRow``): one rank in
   32 in its DataLoader for 30% of its step, the others 1%, every rank zeroing its gradients
-  for 2% (``dataloader`` names 32 ranks, ``zero_grad`` all): every rule reads its figures.
+  for 2% (``dataloader`` names 32 ranks, ``zero_grad`` all), and its GPU figures (``GpuRow``):
+  every rank waiting 0.5% of its step in 6 syncs of 2 causing ops, one in 4 copying pageable
+  memory for 1%, one in 16 running its GEMMs in fp32 for 10% without TF32 (``host_sync`` names
+  all, ``memcpy_pageable`` 256, ``tf32_off`` 64): every rule reads its figures.
 
 CPU time is ``time.process_time`` (every thread of the process), the best of ``--rounds``.
 
@@ -37,6 +40,11 @@ With the ``dataloader`` and ``zero_grad`` rules (issue 57; same machine, load 5-
 template window (no host figures) 3.2-8.4 ms (4.4 before them, in one run at this load), each
 new rule 0.07-0.13 ms; the CUDA window, now with every rank's host time, 6.9-9.6 ms (5.9 before,
 without it): ``dataloader`` (32 ranks named) 0.34-0.38 ms, ``zero_grad`` (1,024) 0.62-0.84 ms.
+
+With the GPU rules (issue 57; 2 CPUs, load 0.3-1.6, one run each, 30 rounds): the CUDA window,
+now with every rank's ``GpuRow``, 9.4 ms (6.3 before, without them): ``host_sync`` (1,024 ranks
+named, its causing ops over the 32 in its evidence) 0.80 ms, ``memcpy_pageable`` (256) 0.37,
+``tf32_off`` (64) 0.37; the template window 4.2 ms (4.6 before), each new rule 0.00-0.01 ms.
 """
 
 from __future__ import annotations
@@ -60,7 +68,13 @@ from coordinator.core.collectives import window_collectives  # noqa: E402
 from coordinator.core.findings import RULES, figures_of, window_findings  # noqa: E402
 from coordinator.core.partial import fold_summaries  # noqa: E402
 from coordinator.protocol.partial_codec import decode_partial, encode_partial  # noqa: E402
-from coordinator.protocol.summary_codec import HostRow, LaunchRow, RankSummary  # noqa: E402
+from coordinator.protocol.summary_codec import (  # noqa: E402
+    GpuRow,
+    HostRow,
+    LaunchRow,
+    RankSummary,
+    SyncCause,
+)
 from coordinator.service.advise_reads import advise  # noqa: E402
 
 BUDGET_MS = 5.0
@@ -80,6 +94,10 @@ def with_device(s: RankSummary) -> RankSummary:
     s.peak_bytes = int(share * DEVICE_GIB * 2**30)
     step = sum(us for _, us in s.step_us) / max(len(s.step_us), 1)
     s.host = HostRow((0.3 if s.rank % 32 == 0 else 0.01) * step, 4, 0.02 * step, 64)
+    causes = (SyncCause("aten::item", 0.004 * step, 4), SyncCause("aten::nonzero", 0.001 * step, 2))
+    page = 0.01 * step if s.rank % 4 == 0 else 0.0
+    fp32, tf32 = (0.1 * step, 0.0) if s.rank % 16 == 0 else (0.01 * step, 0.3 * step)
+    s.gpu = GpuRow(0.005 * step, 6, causes, page, 8 * (page > 0), fp32, tf32)
     return s
 
 

@@ -363,7 +363,7 @@ class WindowAggregate:
             kernels = cast("list[KernelStats]", self.top(top_k))
             if by == "op":
                 ops = {k["name"]: {"cpu_us": k["total_us"], "kernels": []} for k in kernels}
-        return {
+        reply: KernelSummaryReply = {
             "run": "",
             "window": self.window,
             "steps": list(self.steps) if self.steps else [],
@@ -394,6 +394,7 @@ class WindowAggregate:
             "device_steps": self.gpu.device_steps(),
             "rank_steps": self.step_strip() if per_rank else None,
         }
+        return self.gpu.with_rows(reply)
 
     def step_strip(self) -> dict[int, list[list[float]]]:
         """Each rank's recorded steps, ``[step, ms]``: the times its stragglers are judged by

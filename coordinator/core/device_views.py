@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 from coordinator.core.row_table import RowTable
 from coordinator.core.saved import DeviceFile
 from coordinator.protocol.partial_codec import NS, NodePartial, RankPart
-from coordinator.protocol.summary_codec import LaunchRow, OpRow
+from coordinator.protocol.summary_codec import GpuRow, LaunchRow, OpRow
 
 if TYPE_CHECKING:
-    from coordinator.protocol.replies import LaunchEntry, OpDetail
+    from coordinator.protocol.replies import GpuEntry, KernelSummaryReply, LaunchEntry, OpDetail
 
 OP_DETAIL_KERNELS = 3
 """An op's largest kernels listed in its row of the op table."""
@@ -33,6 +33,7 @@ class DeviceFigures:
         self.ops = RowTable(NS)  # device time by op (count: calls)
         self.op_cpu = RowTable(NS)  # the same ops' self CPU time
         self.op_kernels: dict[str, dict[str, int]] = {}  # op -> kernel -> device ns
+        self.rows: dict[int, GpuRow] = {}  # the findings' syncs, pageable copies, fp32 GEMMs
 
     def saved(self) -> DeviceFile:
         """The figures as saved."""
@@ -40,7 +41,7 @@ class DeviceFigures:
             unattributed=dict(self.unattributed), step_device=dict(self.step_device),
             launch=dict(self.launch), launch_bound=dict(self.launch_bound),
             ops=self.ops.saved(), op_cpu=self.op_cpu.saved(),
-            op_kernels={op: dict(k) for op, k in self.op_kernels.items()},
+            op_kernels={op: dict(k) for op, k in self.op_kernels.items()}, rows=dict(self.rows),
         )  # fmt: skip
 
     @classmethod
@@ -51,11 +52,12 @@ class DeviceFigures:
         out.launch, out.launch_bound = dict(f.launch), dict(f.launch_bound)
         out.ops, out.op_cpu = RowTable.from_saved(f.ops), RowTable.from_saved(f.op_cpu)
         out.op_kernels = {op: dict(k) for op, k in f.op_kernels.items()}
+        out.rows = dict(f.rows)
         return out
 
     def copy(self) -> DeviceFigures:
         out = DeviceFigures()
-        for name in ("unattributed", "step_device", "launch", "launch_bound"):
+        for name in ("unattributed", "step_device", "launch", "launch_bound", "rows"):
             setattr(out, name, dict(getattr(self, name)))
         out.ops, out.op_cpu = self.ops.copy(), self.op_cpu.copy()
         out.op_kernels = copy.deepcopy(self.op_kernels)
@@ -72,6 +74,15 @@ class DeviceFigures:
             self.launch[part.rank] = part.launch
         if part.launch_bound:
             self.launch_bound[part.rank] = part.launch_bound
+        if part.gpu is not None:
+            self.rows[part.rank] = part.gpu
+
+    def with_rows(self, table: KernelSummaryReply) -> KernelSummaryReply:
+        """``table`` with each rank's GPU figures as its ``gpu`` entry (``replies.GpuEntry``),
+        where a rank has them (a record from before them, a CPU window: no key)."""
+        if self.rows:
+            table["gpu"] = {r: gpu_entry(row) for r, row in sorted(self.rows.items())}
+        return table
 
     def add_ops(self, rank: int, ops: list[OpRow]) -> None:
         """A rank's op table, from its summary."""
@@ -135,3 +146,16 @@ class DeviceFigures:
             r: [[float(s), busy, span] for s, busy, span in steps]
             for r, steps in sorted(self.step_device.items())
         }
+
+
+def gpu_entry(row: GpuRow) -> GpuEntry:
+    """A ``GpuRow`` as the table's ``gpu`` entry (``GpuEntry``)."""
+    return {
+        "sync_wait_us": row.wait_us,
+        "syncs": row.syncs,
+        "sync_causes": [[c.name, c.wait_us, c.syncs] for c in row.causes],
+        "pageable_us": row.pageable_us,
+        "pageable_copies": row.pageable_copies,
+        "fp32_gemm_us": row.fp32_gemm_us,
+        "tf32_gemm_us": row.tf32_gemm_us,
+    }

@@ -27,6 +27,8 @@ How overlapping lost time is resolved, so no time is reported twice (rules run i
 - ``launch_bound``: the device idle of each rank's launch-bound steps.
 - ``gpu_idle``: each CUDA rank's device idle minus what ``launch_bound`` counted of it, and
   minus the time ``dataloader`` counted on it (the device idles while its host loads data).
+- ``host_sync``, ``memcpy_pageable``, ``tf32_off`` (``core.findings_device``): the host's wait
+  while its device runs, and busy device time: none is counted by another rule.
 - ``memory_peak``: costs no time (0 ms): it says how close a rank came to its device's memory.
 
 Findings come costliest first (ties by rule order); every threshold can be set in the config
@@ -42,6 +44,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.core import findings_device as device
 from coordinator.core.validate import check_known_keys
 from coordinator.protocol.finding_replies import Finding
 
@@ -79,6 +82,7 @@ class Figures:
     wait_ms: dict[int, float]  # each rank's wait in collectives a step
     spent: dict[str, dict[int, float]] = field(default_factory=dict)  # rule -> rank -> ms
     host_sums: dict[str, float] = field(default_factory=dict)  # a host key's sum over ranks
+    gpu: dict[int, Mapping[str, Any]] = field(default_factory=dict)  # a CUDA rank's GpuEntry
 
 
 @dataclass(frozen=True)
@@ -377,9 +381,30 @@ def memory_peak(fig: Figures, th: dict[str, float]) -> Finding | None:
     return _finding(fig, "memory_peak", ranks, 0.0, evidence, advice)
 
 
+def _gpu_rule(
+    rule: str, judge: Callable[[Figures, dict[str, float]], device.Judged]
+) -> Callable[[Figures, dict[str, float]], Finding | None]:
+    """A rule of ``findings_device``: its finding over the ranks its judge costs, each per-rank
+    figure of its evidence bounded as ``ms_per_step`` is (``shown``)."""
+
+    def run(fig: Figures, th: dict[str, float]) -> Finding | None:
+        got = judge(fig, th)
+        if got is None:
+            return None
+        costs, more, advice = got
+        top = shown(costs)
+        for key, v in more.items():
+            if isinstance(v, dict) and len(top) < len(v) and v.keys() == costs.keys():
+                more[key] = {r: v[r] for r in top}
+        return _over_ranks(fig, rule, costs, more, advice)
+
+    return run
+
+
 TB = "torch-tb-profiler's recommendations"
 MIN_SHARE = Threshold(0.02, 0.0, 1.0, "issue 57's no-false-alarm bound: 2% of the step")
 PATTERNS = "PyTorch's pattern matcher (torch.profiler._pattern_matcher)"
+NSYS = "nsys analyze"
 RULES: dict[str, Rule] = {
     r.id: r
     for r in (
@@ -405,6 +430,20 @@ RULES: dict[str, Rule] = {
         Rule("gpu_idle", {
             "share": Threshold(0.15, 0.0, 1.0, "TraceLens: idle over 15% of the step"),
         }, gpu_idle, "a CUDA rank's device idle, less its launch-bound steps'"),
+        Rule("host_sync", {"min_share": Threshold(0.0, 0.0, 1.0, f"{NSYS}: cuda_api_sync flags "
+                                                  "any synchronizing call (0: any time)")},
+             _gpu_rule("host_sync", device.host_sync),
+             "the host's wait in device synchronizations, by causing op"),
+        Rule("memcpy_pageable", {"min_share": Threshold(0.0, 0.0, 1.0, f"{NSYS}: "
+                                 "cuda_memcpy_async flags any pageable async copy (0: any)")},
+             _gpu_rule("memcpy_pageable", device.memcpy_pageable),
+             "the device time of copies from or to pageable memory"),
+        Rule("tf32_off", {
+            "min_share": MIN_SHARE,
+            "speedup": Threshold(2.0, 1.0, 100.0, "a conservative TF32 over fp32 GEMM speedup "
+                                 "(NVIDIA's A100: 156 over 19.5 TFLOPS, 8x)"),
+        }, _gpu_rule("tf32_off", device.tf32_off),
+             "fp32 GEMMs without TF32 on Ampere+, on a rank with none with it"),
         Rule("memory_peak", {
             "share": Threshold(0.90, 0.0, 1.0, f"{TB}: peak memory over 90% of the device"),
             "device_gib": Threshold(0.0, 0.0, 1e6, "the device's memory (0: not known, quiet)"),
@@ -489,6 +528,7 @@ def figures_of(table: Mapping[str, Any], collectives: Mapping[str, Any] | None) 
         peaks={int(r): int(p) for r, p in (memory.get("peak_bytes") or {}).items()},
         last_arriver=la,
         wait_ms=wait,
+        gpu={int(r): v for r, v in (table.get("gpu") or {}).items()},
     )
 
 

@@ -224,6 +224,7 @@ def rank_part(s: RankSummary) -> RankPart:
         memory_flow=s.memory_flow if s.peak_bytes is not None else None,
         collectives=encode_block(s.collectives) if s.collectives is not None else None,
         host=s.host,
+        gpu=s.gpu,
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from coordinator.protocol.summary_codec import HostRow, LaunchRow, StreamRow
+from coordinator.protocol.summary_codec import GpuRow, HostRow, LaunchRow, StreamRow
 
 BigInt = int | str
 """An int, or its decimal digits beyond msgpack's 64 bits (a sum of squares of nanoseconds
@@ -60,6 +60,8 @@ class DeviceFile(msgspec.Struct):
     ops: RowTableFile
     op_cpu: RowTableFile
     op_kernels: dict[str, dict[str, int]]
+    rows: dict[int, GpuRow] = {}
+    """Per rank: the findings' GPU figures (``GpuRow``; a file written before: none)."""
 
 
 Block = tuple[tuple[int, ...], tuple[int, ...] | None, bytes]

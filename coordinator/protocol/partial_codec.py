@@ -24,6 +24,7 @@ from coordinator.protocol.summary_codec import (
     MAX_STEPS,
     MAX_STREAMS,
     Count,
+    GpuRow,
     HostRow,
     LaunchRow,
     Micros,
@@ -94,6 +95,8 @@ class RankPart(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Its summary's collectives (``collective_replies.encode_block``), decoded when read."""
     host: HostRow | None = None
     """Its summary's DataLoader and gradient-zeroing time (``summary_codec.HostRow``)."""
+    gpu: GpuRow | None = None
+    """Its summary's syncs, pageable copies and fp32 GEMMs (``summary_codec.GpuRow``)."""
     # (Tuples, not lists: a tuple of numbers or untracked rows leaves the garbage collector's
     # lists at its first pass, and the coordinator keeps these for every rank of a window.)
 

@@ -12,7 +12,7 @@ statistics are named for what they hold.
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 from coordinator.protocol.collective_replies import LastArriver as LastArriver
 from coordinator.protocol.finding_replies import StatusFindings as StatusFindings
@@ -632,6 +632,21 @@ class LaunchEntry(TypedDict):
     launch_bound: list[int]
 
 
+class GpuEntry(TypedDict):
+    """A CUDA rank's figures of the findings' GPU rules (issue 57; ``summary_codec.GpuRow``),
+    each a mean a recorded step: the host's wait in device synchronizations, how many, and the
+    ops that caused the most (``[name, wait_us, syncs]``); copies from pageable memory (device
+    time, how many); fp32 GEMM and convolution kernels without TF32 and with it."""
+
+    sync_wait_us: float
+    syncs: int
+    sync_causes: list[list[Any]]
+    pageable_us: float
+    pageable_copies: int
+    fp32_gemm_us: float
+    tf32_gemm_us: float
+
+
 class BreakdownTable(TypedDict):
     ranks: dict[int, dict[str, float]]
     mean: dict[str, float]
@@ -675,6 +690,7 @@ class KernelSummaryReply(OptimizerSteps):
     launch: dict[int, LaunchEntry]  # CUDA ranks' launches
     unattributed_us: dict[int, float]  # CUDA: device time launched outside the window's steps
     device_steps: dict[int, list[list[float]]]  # CUDA: [step, busy_us, span_us] per step
+    gpu: NotRequired[dict[int, GpuEntry]]  # CUDA: syncs, pageable copies, fp32 GEMMs
     rank_steps: dict[int, list[list[float]]] | None  # with per_rank: [step, ms] per rank
 
 

@@ -124,6 +124,35 @@ class HostRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     zero_grad_ops: Count
 
 
+MAX_SYNC_CAUSES = 4
+"""The ops a ``GpuRow`` names as causing device synchronizations, the costliest first."""
+
+
+class SyncCause(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """An op that made the host wait for the device: its wait a step and its syncs."""
+
+    name: Name
+    wait_us: Micros
+    syncs: Count
+
+
+class GpuRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A CUDA rank's figures of the findings' GPU rules (issue 57,
+    ``core.findings_device``), each a mean over the window's recorded steps: the host's wait
+    in device synchronizations (the sync runtime calls and ``aten::_local_scalar_dense``,
+    outermost only), how many, and the ops that caused the most; the device time of copies
+    from pageable memory and how many; the device time of fp32 GEMM and convolution kernels
+    without TF32 on an Ampere or later device, and of TF32 ones."""
+
+    wait_us: Micros
+    syncs: Count
+    causes: Annotated[tuple[SyncCause, ...], msgspec.Meta(max_length=MAX_SYNC_CAUSES)]
+    pageable_us: Micros
+    pageable_copies: Count
+    fp32_gemm_us: Micros
+    tf32_gemm_us: Micros
+
+
 class MemoryRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """An op's allocations in the window: bytes allocated (frees not subtracted), how many."""
 
@@ -167,6 +196,8 @@ class RankSummary:
     """The window's collectives as this rank ran them (issue 56); None: its trace has none."""
     host: HostRow | None = None
     """Its DataLoader and gradient-zeroing time (``HostRow``); None: its trace has neither."""
+    gpu: GpuRow | None = None
+    """CUDA: its syncs, pageable copies and fp32 GEMMs (``GpuRow``); None: a CPU rank."""
 
     @property
     def total_us(self) -> float:
@@ -206,6 +237,7 @@ class _Wire(msgspec.Struct, forbid_unknown_fields=True):
     memory_flow: tuple[Annotated[int, msgspec.Meta(ge=-1)], Count, Count] | None = None
     collectives: CollectiveBlock | None = None
     host: HostRow | None = None
+    gpu: GpuRow | None = None
 
     def __post_init__(self) -> None:
         if self.steps[0] > self.steps[1]:
@@ -242,6 +274,7 @@ def encode_summary(summary: RankSummary) -> bytes:
         memory_flow=summary.memory_flow if summary.peak_bytes is not None else None,
         collectives=summary.collectives,
         host=summary.host,
+        gpu=summary.gpu,
     )
     return strict_encode(wire, "summary", decode_summary)
 
@@ -305,4 +338,5 @@ def decode_summary(data: Any) -> RankSummary:
         memory_flow=w.memory_flow,
         collectives=w.collectives,
         host=w.host,
+        gpu=w.gpu,
     )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from worker_ext.agent.trace_reader import COPY, OP, RUNTIME
+from worker_ext.agent.trace_reader import ANNOTATION, COPY, OP, RUNTIME, STEP_NAME
 
 COMM_KERNEL = re.compile(r"^nccl.*Kernel")
 MEMORY_KERNEL = re.compile(r"^(Memcpy|Memset|dma)")
@@ -281,3 +281,91 @@ def _op_time(
     for o, kernels in by_op.items():
         for d, k in sorted(kernels, key=lambda x: (-x[0], x[1]))[:OP_TOP_KERNELS]:
             r.op_kernels[(o, k)] = d
+
+
+# The findings' GPU rules (issue 57, ``core.findings_device``): the calls that block the host
+# until the device is done (nsys's cuda_api_sync and cuda_memcpy_sync; the driver's twins), the
+# op under ``.item()`` and friends (it copies a scalar back and waits for it), a copy from or
+# to pageable memory (kineto names its kinds), and fp32 GEMM and convolution kernels with TF32
+# (cuBLAS's and CUTLASS's ``s1688``/``s16816`` tensor-op kernels, ``tf32`` in cuDNN's) or
+# without it on an Ampere or later device (its SIMT ``sgemm``/``scudnn`` and ``f32f32_f32f32``
+# kernels: a pre-Ampere device's are named ``volta_``/``turing_``/``maxwell_``).
+SYNC_CALLS = frozenset(
+    {
+        *("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"),
+        *("cudaMemcpy", "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cudaMemcpyToSymbol"),
+        *("cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize"),
+    }
+)
+SCALAR_OP = "aten::_local_scalar_dense"
+PAGEABLE_COPY = re.compile(r"^Memcpy \w+ \(.*Pageable")
+TF32_KERNEL = re.compile(r"tf32|s1688|s16816", re.IGNORECASE)
+FP32_KERNEL = re.compile(
+    r"^(void )?(\w+::Kernel<)?(ampere|sm_?(8|9|1\d)\d|cutlass_(8|9|1\d)\d)_\w*?"
+    r"(sgemm|scudnn|f32f32_f32f32)"
+)
+
+
+@dataclass
+class HostSyncs:
+    """The host's waits for the device inside a window (times in ns): the outermost sync calls
+    and ``SCALAR_OP`` spans, clipped to the window, and by what caused each (the innermost op
+    around it but ``SCALAR_OP``, else its innermost annotation but a step's, such as
+    ``DistributedDataParallel.forward``; -1: none): ``[ns, syncs]``."""
+
+    wait_ns: int = 0
+    syncs: int = 0
+    causes: dict[int, list[int]] = field(default_factory=dict)
+
+
+def host_syncs(
+    names: list[str],
+    name: np.ndarray,
+    kind: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+    parent: np.ndarray,
+    span: tuple[int, int],
+) -> HostSyncs:
+    """``HostSyncs`` of CPU events (``parent``: indices into the same arrays, -1 at the top); a
+    trace without such names costs one scan of its names."""
+    is_call = np.array([n in SYNC_CALLS for n in names] or [False])
+    scalar = np.array([n == SCALAR_OP for n in names] or [False])
+    out = HostSyncs()
+    if not len(name) or not (is_call.any() or scalar.any()):
+        return out
+    flag = ((kind == RUNTIME) & is_call[name]) | ((kind == OP) & scalar[name])
+    clipped = np.clip(np.minimum(end, span[1]) - np.maximum(start, span[0]), 0, None)
+    for i in np.flatnonzero(flag & (clipped > 0)).tolist():
+        p, op, note, nested = int(parent[i]), -1, -1, False
+        while p >= 0 and not nested:
+            nested, k, n = bool(flag[p]), int(kind[p]), int(name[p])
+            if op < 0 and k == OP and not scalar[n]:
+                op = n
+            elif note < 0 and k == ANNOTATION and not STEP_NAME.match(names[n]):
+                note = n
+            p = int(parent[p])
+        cause = op if op >= 0 else note
+        if not nested:
+            out.wait_ns += int(clipped[i])
+            out.syncs += 1
+            row = out.causes.setdefault(cause, [0, 0])
+            row[0] += int(clipped[i])
+            row[1] += 1
+    return out
+
+
+def gpu_kernel_ns(names: list[str], rows: dict[int, list[int]]) -> tuple[int, int, int, int]:
+    """Of a window's device rows (``DeviceWindow.rows``): the time and number of copies from or
+    to pageable memory, the time of fp32 GEMM and convolution kernels without TF32 on an Ampere
+    or later device (``FP32_KERNEL``) and of TF32 ones (``TF32_KERNEL``)."""
+    pageable = copies = fp32 = tf32 = 0
+    for i, (ns, count, _) in rows.items():
+        n = names[i]
+        if PAGEABLE_COPY.match(n):
+            pageable, copies = pageable + ns, copies + count
+        elif TF32_KERNEL.search(n):
+            tf32 += ns
+        elif FP32_KERNEL.match(n):
+            fp32 += ns
+    return pageable, copies, fp32, tf32

@@ -10,14 +10,16 @@ the per-op rows, the time breakdown, the memory table and the folded stacks.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from coordinator.protocol.collective_replies import CollectiveBlock
 from coordinator.protocol.summary_codec import (
     MAX_NAME_CHARS,
+    MAX_SYNC_CAUSES,
     Breakdown,
+    GpuRow,
     HostRow,
     KernelRow,
     LaunchRow,
@@ -25,13 +27,17 @@ from coordinator.protocol.summary_codec import (
     OpRow,
     RankSummary,
     StreamRow,
+    SyncCause,
 )
 from worker_ext.agent.collective_reader import DEFAULT_CAP, collectives_of
 from worker_ext.agent.device_summary import (
     NO_OP,
     DeviceWindow,
+    HostSyncs,
     Launches,
     device_window,
+    gpu_kernel_ns,
+    host_syncs,
     launches_of,
     union_ns,
 )
@@ -140,7 +146,9 @@ def summarise(
         # Attributed by their launch: to each recorded step, or (no step marker: the trace
         # read whole as one window) to the window.
         owners = step_spans or [(steps[0], -(2**62), 2**62)]
-        _on_device(summary, d, cpu, device_window(d.names, d.device, cpu.launches, owners), top_k)
+        dev = device_window(d.names, d.device, cpu.launches, owners)
+        _on_device(summary, d, cpu, dev, top_k)
+        summary.gpu = _gpu_row(d.names, cpu.syncs, dev, max(len(step_spans), 1))
     else:
         _on_cpu(summary, d, cpu, w1 - w0, top_k)
     folded = None
@@ -309,6 +317,7 @@ class _CpuResult:
     launches: Launches  # the launch calls, each with the innermost op around it
     op_names: set[int]  # the name ids of ops (``OP`` events)
     host_ns: tuple[int, int, int, int]  # DataLoader ns and calls, zeroing ns and ops (_host_ns)
+    syncs: HostSyncs = field(default_factory=HostSyncs)  # the host's waits for the device
 
 
 def _nest(d: TraceDigest, stacks: bool, span: tuple[int, int], clip: bool = False) -> _CpuResult:
@@ -360,7 +369,9 @@ def _nest(d: TraceDigest, stacks: bool, span: tuple[int, int], clip: bool = Fals
     launches = launches_of(kind, corr, start, end, name, parent)
     op_names = set(name[kind == OP].tolist())  # (np.unique would import numpy.ma: 7 ms)
     host = _host_ns(names, name, kind, start, end, parent, span)
-    return _CpuResult(rows, brk, allocs, folded, comm_spans, launches, op_names, host)
+    result = _CpuResult(rows, brk, allocs, folded, comm_spans, launches, op_names, host)
+    result.syncs = host_syncs(names, name, kind, start, end, parent, span)
+    return result
 
 
 def _host_ns(
@@ -427,6 +438,21 @@ def _host_row(ns: tuple[int, int, int, int], steps: int) -> HostRow | None:
     if not calls and not ops:
         return None
     return HostRow(loader_ns / 1e3 / steps, calls, zero_ns / 1e3 / steps, ops)
+
+
+def _gpu_row(names: list[str], syncs: HostSyncs, dev: DeviceWindow, steps: int) -> GpuRow:
+    """A CUDA rank's ``GpuRow``: its host syncs (the ``MAX_SYNC_CAUSES`` costliest causes)
+    and device figures, each a mean over ``steps``."""
+    top = sorted(syncs.causes.items(), key=lambda kv: (-kv[1][0], kv[0]))[:MAX_SYNC_CAUSES]
+    causes = tuple(
+        SyncCause((names[c] if c >= 0 else NO_OP)[:MAX_NAME_CHARS], ns / 1e3 / steps, n)
+        for c, (ns, n) in top
+    )
+    pageable, copies, fp32, tf32 = gpu_kernel_ns(names, dev.rows)
+    return GpuRow(
+        syncs.wait_ns / 1e3 / steps, syncs.syncs, causes,
+        pageable / 1e3 / steps, copies, fp32 / 1e3 / steps, tf32 / 1e3 / steps,
+    )  # fmt: skip
 
 
 def _parents(thread: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
