@@ -601,7 +601,10 @@ def _keys(rows: dict[int, dict[str, float]]) -> list[str]:
     return keys + [k for k in HOST_KEYS if k not in keys and any(k in r for r in rows.values())]
 
 
-HOST_KEYS = ("dataloader_us_per_step", "zero_grad_us_per_step")
+HOST_KEYS = (
+    *("dataloader_us_per_step", "zero_grad_us_per_step", "optimizer_us_per_step"),
+    *("optimizer_loop_ops_per_step", "optimizer_foreach_ops_per_step"),
+)
 """The breakdown row's keys of a rank's host time (``HostRow``), where its summary has it."""
 
 
@@ -616,6 +619,10 @@ def _breakdown_row(b: Breakdown, host: HostRow | None = None) -> dict[str, float
     if host is not None:  # (the findings' dataloader and zero_grad rules read them)
         row["dataloader_us_per_step"] = host.dataloader_us
         row["zero_grad_us_per_step"] = host.zero_grad_us
+        if host.optimizer_us:  # (optimizer_foreach reads them)
+            row["optimizer_us_per_step"] = host.optimizer_us
+            row["optimizer_loop_ops_per_step"] = host.optimizer_loop_ops
+            row["optimizer_foreach_ops_per_step"] = host.optimizer_foreach_ops
     return row
 
 

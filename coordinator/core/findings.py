@@ -16,6 +16,8 @@ How overlapping lost time is resolved, so no time is reported twice (rules run i
 
 - ``dataloader``: each rank's time inside its DataLoader's ``__next__``, counted here only.
 - ``zero_grad``: each rank's time in the ops that zero its gradients, counted here only.
+- ``optimizer_foreach`` (after ``zero_grad``, a host rule like it) and ``memory_leak`` (no
+  time): ``core.findings_more`` says how they overlap the others.
 - ``collective_wait``: the ranks' wait for the last arriver, less the late rank's time that
   ``dataloader`` and ``zero_grad`` counted beyond the waiting ranks' mean of it (the others
   wait for exactly that time: it is the data loading's, or the zeroing's, not counted again).
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.core import findings_device as device
+from coordinator.core import findings_more as more
 from coordinator.core.validate import check_known_keys
 from coordinator.protocol.finding_replies import Finding
 
@@ -82,6 +85,7 @@ class Figures:
     wait_ms: dict[int, float]  # each rank's wait in collectives a step
     spent: dict[str, dict[int, float]] = field(default_factory=dict)  # rule -> rank -> ms
     host_sums: dict[str, float] = field(default_factory=dict)  # a host key's sum over ranks
+    memory: list[dict[str, Any]] | None = None  # memory_leak's marked ranks (findings_more)
     gpu: dict[int, Mapping[str, Any]] = field(default_factory=dict)  # a CUDA rank's GpuEntry
 
 
@@ -177,6 +181,11 @@ def host_excess(fig: Figures, rank: int, others: list[int] | None) -> float:
     """What ``dataloader`` and ``zero_grad`` counted on ``rank`` beyond ``others``' mean of the
     same time (None: every other rank's), in ms a step (0 where neither fired on it)."""
     excess, rows = 0.0, fig.breakdown
+    own = fig.spent.get("optimizer_foreach", {})  # (its own estimate: the others' of it)
+    if (mine_own := own.get(rank)) is not None:
+        n = len(others) if others is not None else len(rows) - (rank in rows)
+        total = sum(own.get(o, 0.0) for o in others or [r for r in own if r != rank])
+        excess += max(mine_own - (total / n if n else 0.0), 0.0)
     for rule, key in HOST_RULES.items():
         mine = fig.spent.get(rule, {}).get(rank)
         if mine is None:
@@ -322,6 +331,7 @@ def launch_bound(fig: Figures, th: dict[str, float]) -> Finding | None:
             continue
         idle_us = sum(span - busy for s, busy, span in recorded if int(s) in bound)
         ms = idle_us / 1e3 / len(recorded)
+        ms -= fig.spent.get("optimizer_foreach", {}).get(r, 0.0)  # its loop's launches
         step = fig.step_ms.get(r) or fig.median_step_ms
         if step and ms >= th["min_share"] * step:
             costs[r], steps[r] = ms, sorted(bound)
@@ -346,6 +356,7 @@ def gpu_idle(fig: Figures, th: dict[str, float]) -> Finding | None:
         ms = _per_step(fig, r, row.get("other_us", 0.0))
         ms -= fig.spent.get("launch_bound", {}).get(r, 0.0)  # counted by launch_bound
         ms -= fig.spent.get("dataloader", {}).get(r, 0.0)  # the host loading data
+        ms -= fig.spent.get("optimizer_foreach", {}).get(r, 0.0)  # its loop's launches
         step = fig.step_ms.get(r) or fig.median_step_ms
         if step and ms > th["share"] * step:
             costs[r] = ms
@@ -379,6 +390,22 @@ def memory_peak(fig: Figures, th: dict[str, float]) -> Finding | None:
         "OOM cost steps (torch.utils.checkpoint, torch.autocast, a smaller micro-batch)."
     )
     return _finding(fig, "memory_peak", ranks, 0.0, evidence, advice)
+
+
+def _judged(
+    rule: str, judge: Callable[[Figures, dict[str, float]], more.Judged]
+) -> Callable[[Figures, dict[str, float]], Finding | None]:
+    """A rule of ``findings_more``: what its judge costs counted in ``fig.spent``, its finding
+    over their ranks."""
+
+    def run(fig: Figures, th: dict[str, float]) -> Finding | None:
+        got = judge(fig, th)
+        if got is None:
+            return None
+        fig.spent[rule] = got[0]
+        return _over_ranks(fig, rule, *got)
+
+    return run
 
 
 def _gpu_rule(
@@ -415,6 +442,14 @@ RULES: dict[str, Rule] = {
             "min_share": Threshold(0.0, 0.0, 1.0, f"{PATTERNS}: GradNotSetToNonePattern flags "
                                    "any aten::zero_ under a zero_grad (0: any time)"),
         }, zero_grad, "the ops that zero gradients under a zero_grad, per step"),
+        Rule("optimizer_foreach", {
+            "op_saving_us": Threshold(1.0, 0.0, 1e3, "what foreach=True saved a per-parameter "
+                                      "op, measured: 1.2-1.9 us (core.findings_more)"),
+            "max_op_us_cpu": Threshold(40.0, 0.0, 1e6, "a CPU rank's ops over this long each: "
+                                       "foreach saved nothing, measured (core.findings_more)"),
+            "min_share": MIN_SHARE,
+        }, _judged("optimizer_foreach", more.optimizer_foreach),
+             "an optimizer step's per-parameter ops where a foreach form exists, per step"),
         Rule("collective_wait", {"min_share": MIN_SHARE}, collective_wait,
              "the last arriver of the window's collectives and the others' wait for it"),
         Rule("straggler", {
@@ -448,6 +483,11 @@ RULES: dict[str, Rule] = {
             "share": Threshold(0.90, 0.0, 1.0, f"{TB}: peak memory over 90% of the device"),
             "device_gib": Threshold(0.0, 0.0, 1e6, "the device's memory (0: not known, quiet)"),
         }, memory_peak, "a device memory peak near the device's memory"),
+        Rule("memory_leak", {
+            "min_mib_per_min": Threshold(0.0, 0.0, 1e9, "the memory book's leak marks "
+                                         "(memory.leak_min_mib_per_min); 0: every mark"),
+        }, _judged("memory_leak", more.memory_leak),
+             "a rank the memory book marks as leaking, and its node's time left"),
     )
 }  # fmt: skip
 """Every rule, in the order overlaps are resolved (the module docstring)."""
@@ -536,10 +576,13 @@ def window_findings(
     table: Mapping[str, Any],
     collectives: Mapping[str, Any] | None = None,
     settings: Mapping[str, Mapping[str, float]] | None = None,
+    memory: Mapping[str, Any] | None = None,
 ) -> tuple[list[Finding], list[str]]:
     """Every rule's finding of one window (``figures_of``), the costliest first, and the ids
-    of the rules that stayed quiet. ``settings``: the config's ``advise`` (checked)."""
+    of the rules that stayed quiet. ``settings``: the config's ``advise`` (checked);
+    ``memory``: the run's ``memory()`` reply (``memory_leak``'s marks; None: none)."""
     fig = figures_of(table, collectives)
+    fig.memory = more.leak_figures(memory, table.get("trainer_id"))
     found: list[tuple[float, int, Finding]] = []
     quiet: list[str] = []
     for order, rule in enumerate(RULES.values()):

@@ -116,12 +116,18 @@ class HostRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     mean over the window's recorded steps (inclusive: the span with everything under it): the
     DataLoader's ``__next__`` and its calls in the window; the ops that zero gradients under a
     ``zero_grad`` (``aten::zero_``, ``aten::fill_``, ``aten::_foreach_zero_``) and their
-    calls."""
+    calls. ``optimizer_foreach`` reads the last three (trailing, so a row without them
+    decodes): a torch optimizer's ``Optimizer.step#<Name>.step`` spans, and the outermost ops
+    under them, per-parameter math (``aten::add_``, ``mul_``, ``addcdiv_`` ...) and
+    ``aten::_foreach_*`` / ``aten::_fused_*``, each a mean per recorded step."""
 
     dataloader_us: Micros
     dataloader_calls: Count
     zero_grad_us: Micros
     zero_grad_ops: Count
+    optimizer_us: Micros = 0.0
+    optimizer_loop_ops: Micros = 0.0
+    optimizer_foreach_ops: Micros = 0.0
 
 
 MAX_SYNC_CAUSES = 4
@@ -195,7 +201,7 @@ class RankSummary:
     collectives: CollectiveBlock | None = None
     """The window's collectives as this rank ran them (issue 56); None: its trace has none."""
     host: HostRow | None = None
-    """Its DataLoader and gradient-zeroing time (``HostRow``); None: its trace has neither."""
+    """Its DataLoader, gradient-zeroing and optimizer time (``HostRow``); None: it has none."""
     gpu: GpuRow | None = None
     """CUDA: its syncs, pageable copies and fp32 GEMMs (``GpuRow``); None: a CPU rank."""
 

@@ -45,9 +45,11 @@ async def advise(
         problems.append("no window has closed yet: nothing to judge")
     else:
         coll = await readers.collectives(table["window"], trainer_id, run, role, 0)
+        made = getattr(readers.shell, "memory_recorded", None)  # (memory_leak's; a record's: none)
+        memory = await made(table["run"]) if made is not None and table["run"] else None
         loop = asyncio.get_running_loop()
         found, quiet = await loop.run_in_executor(
-            readers.shell.reads, window_findings, table, coll, settings
+            readers.shell.reads, window_findings, table, coll, settings, memory
         )
         if table["summaries_pending"]:
             pending = ", ".join(map(str, table["summaries_pending"][:16]))

@@ -68,6 +68,17 @@ _DATALOADER = re.compile(r"^enumerate\(DataLoader\)#.*\.__next__$")
 _ZERO_GRAD_SCOPE = re.compile(r"(^Optimizer\.zero_grad#|: zero_grad$)")
 _ZEROING = frozenset({"aten::zero_", "aten::fill_", "aten::_foreach_zero_"})
 _NEW_ZEROS = frozenset({"aten::zeros", "aten::zeros_like", "aten::new_zeros"})
+# ``optimizer_foreach``: the step of a torch optimizer that has a foreach form, the
+# per-parameter math its single-tensor loop runs, and the multi-tensor ops of its other forms.
+_OPTIMIZER = re.compile(
+    r"^Optimizer\.step#(SGD|Adam|AdamW|Adagrad|Adamax|Adadelta|ASGD|NAdam|RAdam|RMSprop|Rprop)"
+    r"\.step$"
+)
+_LOOP_OP = re.compile(
+    r"^aten::(add|sub|mul|div|addcdiv|addcmul|lerp|sqrt|rsqrt|pow|neg|sign|abs|maximum|"
+    r"clamp|exp)_?$"
+)
+_FOREACH_OP = re.compile(r"^aten::_(foreach|fused)_")
 
 
 def summarise_trace(
@@ -316,7 +327,7 @@ class _CpuResult:
     comm_spans: list[tuple[int, int]]  # outermost collective spans, on every thread
     launches: Launches  # the launch calls, each with the innermost op around it
     op_names: set[int]  # the name ids of ops (``OP`` events)
-    host_ns: tuple[int, int, int, int]  # DataLoader ns and calls, zeroing ns and ops (_host_ns)
+    host_ns: tuple[int, ...]  # DataLoader ns and calls, zeroing ns and ops, ... (_host_ns)
     syncs: HostSyncs = field(default_factory=HostSyncs)  # the host's waits for the device
 
 
@@ -382,29 +393,36 @@ def _host_ns(
     end: np.ndarray,
     parent: np.ndarray,
     span: tuple[int, int],
-) -> tuple[int, int, int, int]:
+) -> tuple[int, ...]:
     """Inside ``span`` (each event clipped to it): the inclusive time of the outermost
     DataLoader ``__next__`` spans and their number; of the outermost gradient-zeroing ops under
     a ``zero_grad`` scope (``_ZERO_GRAD_SCOPE``; none under a new zeros tensor) and their
-    number. Events of the sorted ``_nest`` arrays; a trace without such names costs one scan
-    of its names, one with them a walk up from those events only (``_above``)."""
-    bits = np.array([_host_bits(n) for n in names] or [0], dtype=np.int8)
-    if not len(name) or not (bits & (_LOADER | _ZEROES)).any():
-        return (0, 0, 0, 0)
+    number; of the outermost optimizer steps (``_OPTIMIZER``) and their number, and the number
+    of outermost per-parameter ops and of foreach ops under them (their time: unused). Events
+    of the sorted ``_nest`` arrays; a trace without such names costs one scan of its names, one
+    with them a walk up from those events only (``_above``)."""
+    bits = np.array([_host_bits(n) for n in names] or [0], dtype=np.int16)
+    if not len(name) or not (bits & (_LOADER | _ZEROES | _OPT)).any():
+        return (0,) * 10
     mine = bits[name]
     found = []
     # (events, their kind, what their ancestors may be: of ``mask``, exactly ``required``)
-    wanted = ((_LOADER, ANNOTATION, _LOADER, 0), (_ZEROES, OP, _ZEROES | _SCOPE | _NEW, _SCOPE))
-    for flag, what, mask, required in wanted:
+    wanted = (
+        (_LOADER, ANNOTATION, _LOADER, 0),
+        (_ZEROES, OP, _ZEROES | _SCOPE | _NEW, _SCOPE),
+        (_OPT, ANNOTATION, _OPT, 0),
+        (_LOOP, OP, _OPT | _LOOP | _MULTI, _OPT),
+    )
+    for flag, what, mask, required in (*wanted, (_MULTI, OP, _OPT | _MULTI, _OPT)):
         idx = np.flatnonzero(((mine & flag) != 0) & (kind == what))
         idx = idx[(np.minimum(end[idx], span[1]) > np.maximum(start[idx], span[0]))]
         idx = idx[(_above(mine, idx, parent) & mask) == required]  # outermost (scoped, not new)
         ns = np.minimum(end[idx], span[1]) - np.maximum(start[idx], span[0])
         found += [int(ns.sum()), len(idx)]
-    return found[0], found[1], found[2], found[3]
+    return tuple(found)
 
 
-_LOADER, _ZEROES, _SCOPE, _NEW = 1, 2, 4, 8
+_LOADER, _ZEROES, _SCOPE, _NEW, _OPT, _LOOP, _MULTI = 1, 2, 4, 8, 16, 32, 64
 
 
 def _host_bits(name: str) -> int:
@@ -415,6 +433,9 @@ def _host_bits(name: str) -> int:
         | _ZEROES * (name in _ZEROING)
         | _SCOPE * bool(_ZERO_GRAD_SCOPE.search(name))
         | _NEW * (name in _NEW_ZEROS)
+        | _OPT * bool(_OPTIMIZER.match(name))
+        | _LOOP * bool(_LOOP_OP.match(name))
+        | _MULTI * bool(_FOREACH_OP.match(name))
     )
 
 
@@ -432,12 +453,17 @@ def _above(bits: np.ndarray, idx: np.ndarray, parent: np.ndarray) -> np.ndarray:
     return acc
 
 
-def _host_row(ns: tuple[int, int, int, int], steps: int) -> HostRow | None:
-    """``_host_ns`` as ``HostRow`` (times a mean over ``steps``), None when it found none."""
-    loader_ns, calls, zero_ns, ops = ns
-    if not calls and not ops:
+def _host_row(ns: tuple[int, ...], steps: int) -> HostRow | None:
+    """``_host_ns`` as ``HostRow`` (times and the optimizer's op counts a mean over
+    ``steps``), None when it found none."""
+    loader_ns, calls, zero_ns, ops, opt_ns, opt_steps, _, loop, _, multi = ns
+    if not calls and not ops and not opt_steps:
         return None
-    return HostRow(loader_ns / 1e3 / steps, calls, zero_ns / 1e3 / steps, ops)
+    per = 1 / steps
+    return HostRow(
+        loader_ns / 1e3 * per, calls, zero_ns / 1e3 * per, ops,
+        opt_ns / 1e3 * per, loop * per, multi * per,
+    )  # fmt: skip
 
 
 def _gpu_row(names: list[str], syncs: HostSyncs, dev: DeviceWindow, steps: int) -> GpuRow:
