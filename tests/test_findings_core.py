@@ -257,3 +257,19 @@ def test_a_finding_over_many_ranks_lists_its_costliest_in_its_evidence() -> None
     assert list(ev["share_of_step"]) == list(ev["ms_per_step"])
     assert ev["ranks_in_evidence"] == f"the {EVIDENCE_RANKS} costliest of 100"
     assert f["cost_ms_per_step"] == pytest.approx(20.0 + 4.95)  # the mean over all 100
+
+
+def test_host_sync_costs_at_most_the_device_idle_and_gpu_idle_takes_it_off() -> None:
+    t = table(device="cuda")
+    t["breakdown"]["ranks"][1] = _row(other_ms=40.0)  # 40 ms of device idle a step
+    gpu = {"syncs": 4, "sync_causes": [["aten::item", 0.0, 4]], "pageable_us": 0.0,
+           "pageable_copies": 0, "fp32_gemm_us": 0.0, "tf32_gemm_us": 0.0}  # fmt: skip
+    t["gpu"] = {1: gpu | {"sync_wait_us": 90_000.0}, 2: gpu | {"sync_wait_us": 6_000.0}}
+    found = rules(t)
+    f = found["host_sync"]  # rank 1 waits 90 ms while its device runs: 40 ms at most are lost
+    assert f["ranks"] == [1, 2] and f["evidence"]["wait_ms"] == {1: 90.0, 2: 6.0}
+    assert f["evidence"]["ms_per_step"] == {1: pytest.approx(40.0), 2: pytest.approx(6.0)}
+    assert "gpu_idle" not in found  # its 40 ms idle counted once, by host_sync
+    t["gpu"][1]["sync_wait_us"] = 10_000.0  # a shorter wait: the rest of the idle is gpu_idle's
+    found = rules(t)
+    assert found["gpu_idle"]["cost_ms_per_step"] == pytest.approx(30.0)

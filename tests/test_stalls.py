@@ -52,8 +52,12 @@ def wait_for(what, timeout_s, every_s=0.5):
 
 
 def culprit_found(coord, ray, **kw):
+    """The stacks once a culprit is named and the other ranks wait in one place (a rank still
+    in its step's compute at a look, on a busy host, is looked at again)."""
     st = ray.get(coord.stacks.remote(**kw))
-    return st if any(g["culprit"] for g in st["groups"]) else None
+    ranks = [g for g in st["groups"] if g["who"] == "rank"]
+    settled = sum(not g["culprit"] for g in ranks) <= 1
+    return st if any(g["culprit"] for g in st["groups"]) and settled else None
 
 
 def test_a_hung_rank_is_named_on_demand_and_by_the_watchdog(ray_session, hanging, tmp_path, capsys):

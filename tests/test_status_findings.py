@@ -18,7 +18,7 @@ from coordinator.core.schedule import Window
 from coordinator.core.state import kernel_summary
 from coordinator.core.tracker_figures import finding_figures, findings_text
 from coordinator.protocol.summary_codec import KernelRow, RankSummary, encode_summary
-from coordinator.service.status_findings import FindingCache, bounded
+from coordinator.service.status_findings import MAKING, REMAKING, FindingCache, bounded
 
 SLOW_RANK, STEP_US, SLOW_US = 1, 10_000.0, 20_000.0  # rank 1: twice the median step
 
@@ -105,17 +105,34 @@ def advise_of(target):
     return advise
 
 
-def test_a_window_s_findings_are_made_once_and_again_only_when_it_changes():
+async def settled(cache: FindingCache, run) -> list:
+    """``status()``'s findings once what a poll has had made is made."""
+    await cache.latest(run)
+    await asyncio.gather(*list(cache._making.values()))
+    return await cache.latest(run)
+
+
+def test_a_window_s_findings_are_made_in_the_background_once_and_again_when_it_changes():
     run = run_with_window(pending=True)
     cache = FindingCache(advise_of(run), kept=2)
 
-    async def polled(times: int) -> list:
-        return [await cache.latest(run) for _ in range(times)][-1]
+    async def first_polls() -> list:
+        (now,) = await cache.latest(run)  # never waits for the rules: says they are coming
+        assert now["findings"] == [] and now["problems"] == [MAKING] and cache.made == 0
+        assert now["window"] == 0 and now["trainer_id"] == "t"
+        return [await settled(cache, run) for _ in range(3)][-1]
 
-    first = asyncio.run(polled(3))
+    first = asyncio.run(first_polls())
     assert cache.made == 1 and first[0]["findings_total"] == 0  # (one rank: no straggler)
+    assert first[0]["problems"] == []
     ingest(run, ("t", 1), 0)  # the slow rank's summary comes
-    (entry,) = asyncio.run(polled(3))
+
+    async def changed() -> list:
+        (stale,) = await cache.latest(run)  # the kept ones meanwhile, said to be remade
+        assert stale["problems"] == [REMAKING] and stale["findings_total"] == 0, stale
+        return [await settled(cache, run) for _ in range(3)][-1]
+
+    (entry,) = asyncio.run(changed())
     assert cache.made == 2, "made again once the window changed, then kept"
     assert [(f["rule"], f["ranks"]) for f in entry["findings"]] == [("straggler", [SLOW_RANK])]
     assert entry["findings"][0]["cost_ms_per_step"] == pytest.approx(
@@ -124,13 +141,22 @@ def test_a_window_s_findings_are_made_once_and_again_only_when_it_changes():
 
     async def together() -> list:  # (polled twice at once: made once)
         add_window(run, 1)
-        return await asyncio.gather(cache.latest(run), cache.latest(run))
+        a, b = await asyncio.gather(cache.latest(run), cache.latest(run))
+        assert a == b
+        return await settled(cache, run)
 
-    a, b = asyncio.run(together())
-    assert a == b and a[0]["window"] == 1 and cache.made == 3
+    (a,) = asyncio.run(together())
+    assert a["window"] == 1 and cache.made == 3 and not a["problems"]
     add_window(run, 2)
-    asyncio.run(polled(1))
+    asyncio.run(settled(cache, run))
     assert len(cache._done) == 2 and (run.name, 0, "t") not in cache._done  # kept: 2
+
+
+def test_a_record_s_status_waits_for_its_findings():
+    run = run_with_window()
+    cache = FindingCache(advise_of(run))
+    (entry,) = asyncio.run(cache.latest(run, wait=True))
+    assert cache.made == 1 and not entry["problems"] and entry["window"] == 0
 
 
 def test_a_rule_that_raises_is_a_problem_line_and_the_next_change_tries_again(monkeypatch):
@@ -142,13 +168,13 @@ def test_a_rule_that_raises_is_a_problem_line_and_the_next_change_tries_again(mo
 
     faulty = dataclasses.replace(rules.RULES["straggler"], judge=broken)
     monkeypatch.setitem(rules.RULES, "straggler", faulty)  # (the fault injected)
-    (entry,) = asyncio.run(cache.latest(run))
+    (entry,) = asyncio.run(settled(cache, run))
     assert entry["findings"] == [] and entry["window"] == 0 and entry["trainer_id"] == "t"
     fault = "the findings could not be made: RuntimeError: a rule's fault"
     assert entry["problems"] == [fault], entry
-    asyncio.run(cache.latest(run))
+    asyncio.run(settled(cache, run))
     assert cache.made == 1, "a fault is kept for the window, not made again at each poll"
     monkeypatch.undo()
     add_window(run, 1)
-    (entry,) = asyncio.run(cache.latest(run))
+    (entry,) = asyncio.run(settled(cache, run))
     assert [f["rule"] for f in entry["findings"]] == ["straggler"] and not entry["problems"]

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
 from coordinator.client.tracker_feed import FINDINGS_TEXT, TrackerFeed
 from coordinator.core import findings as rules
 from coordinator.core.trackers_config import Trackers
-from coordinator.service.status_findings import SHOWN, bounded
+from coordinator.service.status_findings import MAKING, REMAKING, SHOWN, bounded
 from tests.late_window import late_window
 from tests.test_advise_live import LATE_S, late_pair  # noqa: F401 (a fixture)
 from trainers.trackers import make_tracker
@@ -46,7 +47,7 @@ def test_status_and_the_tracker_carry_advise_s_costliest(
     sink = make_tracker(Trackers(tensorboard={"log_dir": str(tmp_path / "tb")}), "run", own)
 
     def read(coordinator, _):
-        st = ray.get(coordinator.status.remote())
+        st = settled_status(ray, coordinator)
         again = ray.get(coordinator.status.remote())  # (polled: the same, kept)
         advise = ray.get(coordinator.advise.remote())
         feed = TrackerFeed(coordinator, sink)
@@ -75,6 +76,19 @@ def test_status_and_the_tracker_carry_advise_s_costliest(
     assert tensorboard_text(tmp_path / "tb", FINDINGS_TEXT) == {step: text}
     assert record["error"] is None and record["pending"] == 0, record
     record_status_survives_a_rule_that_raises(record["dir"], entry)
+
+
+def settled_status(ray, coordinator) -> dict:
+    """``status()`` once its findings are made: it never waits for them, and says so while
+    they are being made (the first poll after the window has them made in the background)."""
+    deadline = time.monotonic() + 60.0
+    while True:
+        st = ray.get(coordinator.status.remote())
+        making = [e for e in st["findings"] if {MAKING, REMAKING} & set(e["problems"])]
+        if st["findings"] and not making:
+            return st
+        assert time.monotonic() < deadline, st["findings"]
+        time.sleep(0.05)
 
 
 def record_status_survives_a_rule_that_raises(record: str, live: dict) -> None:

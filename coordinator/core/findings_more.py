@@ -115,10 +115,11 @@ def memory_leak(fig: Window, th: dict[str, float]) -> Judged:
     soon = f"; its node's memory is gone in about {min(left) / 60:.0f} min" if left else ""
     names = ", ".join(map(str, ranks[:8])) + (" ..." * (len(ranks) > 8))
     advice = (
-        f"Rank{'s' * (len(ranks) > 1)} {names} grow{'s' * (len(ranks) == 1)} steadily{soon}: "
-        "look for tensors kept across steps (keep loss.item(), not loss; no list of outputs "
-        "or losses that keeps their graphs) with the memory snapshot (ray-profiler "
-        "memory --snapshot, torch.cuda.memory._record_memory_history)."
+        f"Rank{'s' * (len(ranks) > 1)} {names} grow{'s' * (len(ranks) == 1)} steadily in "
+        f"host memory{soon}: look for objects kept across steps (a list of outputs or losses "
+        "that keeps their graphs: keep loss.detach() instead; caches that only grow) with "
+        "tracemalloc or memray in that process; where its GPU memory grows too, take a CUDA "
+        "memory snapshot (ray-profiler memory --snapshot)."
     )
     return {r: 0.0 for r in ranks}, ev, advice
 

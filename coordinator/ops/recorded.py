@@ -86,7 +86,8 @@ class RecordedCoordinator:
     async def _status(self, ranks: str = "summary") -> StatusReply:
         if ranks not in ("summary", "all"):
             raise ValueError(f"ranks must be 'summary' or 'all', got {ranks!r:.80}")
-        return recorded_status(self.rec, ranks, await self._readers.latest_findings(self.rec.run))
+        found = await self._readers.latest_findings(self.rec.run, wait=True)  # (offline: made)
+        return recorded_status(self.rec, ranks, found)
 
     async def _stalls(self) -> list[StallEntry]:
         """The stalls the run recorded, with their grouped stacks."""

@@ -46,7 +46,9 @@ async def advise(
     else:
         coll = await readers.collectives(table["window"], trainer_id, run, role, 0)
         made = getattr(readers.shell, "memory_recorded", None)  # (memory_leak's; a record's: none)
-        memory = await made(table["run"]) if made is not None and table["run"] else None
+        memory = None
+        if made is not None and table["run"]:  # (its marks, not every rank's series)
+            memory = await made(table["run"], False, table["trainer_id"])
         loop = asyncio.get_running_loop()
         found, quiet = await loop.run_in_executor(
             readers.shell.reads, window_findings, table, coll, settings, memory

@@ -317,8 +317,11 @@ class MemoryWatcher:
             return status_entry(MemoryBook(), {}, sample_s, [])
         return {**self._entry, "sample_s": sample_s}
 
-    async def recorded(self, run: str) -> MemoryReply | None:
-        """``memory(series=True)`` for run ``run``'s record (``run_recorder``); None while this
+    async def recorded(
+        self, run: str, series: bool = True, trainer_id: str | None = None
+    ) -> MemoryReply | None:
+        """``memory(series, trainer_id)`` for run ``run``'s record (``run_recorder``; the
+        findings' ``memory_leak`` asks for the marks alone, ``series`` False); None while this
         watcher holds none of it (another run's). A run that ends before the first pull (a
         short one) is recorded too: its ranks with no sample, not "memory was not recorded";
         the run before the current one is answered from its kept book (it ended, and the next
@@ -326,14 +329,14 @@ class MemoryWatcher:
         run this watcher never saw current, with its ranks and no sample."""
         live = self._follow()  # (the run may have begun since the last pull)
         if run == live.name:
-            return await self.reply(True, None)
+            return await self.reply(series, trainer_id)
         kept = self.kept
         if kept is not None and kept.run.name == run:  # (the run before: its last memory)
             _band(kept.bands, kept.run, time.time())
-            return await self._made(kept, True, None)
+            return await self._made(kept, series, trainer_id)
         old = next((r for r in self.shell.previous if r.name == run), None)
         if old is not None:  # (current only between two looks, never seen: its ranks, no sample)
-            return await self._made(_Kept(old, MemoryBook(), {}, [], {}), True, None)
+            return await self._made(_Kept(old, MemoryBook(), {}, [], {}), series, trainer_id)
         return None
 
     async def reply(self, series: bool, trainer_id: str | None) -> MemoryReply:

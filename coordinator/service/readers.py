@@ -117,10 +117,10 @@ class Readers:
             "findings": found,
         }
 
-    async def latest_findings(self, run: Run) -> list[StatusFindings]:
+    async def latest_findings(self, run: Run, wait: bool = False) -> list[StatusFindings]:
         """``status()["findings"]``: ``run``'s latest closed window's, as kept (none kept:
         a ``Readers`` no ``advise`` was given to, ``advise_reads.keep_findings``)."""
-        return await self.findings.latest(run) if self.findings is not None else []
+        return await self.findings.latest(run, wait) if self.findings is not None else []
 
     async def ranks(
         self, offset: int, limit: int, state: str | None, trainer_id: str | None

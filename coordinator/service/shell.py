@@ -120,7 +120,7 @@ class CoordinatorShell:
         # The run's record in save_path (``run_recorder``): told of changes, shown, given memory.
         self.record_soon: Callable[[], None] = lambda: None
         self.record_entry: Callable[[], RecordEntry] = no_record
-        self.memory_recorded: Callable[[str], Awaitable[MemoryReply | None]] | None = None
+        self.memory_recorded: Callable[..., Awaitable[MemoryReply | None]] | None = None
         self.memory_entry: Callable[[], MemoryStatusEntry | None] = lambda: None
         self.restored: dict[str, Recorded] = {}  # runs continued from their record, by name
         if not self.restarts:  # created anew: a run its record says did not end goes on

@@ -1,11 +1,13 @@
 """Each trainer's findings of a window, made once per window and kept, for ``status()`` and the
 tracker (issue 57; docs/advise.md#in-status-and-the-tracker).
 
-``status()`` is polled, and the rules cost 4-8 ms a window at 1,024 ranks: a window's findings
-are made by ``advise()`` itself (its figures and its rules on the shell's reads thread, never
-on the event loop) the first time they are asked, then kept until the window changes (a
-summary more, a trace written over) or falls out of the ``KEPT`` latest. A fault of the rules
-is kept too, as a problem line: ``status()`` and the tracker answer with it and never fail.
+``status()`` is polled, and a window's findings cost ``advise()``'s reads (its table, its
+collectives matched: about 1 s at 1,024 ranks of 200 collectives) and the rules (8-9 ms): they
+are made by ``advise()`` itself (on the shell's reads thread, never on the event loop), kept
+until the window changes (a summary more, a trace written over) or falls out of the ``KEPT``
+latest, and ``status()`` never waits for them: it shows what is kept and has them made in the
+background, one window at a time (``latest``). A fault of the rules is kept too, as a problem
+line: ``status()`` and the tracker answer with it and never fail.
 
 ``status()["findings"]`` lists one entry per trainer of the latest closed window (its stepping
 trainer first, at most ``MAX_TRAINERS``), not one for the run: a policy and its rollout each
@@ -78,8 +80,13 @@ def window_key(rec: WindowRecord, tid: str) -> tuple[Any, ...]:
     return (rec.closed, rec.steps, getattr(rec, "changes", 0), pending, sizes)
 
 
-def failed(run: str, rec: WindowRecord, tid: str, exc: BaseException) -> FindingsReply:
-    """The reply of a window whose findings could not be made: one problem line."""
+MAKING = "the findings of this window are being made: ask again (advise() waits for them)"
+REMAKING = "the window changed (a summary more): its findings are being made again"
+
+
+def failed(run: str, rec: WindowRecord, tid: str, exc: BaseException | None) -> FindingsReply:
+    """The reply of a window whose findings could not be made (``exc``; None: not made yet):
+    one problem line."""
     return {
         "run": run,
         "window": rec.window.index,
@@ -88,7 +95,11 @@ def failed(run: str, rec: WindowRecord, tid: str, exc: BaseException) -> Finding
         "role": getattr(rec, "roles", {}).get(tid),
         "findings": [],
         "quiet": [],
-        "problems": [f"the findings could not be made: {type(exc).__name__}: {exc}"[:300]],
+        "problems": [
+            f"the findings could not be made: {type(exc).__name__}: {exc}"[:300]
+            if exc is not None
+            else MAKING
+        ],
     }
 
 
@@ -101,7 +112,8 @@ class FindingCache:
         self.made = 0  # how often the rules ran (a test reads it)
         self._done: collections.OrderedDict[tuple[str, int, str], tuple[Any, FindingsReply]]
         self._done = collections.OrderedDict()
-        self._lock = asyncio.Lock()  # (one status() makes them; one polled meanwhile waits)
+        self._lock = asyncio.Lock()  # (made one window at a time, on the reads thread)
+        self._making: dict[tuple[str, int, str], asyncio.Task[FindingsReply]] = {}
 
     async def window(self, run: Run, rec: WindowRecord, tid: str) -> FindingsReply:
         """Trainer ``tid``'s findings of ``rec``, made now only when they changed; a fault is
@@ -123,12 +135,35 @@ class FindingCache:
                 self._done.popitem(last=False)
             return reply
 
-    async def latest(self, run: Run) -> list[StatusFindings]:
-        """``status()["findings"]``: each trainer's part of ``run``'s latest closed window."""
+    async def latest(self, run: Run, wait: bool = False) -> list[StatusFindings]:
+        """``status()["findings"]``: each trainer's part of ``run``'s latest closed window. It
+        never waits for the rules (``wait``: it does, for a record's ``status()``): findings
+        not kept for the window as it is now are made in the background (once at a time per
+        window and trainer), and meanwhile the ones kept before, or none, are shown with a
+        problem line saying so."""
         closed = run.state.closed_windows()
         if not closed:
             return []
         rec = closed[-1]  # (as advise() picks it)
         primary = getattr(rec, "primary", None)
         tids = sorted(rec.aggregates, key=lambda t: (t != primary, t))[:MAX_TRAINERS]
-        return [bounded(await self.window(run, rec, tid)) for tid in tids]
+        if wait:
+            return [bounded(await self.window(run, rec, tid)) for tid in tids]
+        return [self._kept_or_soon(run, rec, tid) for tid in tids]
+
+    def _kept_or_soon(self, run: Run, rec: WindowRecord, tid: str) -> StatusFindings:
+        """Trainer ``tid``'s findings of ``rec`` as kept; when they are not kept for the window
+        as it is now, their making begun (unless under way)."""
+        where, key = (run.name, rec.window.index, tid), window_key(rec, tid)
+        hit = self._done.get(where)
+        if hit is not None and hit[0] == key:
+            return bounded(hit[1])
+        if where not in self._making:
+            task = asyncio.get_running_loop().create_task(self.window(run, rec, tid))
+            self._making[where] = task
+            task.add_done_callback(lambda _: self._making.pop(where, None))
+        if hit is None:
+            return bounded(failed(run.name, rec, tid, None))
+        entry = bounded(hit[1])
+        entry["problems"] = [REMAKING, *entry["problems"]][:MAX_PROBLEMS]
+        return entry

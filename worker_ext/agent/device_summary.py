@@ -287,7 +287,8 @@ def _op_time(
 # until the device is done (nsys's cuda_api_sync and cuda_memcpy_sync; the driver's twins), the
 # op under ``.item()`` and friends (it copies a scalar back and waits for it), a copy from or
 # to pageable memory (kineto names its kinds), and fp32 GEMM and convolution kernels with TF32
-# (cuBLAS's and CUTLASS's ``s1688``/``s16816`` tensor-op kernels, ``tf32`` in cuDNN's) or
+# (cuBLAS's and CUTLASS's ``s1688`` tensor-op kernels, TF32's m16n8k8 MMA; ``s16816`` is fp16's
+# and bf16's m16n8k16, not TF32; ``tf32`` in cuDNN's and cuBLASLt's names) or
 # without it on an Ampere or later device (its SIMT ``sgemm``/``scudnn`` and ``f32f32_f32f32``
 # kernels: a pre-Ampere device's are named ``volta_``/``turing_``/``maxwell_``).
 SYNC_CALLS = frozenset(
@@ -299,7 +300,7 @@ SYNC_CALLS = frozenset(
 )
 SCALAR_OP = "aten::_local_scalar_dense"
 PAGEABLE_COPY = re.compile(r"^Memcpy \w+ \(.*Pageable")
-TF32_KERNEL = re.compile(r"tf32|s1688|s16816", re.IGNORECASE)
+TF32_KERNEL = re.compile(r"tf32|s1688", re.IGNORECASE)
 FP32_KERNEL = re.compile(
     r"^(void )?(\w+::Kernel<)?(ampere|sm_?(8|9|1\d)\d|cutlass_(8|9|1\d)\d)_\w*?"
     r"(sgemm|scudnn|f32f32_f32f32)"

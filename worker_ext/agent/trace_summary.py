@@ -471,7 +471,7 @@ def _gpu_row(names: list[str], syncs: HostSyncs, dev: DeviceWindow, steps: int) 
     and device figures, each a mean over ``steps``."""
     top = sorted(syncs.causes.items(), key=lambda kv: (-kv[1][0], kv[0]))[:MAX_SYNC_CAUSES]
     causes = tuple(
-        SyncCause((names[c] if c >= 0 else NO_OP)[:MAX_NAME_CHARS], ns / 1e3 / steps, n)
+        SyncCause(normalise_name(names[c]) if c >= 0 else NO_OP, ns / 1e3 / steps, n)
         for c, (ns, n) in top
     )
     pageable, copies, fp32, tf32 = gpu_kernel_ns(names, dev.rows)
