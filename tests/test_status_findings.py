@@ -178,3 +178,11 @@ def test_a_rule_that_raises_is_a_problem_line_and_the_next_change_tries_again(mo
     add_window(run, 1)
     (entry,) = asyncio.run(settled(cache, run))
     assert [f["rule"] for f in entry["findings"]] == ["straggler"] and not entry["problems"]
+
+
+def test_a_leak_costing_no_step_is_listed_before_cheaper_findings_are():
+    found = [finding("exposed_comm", 9.0, [0]), finding("straggler", 5.0, [3]),
+             finding("gpu_idle", 2.0, [0, 1]), finding("memory_leak", 0.0, [2])]  # fmt: skip
+    got = bounded(reply(found))
+    assert [f["rule"] for f in got["findings"]] == ["exposed_comm", "straggler", "memory_leak"]
+    assert got["findings_total"] == 4

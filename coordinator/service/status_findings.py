@@ -58,15 +58,26 @@ def status_finding(f: Finding) -> StatusFinding:
     }
 
 
+RUN_THREATS = ("memory_leak", "memory_peak")
+"""Findings that cost a step nothing (0 ms) but threaten the run: never left out of an entry
+for cheaper ones."""
+
+
 def bounded(reply: FindingsReply, shown: int = SHOWN) -> StatusFindings:
-    """``advise()``'s reply as ``status()`` carries it: its ``shown`` costliest findings."""
+    """``advise()``'s reply as ``status()`` carries it: its ``shown`` costliest findings, but a
+    ``RUN_THREATS`` finding listed in place of the cheapest of them."""
+    found = reply["findings"]
+    threats = [f for f in found if f["rule"] in RUN_THREATS][:shown]
+    others = [f for f in found if f["rule"] not in RUN_THREATS][: shown - len(threats)]
+    chosen = {id(f) for f in threats + others}
+    listed = [f for f in found if id(f) in chosen]  # (costliest first, as advise() has them)
     return {
         "window": reply["window"] if reply["window"] is not None else -1,
         "steps": reply["steps"],
         "trainer_id": reply["trainer_id"] or "",
         "role": reply["role"],
-        "findings": [status_finding(f) for f in reply["findings"][:shown]],
-        "findings_total": len(reply["findings"]),
+        "findings": [status_finding(f) for f in listed],
+        "findings_total": len(found),
         "problems": reply["problems"][:MAX_PROBLEMS],
     }
 
