@@ -167,6 +167,24 @@ def test_a_malformed_memory_file_is_said_and_the_rest_of_the_record_read(tmp_pat
     assert [w["index"] for w in st["windows"]] == [4]
 
 
+def test_a_record_s_advise_names_the_leak_its_memory_marks(tmp_path):
+    """``advise`` from a record reads the memory book the record kept (issue 57's
+    ``memory_leak``); the same record without it is quiet, never an error."""
+    h = RecordedCoordinator(open_record(V1))
+    assert "memory_leak" in call(h, "advise")["quiet"]
+    record = tmp_path / "record"
+    shutil.copytree(V1, record)
+    reply = book_reply(run=h.rec.run.name)
+    for r in reply["ranks"]:
+        r["trainer_id"] = "policy"  # (the record's trainer)
+    (record / "memory.msgpack").write_bytes(codec.encode(mr.memory_file(reply, codec.VERSION, 1.0)))
+    found = call(RecordedCoordinator(open_record(str(record))), "advise")
+    (leak,) = [f for f in found["findings"] if f["rule"] == "memory_leak"]
+    assert leak["ranks"] == [1] and leak["cost_ms_per_step"] == 0.0, leak
+    assert leak["evidence"]["mb_per_s"][1] == pytest.approx(2 * MiB / 1e6, rel=0.05), leak
+    assert found["window"] == 4 and "memory_leak" not in found["quiet"]
+
+
 def test_a_run_going_on_from_its_record_keeps_the_memory_recorded_before():
     old = written(book_reply(seconds=400))
     later = book_reply(seconds=800)

@@ -58,6 +58,15 @@ class _RecordShell:
     def find_run(self, name: str | None) -> Run | None:
         return self.run if name is None or name == self.run.name else None
 
+    async def memory_recorded(
+        self, run: str, series: bool, trainer_id: str | None
+    ) -> MemoryReply | None:
+        """The memory book as the record keeps it (``memory_leak``'s marks; None: it has
+        none, or ``run`` is not the record's)."""
+        if run != self.run.name or self.rec.memory is None:
+            return None
+        return memory_reply(self.rec.memory, series, trainer_id)
+
 
 class RecordedCoordinator:
     """The coordinator's read calls, answered from a record (see the module docstring)."""

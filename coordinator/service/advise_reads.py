@@ -45,7 +45,7 @@ async def advise(
         problems.append("no window has closed yet: nothing to judge")
     else:
         coll = await readers.collectives(table["window"], trainer_id, run, role, 0)
-        made = getattr(readers.shell, "memory_recorded", None)  # (memory_leak's; a record's: none)
+        made = getattr(readers.shell, "memory_recorded", None)  # (memory_leak's marks)
         memory = None
         if made is not None and table["run"]:  # (its marks, not every rank's series)
             memory = await made(table["run"], False, table["trainer_id"])
