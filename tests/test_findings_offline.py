@@ -140,7 +140,8 @@ def test_launch_bound_on_the_nccl_rank_costs_its_launch_bound_steps_idle(capsys)
 def test_advise_reads_a_record_with_from_as_its_table_says(capsys):
     """A record (summaries from before issue 56: no collectives) answers ``advise`` with the
     rules run on the same window's ``kernel_summary``."""
-    from coordinator.core.findings import window_findings
+    from coordinator.core.findings import RULES, window_findings
+    from coordinator.core.findings_inputs import GPU_RULES, HOST_RULES
     from coordinator.ops.cli import main as cli_main
 
     record = os.path.join(ROOT, "tests", "data", "record-v1")
@@ -150,11 +151,17 @@ def test_advise_reads_a_record_with_from_as_its_table_says(capsys):
     assert cli_main(["top", "--from", record, "--k", "0", "--json"]) == 0
     table = json.loads(capsys.readouterr().out)
     found, quiet = window_findings(table)
-    assert json.loads(json.dumps(found)) == reply["findings"] and quiet == reply["quiet"]
+    assert json.loads(json.dumps(found)) == reply["findings"]
+    missing = reply["not_judged"]  # (its summaries are older than the host and GPU rules)
+    assert sorted(reply["quiet"] + list(missing)) == sorted(quiet), (reply, quiet)
+    expected = {*HOST_RULES, *GPU_RULES, "memory_peak", "memory_leak"} & set(RULES)
+    assert set(missing) == expected, missing
+    assert "older than this rule" in missing["dataloader"] and "device_gib" in missing["memory_peak"]
     assert {f["rule"] for f in reply["findings"]} == {"gpu_idle", "exposed_comm"}
     assert cli_main(["advise", "--from", record]) == 0
     out = capsys.readouterr().out
     assert out.startswith("run golden-v1, window 4 (steps 11-12): 2 finding(s)")
+    assert "not judged: dataloader: no rank's host time in the window" in out, out
     assert cli_main(["advise", "--from", record, "--window", "99"]) == 1
     assert "no window 99" in capsys.readouterr().err
 

@@ -38,5 +38,7 @@ def render_findings(reply: Mapping[str, Any]) -> str:
             lines.append(f"{'':>20}{cut}")
     if reply.get("quiet"):
         lines.append(f"quiet: {', '.join(reply['quiet'])}")
+    for rule, why in (reply.get("not_judged") or {}).items():
+        lines.append(f"not judged: {rule}: {printable(str(why))}")
     lines += [f"problem: {printable(str(p))}" for p in reply.get("problems") or []]
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from msgspec.structs import replace
 
 from coordinator.core.aggregate import WindowAggregate
 from coordinator.core.collectives import SHOWN, window_collectives
-from coordinator.core.findings import window_findings
+from coordinator.core.findings_inputs import advise_parts
 from coordinator.core.partial import fold_summaries
 from coordinator.protocol.partial_codec import decode_partial, encode_partial
 from coordinator.protocol.summary_codec import (
@@ -179,13 +179,20 @@ def advise_reply(
     done: Offline, settings: dict[str, dict[str, float]] | None = None
 ) -> FindingsReply:
     """The traces' window's findings: the ``advise()`` RPC's reply for run ``offline``, window
-    0 (``core.findings.window_findings`` on the table and ``collectives_reply``)."""
+    0 (``core.findings_inputs.advise_parts`` on the table and ``collectives_reply``)."""
     coll = collectives_reply(done, 0)  # (the window's keys are the collectives reply's)
-    found, quiet = window_findings(done.table, coll, settings)
+    found, quiet, missing = advise_parts(done.table, coll, settings, None)
     head = {k: cast("dict[str, Any]", coll)[k] for k in ("run", "window", "steps", "trainer_id")}
     return cast(
         "FindingsReply",
-        {**head, "role": None, "findings": found, "quiet": quiet, "problems": []},
+        {
+            **head,
+            "role": None,
+            "findings": found,
+            "quiet": quiet,
+            "not_judged": missing,
+            "problems": [],
+        },
     )
 
 

@@ -40,6 +40,7 @@ class FindingsReply(TypedDict):
     role: str | None
     findings: list[Finding]
     quiet: list[str]  # the rules that ran and found nothing
+    not_judged: dict[str, str]  # rule -> why it could not judge the window (no figures)
     problems: list[str]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 
-from coordinator.core.findings import window_findings
+from coordinator.core.findings_inputs import advise_parts
 from coordinator.protocol.finding_replies import Finding, FindingsReply
 from coordinator.service.readers import Readers
 from coordinator.service.status_findings import FindingCache
@@ -41,6 +41,7 @@ async def advise(
     problems: list[str] = []
     found: list[Finding] = []
     quiet: list[str] = []
+    missing: dict[str, str] = {}
     if table["window"] is None:
         problems.append("no window has closed yet: nothing to judge")
     else:
@@ -50,8 +51,8 @@ async def advise(
         if made is not None and table["run"]:  # (its marks, not every rank's series)
             memory = await made(table["run"], False, table["trainer_id"])
         loop = asyncio.get_running_loop()
-        found, quiet = await loop.run_in_executor(
-            readers.shell.reads, window_findings, table, coll, settings, memory
+        found, quiet, missing = await loop.run_in_executor(
+            readers.shell.reads, advise_parts, table, coll, settings, memory
         )
         if table["summaries_pending"]:
             pending = ", ".join(map(str, table["summaries_pending"][:16]))
@@ -65,5 +66,6 @@ async def advise(
         "role": table["role"],
         "findings": found,
         "quiet": quiet,
+        "not_judged": missing,
         "problems": problems,
     }

@@ -106,6 +106,7 @@ def failed(run: str, rec: WindowRecord, tid: str, exc: BaseException | None) -> 
         "role": getattr(rec, "roles", {}).get(tid),
         "findings": [],
         "quiet": [],
+        "not_judged": {},
         "problems": [
             f"the findings could not be made: {type(exc).__name__}: {exc}"[:300]
             if exc is not None

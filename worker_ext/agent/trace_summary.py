@@ -453,12 +453,11 @@ def _above(bits: np.ndarray, idx: np.ndarray, parent: np.ndarray) -> np.ndarray:
     return acc
 
 
-def _host_row(ns: tuple[int, ...], steps: int) -> HostRow | None:
+def _host_row(ns: tuple[int, ...], steps: int) -> HostRow:
     """``_host_ns`` as ``HostRow`` (times and the optimizer's op counts a mean over
-    ``steps``), None when it found none."""
-    loader_ns, calls, zero_ns, ops, opt_ns, opt_steps, _, loop, _, multi = ns
-    if not calls and not ops and not opt_steps:
-        return None
+    ``steps``), zeros included: a row of zeros says "measured, none found" where a summary
+    without one (an older agent's) says "not measured" (``core.findings_inputs``)."""
+    loader_ns, calls, zero_ns, ops, opt_ns, _, _, loop, _, multi = ns
     per = 1 / steps
     return HostRow(
         loader_ns / 1e3 * per, calls, zero_ns / 1e3 * per, ops,

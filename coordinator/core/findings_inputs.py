@@ -1,0 +1,64 @@
+"""Which rules could not judge a window, and why (issue 57; docs/advise.md). Pure.
+
+A rule whose figures no rank's summary carries is not "quiet" (it found nothing): it could not
+look. That is so of a window read from a record, or from an agent, older than the rule: the
+wire's newer rows are optional, so an old summary still decodes, without them. The agent
+sends the host rules' row (``HostRow``) for every rank it reads, zeros included, and a CUDA
+rank's ``GpuRow`` always, so their absence means "not measured", never "nothing found".
+
+``advise_parts`` runs the rules (``findings.window_findings``) and moves each rule that could
+not judge from its quiet list to ``not_judged`` (rule -> one line why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from coordinator.core.findings import window_findings
+from coordinator.protocol.finding_replies import Finding
+
+HOST_RULES = ("dataloader", "zero_grad", "optimizer_foreach")
+"""The rules of a rank's host time (the summary's ``HostRow``, in its breakdown row)."""
+GPU_RULES = ("host_sync", "memcpy_pageable", "tf32_off", "matmul_alignment")
+"""The rules of a CUDA rank's ``GpuRow`` (the table's ``gpu`` entries)."""
+OLDER = "a summary (an agent's, or a record's) older than this rule has none"
+
+
+def not_judged(
+    table: Mapping[str, Any], settings: Mapping[str, Mapping[str, float]], memory_read: bool
+) -> dict[str, str]:
+    """The rules that could not judge ``table``'s window (a ``kernel_summary()`` table), each
+    with why: no rank's host figures, no CUDA rank's GPU figures, no memory book
+    (``memory_read`` False), or the device's memory not set for ``memory_peak``."""
+    out: dict[str, str] = {}
+    rows = (table.get("breakdown") or {}).get("ranks") or {}
+    if rows and not any("dataloader_us_per_step" in row for row in rows.values()):
+        out |= dict.fromkeys(HOST_RULES, f"no rank's host time in the window: {OLDER}")
+    cuda = table.get("device") == "cuda" or bool(table.get("device_steps") or table.get("launch"))
+    if cuda and not table.get("gpu"):
+        out |= dict.fromkeys(GPU_RULES, f"no CUDA rank's GPU figures in the window: {OLDER}")
+    if cuda and not (settings.get("memory_peak") or {}).get("device_gib"):
+        out["memory_peak"] = (
+            "the device's memory is not known: set advise.memory_peak.device_gib in the config"
+        )
+    if not memory_read:
+        out["memory_leak"] = "no memory book to read (only a live run, or its record, has one)"
+    return out
+
+
+def advise_parts(
+    table: Mapping[str, Any],
+    collectives: Mapping[str, Any] | None,
+    settings: Mapping[str, Mapping[str, float]] | None,
+    memory: Mapping[str, Any] | None,
+) -> tuple[list[Finding], list[str], dict[str, str]]:
+    """``window_findings``' findings and quiet rules, less those that could not judge the
+    window (``not_judged``; ``memory`` None: no memory book was read), and those."""
+    found, quiet = window_findings(table, collectives, settings, memory)
+    missing = not_judged(table, settings or {}, memory is not None)
+    return (
+        found,
+        [r for r in quiet if r not in missing],
+        {r: missing[r] for r in quiet if r in missing},
+    )
