@@ -967,6 +967,20 @@ def test_a_run_s_record_is_served_read_only_with_the_live_answers(served, tmp_pa
         web.close()
 
 
+DRAW_NOT_JUDGED = """missing => { const h = document.createElement("div");
+  drawFindings(h, { findings: [], problems: [], not_judged: missing });
+  return [...h.querySelectorAll(".findings-not-judged li")].map(li => li.textContent); }"""
+"""The window page's findings drawn for a reply whose rules in ``missing`` could not judge."""
+
+
+def not_judged_lines(missing: dict[str, str]) -> list[str]:
+    """The lines the page draws for ``advise()``'s ``not_judged``: its rules grouped by why."""
+    why: dict[str, list[str]] = {}
+    for rule, text in missing.items():
+        why.setdefault(text, []).append(rule)
+    return [f"not judged: {', '.join(rules)}: {text}" for text, rules in why.items()]
+
+
 def test_a_window_with_no_finding_says_so_in_one_line(served):
     status, a = served.http("GET", "/api/windows/1/advise")
     assert status == 200 and a["window"] == 1 and a["findings"] == [], a
@@ -976,7 +990,11 @@ def test_a_window_with_no_finding_says_so_in_one_line(served):
         sign_in(page, served.url)
         page.goto(served.url + "/#/window/1")
         page.wait_for_selector("#findings .findings-none", timeout=30_000)
-        assert page.inner_text("#findings") == "no finding for this window"
+        said = page.locator("#findings .findings-not-judged li").all_inner_texts()
+        assert said == not_judged_lines(a["not_judged"]), (said, a)
+        assert page.inner_text("#findings").split("\n")[0] == "no finding for this window"
+        drawn = page.evaluate(DRAW_NOT_JUDGED, {"dataloader": "old", "zero_grad": "old", "x": "y"})
+        assert drawn == ["not judged: dataloader, zero_grad: old", "not judged: x: y"], drawn
         headings = page.locator("h2").all_inner_texts()
         top = headings.index("Top kernels, and their spread across ranks")
         assert headings.index("Findings") < top

@@ -407,6 +407,10 @@ function drawFindings(holder, f, most) {
     if (f.findings.length > shown.length) kids.push(el("p", { class: "muted" },
       `and ${f.findings.length - shown.length} more on the window's page`));
   }
+  const why = {};  // the rules that could not judge the window, grouped by why
+  for (const [rule, text] of Object.entries(f.not_judged ?? {})) (why[text] ??= []).push(rule);
+  if (Object.keys(why).length) kids.push(el("ul", { class: "findings-not-judged muted" },
+    Object.entries(why).map(([text, rules]) => el("li", {}, `not judged: ${rules.join(", ")}: ${text}`))));
   if (f.problems.length) kids.push(el("ul", { class: "findings-problems" }, f.problems.map(p => el("li", { class: "slower" }, p))));
   holder.replaceChildren(...kids);
 }
