@@ -120,6 +120,23 @@ def test_the_device_idle_of_a_rank_loading_data_is_counted_once() -> None:
     assert found["gpu_idle"]["cost_ms_per_step"] == pytest.approx(20.0)
 
 
+def test_on_a_cuda_rank_loading_costs_at_most_the_device_s_idle() -> None:
+    """Loading while the device still runs the queued kernels costs the step nothing: a CUDA
+    rank's ``dataloader`` cost is its device's idle at most, the whole time in evidence."""
+    t = _hosted(device="cuda")
+    t["breakdown"]["ranks"][1] = {**_row(other_ms=10.0), "dataloader_us_per_step": 30e3}
+    found = rules(t)
+    f = found["dataloader"]
+    assert (f["ranks"], f["cost_ms_per_step"]) == ([1], 10.0), f
+    assert f["evidence"]["host_ms"] == {1: 30.0} and f["evidence"]["share_of_step"][1] == 0.3
+    assert "gpu_idle" not in found  # its idle is the loading's, counted once
+    t["breakdown"]["ranks"][1]["other_us"] = 0.0  # the device never idles: nothing to save
+    assert "dataloader" not in rules(t)
+    cpu = _hosted()
+    cpu["breakdown"]["ranks"][1] = {**_row(other_ms=10.0), "dataloader_us_per_step": 30e3}
+    assert rules(cpu)["dataloader"]["cost_ms_per_step"] == 30.0  # a CPU rank: no device
+
+
 def _summary(rank: int, host: Any) -> Any:
     from coordinator.protocol.summary_codec import Breakdown, KernelRow, RankSummary
 

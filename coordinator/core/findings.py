@@ -14,7 +14,8 @@ breakdown, times its step time; a finding over several ranks costs the mean of t
 
 How overlapping lost time is resolved, so no time is reported twice (rules run in this order):
 
-- ``dataloader``: each rank's time inside its DataLoader's ``__next__``, counted here only.
+- ``dataloader``: each rank's time inside its DataLoader's ``__next__``, counted here only;
+  on a CUDA rank at most its device's idle (loading while the device runs costs nothing).
 - ``zero_grad``: each rank's time in the ops that zero its gradients, counted here only.
 - ``optimizer_foreach`` (after ``zero_grad``, a host rule like it) and ``memory_leak`` (no
   time): ``core.findings_more`` says how they overlap the others.
@@ -201,29 +202,39 @@ def host_excess(fig: Figures, rank: int, others: list[int] | None) -> float:
     return excess
 
 
-def _host_rule(fig: Figures, rule: str, share: float, advice: str) -> Finding | None:
+def _host_rule(
+    fig: Figures, rule: str, share: float, advice: str, at_most_idle: bool = False
+) -> Finding | None:
     """A finding over the ranks whose host time of ``rule`` (``HOST_RULES``) is over ``share``
-    of their step (``share`` 0: any), its cost their mean; what it counted in ``fig.spent``."""
+    of their step (``share`` 0: any), its cost their mean; what it counted in ``fig.spent``.
+    ``at_most_idle``: on a CUDA rank the time costs at most its device's idle a step (the
+    host's work while the device runs costs the step nothing; ``idle_ms``)."""
     costs: dict[int, float] = {}
+    host: dict[int, float] = {}
     key, step_ms, median = HOST_RULES[rule], fig.step_ms, fig.median_step_ms
     for r, row in fig.breakdown.items():
         us = row.get(key)
         if us and us > share * (step_ms.get(r) or median) * 1e3:
-            costs[r] = us / 1e3
+            host[r] = costs[r] = us / 1e3
+            if at_most_idle and r in fig.cuda and row.get("window_us", 0.0) > 0:
+                costs[r] = min(costs[r], idle_ms(fig, r))
+    costs = {r: c for r, c in costs.items() if c > 0}
     if not costs:
         return None
     fig.spent[rule] = costs
     top = shown(costs)
     steps = {r: step_ms.get(r) or median for r in top}
     more = {
-        "share_of_step": {r: round(costs[r] / steps[r], 4) if steps[r] else None for r in top},
+        "share_of_step": {r: round(host[r] / steps[r], 4) if steps[r] else None for r in top},
         "step_ms": {r: round(steps[r], 3) for r in top},
     }
+    if any(costs[r] < host[r] for r in top):  # (capped at the device's idle)
+        more["host_ms"] = {r: round(host[r], 3) for r in top}
     return _over_ranks(fig, rule, costs, more, advice)
 
 
 def dataloader(fig: Figures, th: dict[str, float]) -> Finding | None:
-    return _host_rule(fig, "dataloader", th["share"], ADVICE["dataloader"])
+    return _host_rule(fig, "dataloader", th["share"], ADVICE["dataloader"], at_most_idle=True)
 
 
 def zero_grad(fig: Figures, th: dict[str, float]) -> Finding | None:
