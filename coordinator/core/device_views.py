@@ -158,4 +158,7 @@ def gpu_entry(row: GpuRow) -> GpuEntry:
         "pageable_copies": row.pageable_copies,
         "fp32_gemm_us": row.fp32_gemm_us,
         "tf32_gemm_us": row.tf32_gemm_us,
+        "misaligned_mm_us": row.misaligned_mm_us,
+        "misaligned_mm_ops": row.misaligned_mm_ops,
+        "misaligned_mm_shapes": list(row.misaligned_mm_shapes),
     }

@@ -30,8 +30,10 @@ How overlapping lost time is resolved, so no time is reported twice (rules run i
 - ``launch_bound``: the device idle of each rank's launch-bound steps.
 - ``gpu_idle``: each CUDA rank's device idle minus what ``launch_bound`` counted of it, and
   minus the time ``dataloader`` counted on it (the device idles while its host loads data).
-- ``host_sync``, ``memcpy_pageable``, ``tf32_off`` (``core.findings_device``): the host's wait
-  while its device runs, and busy device time: none is counted by another rule.
+- ``host_sync``, ``memcpy_pageable``, ``tf32_off``, ``matmul_alignment``
+  (``core.findings_device``): the host's wait while its device runs, and busy device time
+  (copies, fp32 kernels, fp16/bf16 matmul kernels: each kernel in one rule at most): none is
+  counted by another rule.
 - ``memory_peak``: costs no time (0 ms): it says how close a rank came to its device's memory.
 
 Findings come costliest first (ties by rule order); every threshold can be set in the config
@@ -518,6 +520,14 @@ RULES: dict[str, Rule] = {
                                  "(NVIDIA's A100: 156 over 19.5 TFLOPS, 8x)"),
         }, _gpu_rule("tf32_off", device.tf32_off),
              "fp32 GEMMs without TF32 on Ampere+, on a rank with none with it"),
+        Rule("matmul_alignment", {
+            "min_share": MIN_SHARE,
+            "speedup": Threshold(1.5, 1.0, 100.0, "a conservative aligned over misaligned "
+                                 "fp16/bf16 GEMM speedup (NVIDIA's Matrix Multiplication "
+                                 "Background guide, Tensor Core Requirements: dims multiples "
+                                 "of 8 for full Tensor Core efficiency)"),
+        }, _gpu_rule("matmul_alignment", device.matmul_alignment),
+             "fp16/bf16 matmul kernels whose dims are not multiples of 8"),
         Rule("memory_peak", {
             "share": Threshold(0.90, 0.0, 1.0, f"{TB}: peak memory over 90% of the device"),
             "device_gib": Threshold(0.0, 0.0, 1e6, "the device's memory (0: not known, quiet)"),

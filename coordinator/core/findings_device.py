@@ -1,5 +1,6 @@
 """The findings' GPU rules (issue 57; docs/advise.md): a CUDA rank's device synchronizations,
-its copies from pageable memory and its fp32 GEMMs without TF32. Pure: no Ray, torch.
+its copies from pageable memory, its fp32 GEMMs without TF32 and its fp16/bf16 matmuls whose
+dims are not multiples of 8. Pure: no Ray, torch.
 
 Each reads the window table's ``gpu`` entry of a CUDA rank (``replies.GpuEntry``, from the
 agent's ``summary_codec.GpuRow``), each figure a mean a recorded step, and answers each rank's
@@ -18,6 +19,10 @@ What each counts, and why no other rule counts it again:
   ran without TF32, on a rank that ran no TF32 kernel (TF32 is a process-wide switch: a rank
   with one TF32 kernel has it on, and cuBLAS still picks an fp32 kernel for some shapes),
   times the share TF32 would save (``1 - 1 / speedup``).
+- ``matmul_alignment``: the device time of the kernels of fp16/bf16 ``aten::mm``, ``bmm`` and
+  ``addmm`` ops with a dim not a multiple of 8 (PyTorch's pattern matcher's
+  ``MatMulDimInFP16Pattern``), times the share padding would save (``1 - 1 / speedup``): busy
+  device time of half-precision kernels, which ``tf32_off`` (fp32 kernels) never counts.
 """
 
 from __future__ import annotations
@@ -40,6 +45,15 @@ TF32_ADVICE = (
     'torch.backends.cuda.matmul.allow_tf32 = True (or torch.set_float32_matmul_precision("high"))'
     " and torch.backends.cudnn.allow_tf32 = True, or train with AMP (torch.autocast)."
 )
+ALIGN_ADVICE = (
+    "fp16/bf16 matmuls with dims not multiples of 8 ({shapes}) run slower kernels: pad the dims "
+    "to multiples of 8 (the vocabulary and hidden sizes, batch x sequence length), e.g. "
+    "tokenizer(..., padding=True, pad_to_multiple_of=8), "
+    "DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8), a vocabulary padded to a "
+    "multiple of 64."
+)
+TOP_SHAPES = 3
+"""The example shapes a ``matmul_alignment`` finding names (over its costliest ranks)."""
 TOP_CAUSES = 4
 """The causing ops a ``host_sync`` finding names, the costliest first..."""
 CAUSE_RANKS = 32
@@ -117,3 +131,26 @@ def tf32_off(fig: GpuWindow, th: dict[str, float]) -> Judged:
     more: dict[str, Any] = {"fp32_gemm_ms_per_step": {r: round(ms, 3) for r, ms in fp32.items()}}
     more["assumed_speedup"] = th["speedup"]
     return costs, more, TF32_ADVICE
+
+
+def matmul_alignment(fig: GpuWindow, th: dict[str, float]) -> Judged:
+    """The ranks whose fp16/bf16 matmuls with a dim not a multiple of 8 take over
+    ``min_share`` of their step on the device, each costing that time times
+    ``1 - 1 / speedup``."""
+    slow = _over_share(fig, "misaligned_mm_us", th["min_share"], "misaligned_mm_ops")
+    if not slow:
+        return None
+    saved = 1.0 - 1.0 / th["speedup"]
+    costs = {r: ms * saved for r, ms in slow.items()}
+    top = heapq.nlargest(CAUSE_RANKS, costs, key=costs.__getitem__)
+    shapes: dict[str, None] = {}
+    for r in top:
+        shapes.update(dict.fromkeys(fig.gpu[r].get("misaligned_mm_shapes") or []))
+    examples = list(shapes)[:TOP_SHAPES]
+    more: dict[str, Any] = {
+        "misaligned_ms_per_step": {r: round(ms, 3) for r, ms in slow.items()},
+        "ops": {r: fig.gpu[r]["misaligned_mm_ops"] for r in slow},
+        "shapes": examples,
+        "assumed_speedup": th["speedup"],
+    }
+    return costs, more, ALIGN_ADVICE.format(shapes="; ".join(examples) or "shapes not recorded")

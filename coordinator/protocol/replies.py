@@ -636,7 +636,9 @@ class GpuEntry(TypedDict):
     """A CUDA rank's figures of the findings' GPU rules (issue 57; ``summary_codec.GpuRow``),
     each a mean a recorded step: the host's wait in device synchronizations, how many, and the
     ops that caused the most (``[name, wait_us, syncs]``); copies from pageable memory (device
-    time, how many); fp32 GEMM and convolution kernels without TF32 and with it."""
+    time, how many); fp32 GEMM and convolution kernels without TF32 and with it; the kernels
+    of fp16/bf16 matmuls with a dim not a multiple of 8 (device time; how many such ops in the
+    window, and a few of their shapes: ``aten::mm [2047, 64] [64, 512]``)."""
 
     sync_wait_us: float
     syncs: int
@@ -645,6 +647,9 @@ class GpuEntry(TypedDict):
     pageable_copies: int
     fp32_gemm_us: float
     tf32_gemm_us: float
+    misaligned_mm_us: float
+    misaligned_mm_ops: int
+    misaligned_mm_shapes: list[str]
 
 
 class BreakdownTable(TypedDict):

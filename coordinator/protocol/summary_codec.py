@@ -134,6 +134,10 @@ MAX_SYNC_CAUSES = 4
 """The ops a ``GpuRow`` names as causing device synchronizations, the costliest first."""
 
 
+MAX_MATMUL_SHAPES = 3
+"""The shapes of misaligned fp16/bf16 matmuls a ``GpuRow`` names (the first distinct ones)."""
+
+
 class SyncCause(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """An op that made the host wait for the device: its wait a step and its syncs."""
 
@@ -148,7 +152,11 @@ class GpuRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     in device synchronizations (the sync runtime calls and ``aten::_local_scalar_dense``,
     outermost only), how many, and the ops that caused the most; the device time of copies
     from pageable memory and how many; the device time of fp32 GEMM and convolution kernels
-    without TF32 on an Ampere or later device, and of TF32 ones."""
+    without TF32 on an Ampere or later device, and of TF32 ones. ``matmul_alignment`` reads
+    the last three (trailing, so a row without them decodes): the device time of the kernels
+    launched by fp16/bf16 ``aten::mm``/``bmm``/``addmm`` ops with a dim not a multiple of 8
+    (ops recorded with ``record_shapes``; without shapes an op is not judged), how many such ops
+    in the window, and the first ``MAX_MATMUL_SHAPES`` of their shapes."""
 
     wait_us: Micros
     syncs: Count
@@ -157,6 +165,11 @@ class GpuRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     pageable_copies: Count
     fp32_gemm_us: Micros
     tf32_gemm_us: Micros
+    misaligned_mm_us: Micros = 0.0
+    misaligned_mm_ops: Count = 0
+    misaligned_mm_shapes: Annotated[
+        tuple[Name, ...], msgspec.Meta(max_length=MAX_MATMUL_SHAPES)
+    ] = ()
 
 
 class MemoryRow(msgspec.Struct, array_like=True, frozen=True, gc=False):

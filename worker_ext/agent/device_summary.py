@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from coordinator.protocol.summary_codec import MAX_MATMUL_SHAPES
 from worker_ext.agent.trace_reader import ANNOTATION, COPY, OP, RUNTIME, STEP_NAME
 
 COMM_KERNEL = re.compile(r"^nccl.*Kernel")
@@ -370,3 +371,64 @@ def gpu_kernel_ns(names: list[str], rows: dict[int, list[int]]) -> tuple[int, in
         elif FP32_KERNEL.match(n):
             fp32 += ns
     return pageable, copies, fp32, tf32
+
+
+@dataclass
+class MisalignedMatmuls:
+    """The fp16/bf16 matmul ops of a window whose dims are not multiples of 8
+    (``trace_reader.misaligned_dims``): the correlations of the launches whose innermost op is
+    one of them (sorted), how many such ops, and the first ``MAX_MATMUL_SHAPES`` distinct
+    shapes (in time)."""
+
+    corrs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    ops: int = 0
+    shapes: tuple[str, ...] = ()
+
+
+def misaligned_matmuls(
+    flagged: dict[int, str],
+    kind: np.ndarray,
+    corr: np.ndarray,
+    start: np.ndarray,
+    parent: np.ndarray,
+    span: tuple[int, int],
+) -> MisalignedMatmuls:
+    """``MisalignedMatmuls`` of CPU events (``parent``: indices into the same arrays, -1 at the
+    top), ``flagged`` the misaligned ops among them (index -> dims as text); the ops counted
+    are those that start inside ``span``. Each launch goes to its innermost op, as
+    ``launches_of`` finds it: one walk up a level a pass, over the launches only."""
+    if not flagged:
+        return MisalignedMatmuls()
+    mine = np.zeros(len(kind), dtype=bool)
+    mine[list(flagged)] = True
+    rows = np.flatnonzero((kind == RUNTIME) & (corr >= 0))
+    up = parent[rows]
+    live = np.flatnonzero(up >= 0)
+    while len(live := live[kind[up[live]] != OP]):
+        up[live] = parent[up[live]]
+        live = live[up[live] >= 0]
+    under = (up >= 0) & mine[np.maximum(up, 0)]
+    ops = sorted((i for i in flagged if span[0] <= start[i] < span[1]), key=start.item)
+    shapes = tuple(dict.fromkeys(flagged[i] for i in ops))[:MAX_MATMUL_SHAPES]
+    return MisalignedMatmuls(np.unique(corr[rows[under]]), len(ops), shapes)
+
+
+def launched_ns(
+    device: list[tuple[int, int, int, int, int, int, int]],
+    launches: Launches,
+    corrs: np.ndarray,
+    steps: list[tuple[int, int, int]],
+) -> int:
+    """The device time of the events launched by ``corrs`` (correlations) whose launch
+    lies in one of ``steps`` (``device_window``'s attribution)."""
+    if not len(corrs):
+        return 0
+    wanted = set(corrs.tolist())
+    picked = [(s, e, c) for s, e, _, _, _, _, c in device if c in wanted]
+    if not picked:
+        return 0
+    cols = np.array(picked, dtype=np.int64)
+    at = launches.find(cols[:, 2])
+    step = _step_of(launches.start[np.maximum(at, 0)], steps)
+    keep = (at >= 0) & (step >= 0)
+    return int((cols[keep, 1] - cols[keep, 0]).sum())

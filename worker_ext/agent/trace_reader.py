@@ -89,6 +89,11 @@ class _ShapeArgs(msgspec.Struct, gc=False):
     input_dims: Any = msgspec.field(default=None, name="Input Dims")
 
 
+class _MatmulArgs(msgspec.Struct, gc=False):
+    input_dims: Any = msgspec.field(default=None, name="Input Dims")
+    input_type: Any = msgspec.field(default=None, name="Input type")
+
+
 class CommArgs(msgspec.Struct, gc=False):
     """The arguments a collective's events may carry (``record_param_comms`` on NCCL; input
     shapes on c10d's and gloo's ops with ``record_shapes``); each may be missing or odd."""
@@ -114,6 +119,8 @@ _LAUNCH_ARGS_LIST = msgspec.json.Decoder(list[_LaunchArgs])
 _MEMORY_ARGS = msgspec.json.Decoder(_MemoryArgs)
 _SHAPE_ARGS = msgspec.json.Decoder(_ShapeArgs)
 _COMM_ARGS = msgspec.json.Decoder(CommArgs)
+_MATMUL_ARGS = msgspec.json.Decoder(_MatmulArgs)
+_MATMUL_ARGS_LIST = msgspec.json.Decoder(list[_MatmulArgs])
 # CPU events a collective leaves: c10d's op on the calling thread, NCCL's ``record_param_comms``
 # under it, and the backend's own span (``gloo:all_reduce`` on gloo's thread, ``nccl:...``).
 _COMM_EVENT = re.compile(r"^(c10d::|gloo:|nccl:|record_param_comms$)")
@@ -149,6 +156,32 @@ def op_flops(name: str, args: Any) -> int:
     except (TypeError, ValueError, IndexError):
         return 0
     return 0
+
+
+# The findings' ``matmul_alignment`` (issue 57): PyTorch's pattern matcher's
+# ``MatMulDimInFP16Pattern`` flags these ops when their first input is fp16 or bf16 and a dim
+# among the last two of any input is not a multiple of 8 (Tensor Cores' 16 bytes).
+MATMUL_OPS = frozenset({"aten::mm", "aten::bmm", "aten::addmm"})
+HALF_TYPES = frozenset({"c10::Half", "c10::BFloat16"})
+MATMUL_ALIGN = 8
+MAX_SHAPE_CHARS = 120
+
+
+def misaligned_dims(name: str, args: Any) -> str | None:
+    """An fp16/bf16 matmul op's input dims as text (``aten::mm [2047, 64] [64, 512]``) when a
+    dim among the last two of an input is not a multiple of ``MATMUL_ALIGN`` (the pattern
+    matcher's test); None otherwise, and where the trace has no shapes (not judged)."""
+    types: Any = getattr(args, "input_type", None)
+    dims: Any = getattr(args, "input_dims", None)
+    if not isinstance(types, list) or not types or types[0] not in HALF_TYPES:
+        return None
+    if not isinstance(dims, list) or not all(isinstance(d, list) for d in dims):
+        return None
+    last = [x for d in dims for x in d[-2:]]
+    if not all(type(x) is int for x in last) or all(x % MATMUL_ALIGN == 0 for x in last):
+        return None
+    text = f"{name} " + " ".join(str(d) for d in dims if d)
+    return text[:MAX_SHAPE_CHARS]
 
 
 @dataclass
@@ -192,11 +225,17 @@ class TraceDigest:
     """``host_name``: the host that wrote the trace (None: not in the trace)."""
     world_size: int | None = None
     """``distributedInfo.world_size`` (None: not in the trace)."""
+    matmuls: list[tuple[int, str]] = field(default_factory=list)
+    """fp16/bf16 matmul ops with a dim not a multiple of 8 (``misaligned_dims``): the op's
+    index among the CPU events (file order, as ``cpu()`` has them) and its dims as text."""
     _ids: dict[str, int] = field(default_factory=dict)
     _thread_ids: dict[tuple[Any, Any], int] = field(default_factory=dict)
     _chunks: list[CpuColumns] = field(default_factory=list)
     _base: float | None = None
     _comm_names: list[bool] = field(default_factory=list)  # by name id: a collective's event?
+    _matmul_names: list[bool] = field(default_factory=list)  # by name id: in MATMUL_OPS?
+    _matmul_seen: bool = False  # any of them
+    _cpu_events: int = 0  # CPU events folded in so far
 
     @property
     def base_us(self) -> float:
@@ -291,7 +330,24 @@ class TraceDigest:
         found = _decode_all(_LAUNCH_ARGS, _LAUNCH_ARGS_LIST, [cpu[i] for i in launches])
         for i, a in zip(launches, found, strict=True):
             corr[i] = _int_or(a.correlation if a else None, -1)
+        self._add_matmuls(cpu, name)
         self._chunks.append(CpuColumns(thread, start, end, name, kind, value, corr))
+        self._cpu_events += len(cpu)
+
+    def _add_matmuls(self, cpu: list[_Event], name: np.ndarray) -> None:
+        """``matmuls``: the batch's misaligned fp16/bf16 matmul ops (their args decoded)."""
+        known = self._matmul_names
+        new = [n in MATMUL_OPS for n in self.names[len(known) :]]
+        known += new
+        self._matmul_seen = self._matmul_seen or any(new)
+        if not self._matmul_seen:
+            return
+        idx = np.flatnonzero(np.array(known, dtype=bool)[name]).tolist()
+        found = _decode_all(_MATMUL_ARGS, _MATMUL_ARGS_LIST, [cpu[i] for i in idx])
+        for i, a in zip(idx, found, strict=True):
+            text = misaligned_dims(cpu[i].name, a)
+            if text is not None:
+                self.matmuls.append((self._cpu_events + i, text))
 
     def _add_device(self, e: _Event, kind: int, a: Any) -> None:
         start = self._ns1(e.ts)

@@ -35,10 +35,13 @@ from worker_ext.agent.device_summary import (
     DeviceWindow,
     HostSyncs,
     Launches,
+    MisalignedMatmuls,
     device_window,
     gpu_kernel_ns,
     host_syncs,
+    launched_ns,
     launches_of,
+    misaligned_matmuls,
     union_ns,
 )
 from worker_ext.agent.trace_reader import (
@@ -159,7 +162,9 @@ def summarise(
         owners = step_spans or [(steps[0], -(2**62), 2**62)]
         dev = device_window(d.names, d.device, cpu.launches, owners)
         _on_device(summary, d, cpu, dev, top_k)
-        summary.gpu = _gpu_row(d.names, cpu.syncs, dev, max(len(step_spans), 1))
+        mm = cpu.matmuls  # (their kernels: by launch, to the steps as ``dev``'s)
+        matmul = (launched_ns(d.device, cpu.launches, mm.corrs, owners), mm.ops, mm.shapes)
+        summary.gpu = _gpu_row(d.names, cpu.syncs, dev, max(len(step_spans), 1), matmul)
     else:
         _on_cpu(summary, d, cpu, w1 - w0, top_k)
     folded = None
@@ -329,6 +334,7 @@ class _CpuResult:
     op_names: set[int]  # the name ids of ops (``OP`` events)
     host_ns: tuple[int, ...]  # DataLoader ns and calls, zeroing ns and ops, ... (_host_ns)
     syncs: HostSyncs = field(default_factory=HostSyncs)  # the host's waits for the device
+    matmuls: MisalignedMatmuls = field(default_factory=MisalignedMatmuls)  # fp16/bf16, not x8
 
 
 def _nest(d: TraceDigest, stacks: bool, span: tuple[int, int], clip: bool = False) -> _CpuResult:
@@ -382,7 +388,26 @@ def _nest(d: TraceDigest, stacks: bool, span: tuple[int, int], clip: bool = Fals
     host = _host_ns(names, name, kind, start, end, parent, span)
     result = _CpuResult(rows, brk, allocs, folded, comm_spans, launches, op_names, host)
     result.syncs = host_syncs(names, name, kind, start, end, parent, span)
+    if d.matmuls:
+        result.matmuls = _misaligned(d.matmuls, order, kind, corr, start, parent, span)
     return result
+
+
+def _misaligned(
+    matmuls: list[tuple[int, str]],
+    order: np.ndarray,
+    kind: np.ndarray,
+    corr: np.ndarray,
+    start: np.ndarray,
+    parent: np.ndarray,
+    span: tuple[int, int],
+) -> MisalignedMatmuls:
+    """``misaligned_matmuls`` of the digest's ``matmuls`` (file-order indices) among the sorted
+    ``_nest`` arrays (``order``: the file-order index of each; an op left out is not counted)."""
+    at = np.full(int(order.max(initial=-1)) + 1, -1, dtype=np.int64)
+    at[order] = np.arange(len(order))
+    flagged = {int(at[i]): text for i, text in matmuls if i < len(at) and at[i] >= 0}
+    return misaligned_matmuls(flagged, kind, corr, start, parent, span)
 
 
 def _host_ns(
@@ -465,9 +490,16 @@ def _host_row(ns: tuple[int, ...], steps: int) -> HostRow:
     )  # fmt: skip
 
 
-def _gpu_row(names: list[str], syncs: HostSyncs, dev: DeviceWindow, steps: int) -> GpuRow:
+def _gpu_row(
+    names: list[str],
+    syncs: HostSyncs,
+    dev: DeviceWindow,
+    steps: int,
+    matmul: tuple[int, int, tuple[str, ...]] = (0, 0, ()),
+) -> GpuRow:
     """A CUDA rank's ``GpuRow``: its host syncs (the ``MAX_SYNC_CAUSES`` costliest causes)
-    and device figures, each a mean over ``steps``."""
+    and device figures, each a mean over ``steps``; ``matmul``: its misaligned fp16/bf16
+    matmuls' device time (ns), ops and shapes."""
     top = sorted(syncs.causes.items(), key=lambda kv: (-kv[1][0], kv[0]))[:MAX_SYNC_CAUSES]
     causes = tuple(
         SyncCause(normalise_name(names[c]) if c >= 0 else NO_OP, ns / 1e3 / steps, n)
@@ -477,6 +509,8 @@ def _gpu_row(names: list[str], syncs: HostSyncs, dev: DeviceWindow, steps: int) 
     return GpuRow(
         syncs.wait_ns / 1e3 / steps, syncs.syncs, causes,
         pageable / 1e3 / steps, copies, fp32 / 1e3 / steps, tf32 / 1e3 / steps,
+        misaligned_mm_us=matmul[0] / 1e3 / steps, misaligned_mm_ops=matmul[1],
+        misaligned_mm_shapes=tuple(normalise_name(t) for t in matmul[2]),
     )  # fmt: skip
 
 
