@@ -21,8 +21,9 @@ the reply ``window_collectives`` as ``collectives()`` matches it (``shown`` 0). 
   32 in its DataLoader for 30% of its step, the others 1%, every rank zeroing its gradients
   for 2% (``dataloader`` names 32 ranks, ``zero_grad`` all), and its GPU figures (``GpuRow``):
   every rank waiting 0.5% of its step in 6 syncs of 2 causing ops, one in 4 copying pageable
-  memory for 1%, one in 16 running its GEMMs in fp32 for 10% without TF32 (``host_sync`` names
-  all, ``memcpy_pageable`` 256, ``tf32_off`` 64): every rule reads its figures.
+  memory for 1%, one in 16 running its GEMMs in fp32 for 10% without TF32 and another one in
+  16 its convolutions for 8% (``host_sync`` names all, ``memcpy_pageable`` 256, ``tf32_off``
+  128): every rule reads its figures.
 
 CPU time is ``time.process_time`` (every thread of the process), the best of ``--rounds``.
 
@@ -103,6 +104,8 @@ def with_device(s: RankSummary) -> RankSummary:
         0.005 * step, 6, causes, page, 8 * (page > 0), fp32, tf32,
         misaligned_mm_us=0.05 * step * odd, misaligned_mm_ops=48 * odd,
         misaligned_mm_shapes=shapes,
+        fp32_conv_us=(0.08 if s.rank % 16 == 4 else 0.005) * step,
+        tf32_conv_us=0.0 if s.rank % 16 == 4 else 0.1 * step,
     )  # fmt: skip
     return s
 

@@ -5,11 +5,13 @@ each cost checked against the raw trace's own events:
 - ``host_sync`` fires on both: the pair's ``aten::item`` and the NCCL rank's
   ``cudaEventSynchronize`` calls under ``DistributedDataParallel.forward``; quiet on the NCCL
   rank's trace with those calls taken out (edited), and above a threshold it is under.
-- ``memcpy_pageable`` fires on the pair (its ``Pageable`` copies); quiet on the NCCL rank (only
-  device-to-device copies).
+- ``memcpy_pageable`` fires on the pair (its ``Pageable`` copies, but ``.item()``'s own copies
+  back, ``host_sync``'s); quiet on the NCCL rank (only device-to-device copies).
 - ``tf32_off`` is quiet on both (each runs TF32 kernels: TF32 is on); no real trace shows it,
   so it fires on the pair's trace with its TF32 GEMM kernels renamed to the SIMT fp32 kernels
-  CUTLASS names (``s1688gemm`` -> ``simt_sgemm``: edited, nothing else changed).
+  CUTLASS names (``s1688gemm`` -> ``simt_sgemm``: edited, nothing else changed), naming the
+  matmul switch only, and on the NCCL rank's with its TF32 convolutions renamed to cuDNN's fp32
+  ones (its GEMMs still TF32), naming cuDNN's only.
 
 Also: the figures' way from the agent's summary through node partials and a saved aggregate,
 and a summary from before them.
@@ -70,24 +72,35 @@ def _cpu_ms_per_step(path: str, names: set[str]) -> float:
     return us / 1e3 / len(spans)
 
 
-def _device_ms_per_step(path: str, named: re.Pattern[str]) -> float:
+def _device_ms_per_step(path: str, named: re.Pattern[str], not_under: str = "") -> float:
     """The raw trace's device events whose name ``named`` searches, launched inside its steps
-    (their runtime call's correlation): their time, ms a step."""
+    (their runtime call's correlation), but (``not_under``) those launched inside a CPU event
+    of that name on the same thread: their time, ms a step."""
+    durations, steps = _device_events(path, named, not_under)
+    return sum(durations) / 1e3 / steps
+
+
+def _device_events(
+    path: str, named: re.Pattern[str], not_under: str = ""
+) -> tuple[list[float], int]:
+    """``_device_ms_per_step``'s events (their durations, us) and the trace's steps."""
     ev = _events(path)
     spans = _steps(ev)
+    outer = [e for e in ev if e.get("ph") == "X" and e["name"] == not_under]
     launched = {
         e["args"]["correlation"]
         for e in ev
         if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}) and _in(e, spans)
-    }
-    us = sum(
+        and not any(o["tid"] == e["tid"] and _in(e, [(o["ts"], o["ts"] + o["dur"])]) for o in outer)
+    }  # fmt: skip
+    durations = [
         e["dur"]
         for e in ev
         if e.get("cat") in ("kernel", "gpu_memcpy")
         and named.search(e["name"])
         and e["args"].get("correlation") in launched
-    )
-    return us / 1e3 / len(spans)
+    ]
+    return durations, len(spans)
 
 
 def _edited(tmp_path: Any, folder: str, edit: Any) -> str:
@@ -136,12 +149,17 @@ def test_host_sync_is_quiet_without_the_syncs_or_over_its_threshold(tmp_path: An
     assert not {"host_sync", "memcpy_pageable"} & (set(_advise(NCCL)) | set(_advise(PAIR)))
 
 
-def test_memcpy_pageable_costs_the_pairs_pageable_copies_device_time() -> None:
+def test_memcpy_pageable_costs_the_pairs_pageable_copies_but_item_s_own_copies_back() -> None:
     f = _advise(PAIR, ANY)["memcpy_pageable"]
     pageable = re.compile(r"Pageable")
-    want = {r: _device_ms_per_step(p, pageable) for r, p in enumerate(_files(PAIR))}
+    item = "aten::_local_scalar_dense"  # its copy back is the wait host_sync counts
+    want = {r: _device_ms_per_step(p, pageable, item) for r, p in enumerate(_files(PAIR))}
+    whole = {r: _device_ms_per_step(p, pageable) for r, p in enumerate(_files(PAIR))}
+    assert all(whole[r] - want[r] > 2e-3 for r in want)  # the pair's .item() copies back
     assert f["ranks"] == [0, 1]
     assert f["evidence"]["ms_per_step"] == pytest.approx(want, abs=1e-3)
+    copies = {r: len(_device_events(p, pageable, item)[0]) for r, p in enumerate(_files(PAIR))}
+    assert f["evidence"]["copies"] == copies
     assert all(n > 0 for n in f["evidence"]["copies"].values())
     assert "pin_memory=True" in f["advice"] and "non_blocking=True" in f["advice"]
 
@@ -171,11 +189,37 @@ def test_tf32_off_fires_on_the_pairs_gemms_renamed_to_fp32_kernels(tmp_path: Any
     assert f["ranks"] == [0, 1]
     assert f["evidence"]["fp32_gemm_ms_per_step"] == pytest.approx(want, abs=1e-3)
     assert f["cost_ms_per_step"] == pytest.approx(sum(want.values()) / 2 * 0.5, abs=1e-3)
-    assert "allow_tf32 = True" in f["advice"] and "set_float32_matmul_precision" in f["advice"]
+    assert "matmul.allow_tf32 = True" in f["advice"]
+    assert "set_float32_matmul_precision" in f["advice"]
+    assert "cudnn" not in f["advice"] and "fp32_conv_ms_per_step" not in f["evidence"]
+    assert f["evidence"]["switches_off"] == {"torch.backends.cuda.matmul.allow_tf32": 2}
     faster = _advise(edited, {"tf32_off": {"speedup": 4.0}})
     assert faster["tf32_off"]["cost_ms_per_step"] == pytest.approx(
         sum(want.values()) / 2 * 0.75, abs=1e-3
     )
+
+
+def test_tf32_off_names_cudnn_alone_for_the_nccl_ranks_convolutions_renamed_to_fp32(
+    tmp_path: Any,
+) -> None:
+    tf32_conv = re.compile(r"(fprop|dgrad|wgrad).*tf32")
+
+    def to_fp32(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for e in ev:
+            if e.get("cat") == "kernel" and tf32_conv.search(e["name"]):
+                fp32 = e["name"].replace("tf32f32_tf32f32", "f32f32_f32f32")  # cuDNN's xmma
+                e["name"] = fp32 if fp32 != e["name"] else "ampere_scudnn_128x64_relu_medium_nn_v1"
+        return ev
+
+    (path,) = _files(NCCL)
+    want = _device_ms_per_step(path, tf32_conv)
+    f = _advise(_edited(tmp_path, NCCL, to_fp32))["tf32_off"]  # its GEMMs still run TF32
+    assert f["ranks"] == [0]
+    assert f["evidence"]["fp32_conv_ms_per_step"] == pytest.approx({0: want}, abs=1e-3)
+    assert f["cost_ms_per_step"] == pytest.approx(want * 0.5, abs=1e-3)
+    assert f["evidence"]["switches_off"] == {"torch.backends.cudnn.allow_tf32": 1}
+    assert "fp32_gemm_ms_per_step" not in f["evidence"]
+    assert "cudnn.allow_tf32 = True" in f["advice"] and "matmul" not in f["advice"]
 
 
 def test_the_gpu_figures_go_from_summaries_through_partials_and_a_saved_aggregate() -> None:
@@ -225,6 +269,10 @@ def test_a_summary_from_before_the_gpu_figures_still_decodes() -> None:
     wire["gpu"] = [1.0, 1, [], -1.0, 0, 0.0, 0.0]
     with pytest.raises(ValueError, match=r"\$\.gpu\[3\]"):
         decode_summary(msgspec.msgpack.encode(wire))
+    wire["gpu"] = [1.0, 1, [], 0.0, 0, 2.0, 3.0]  # an agent's from before the convolutions
+    old = decode_summary(msgspec.msgpack.encode(wire)).gpu
+    assert old is not None and (old.fp32_gemm_us, old.tf32_gemm_us) == (2.0, 3.0)
+    assert (old.fp32_conv_us, old.tf32_conv_us) == (0.0, 0.0)
 
 
 def test_fp16_and_bf16_tensor_op_kernels_are_not_taken_for_tf32() -> None:
@@ -237,16 +285,17 @@ def test_fp16_and_bf16_tensor_op_kernels_are_not_taken_for_tf32() -> None:
         "ampere_sgemm_128x64_nn",  # fp32 without TF32
     ]
     rows = {i: [1000 * (i + 1), 1, 0] for i in range(len(names))}
-    assert gpu_kernel_ns(names, rows) == (0, 0, 4000, 3000)
+    assert gpu_kernel_ns(names, rows) == (0, 0, 4000, 3000, 0, 0)
 
 
 def test_a_sync_under_an_unnamed_annotation_still_makes_a_summary_that_encodes() -> None:
     from coordinator.protocol.summary_codec import GpuRow, SyncCause
-    from worker_ext.agent.device_summary import HostSyncs
+    from worker_ext.agent.host_syncs import HostSyncs
     from worker_ext.agent.trace_summary import _gpu_row
 
     class Dev:  # only the rows _gpu_row reads
         rows: dict[int, list[int]] = {}
+        synced_rows: dict[int, list[int]] = {}
 
     row = _gpu_row(["", "aten::item"], HostSyncs(10_000, 2, {0: [6_000, 1], 1: [4_000, 1]}),
                    Dev(), 1)  # type: ignore[arg-type]  # fmt: skip

@@ -161,4 +161,6 @@ def gpu_entry(row: GpuRow) -> GpuEntry:
         "misaligned_mm_us": row.misaligned_mm_us,
         "misaligned_mm_ops": row.misaligned_mm_ops,
         "misaligned_mm_shapes": list(row.misaligned_mm_shapes),
+        "fp32_conv_us": row.fp32_conv_us,
+        "tf32_conv_us": row.tf32_conv_us,
     }

@@ -10,15 +10,19 @@ What each counts, and why no other rule counts it again:
 
 - ``host_sync``: the host's wait in device synchronizations (``cudaDeviceSynchronize``,
   ``cudaStreamSynchronize``, ``cudaEventSynchronize``, a synchronous ``cudaMemcpy``, and
-  ``aten::_local_scalar_dense``, the op under ``.item()``), outermost only. The host waits
-  while the device runs: this is host time, not device idle (the idle after the sync, while
-  the host launches again, is ``gpu_idle``'s).
+  ``aten::_local_scalar_dense``, the op under ``.item()``), outermost only, none inside a
+  collective (the collective's wait: ``collective_wait`` and ``exposed_comm`` count it). The
+  host waits while the device runs: this is host time, not device idle (the idle after the
+  sync, while the host launches again, is ``gpu_idle``'s).
 - ``memcpy_pageable``: the device time of copies from or to pageable memory (busy device
-  time: no other rule counts it).
+  time: no other rule counts it), but those a counted sync launched (``.item()``'s copy back:
+  inside ``host_sync``'s wait, and pinning would not help it).
 - ``tf32_off``: the device time of fp32 GEMM and convolution kernels an Ampere or later device
-  ran without TF32, on a rank that ran no TF32 kernel (TF32 is a process-wide switch: a rank
-  with one TF32 kernel has it on, and cuBLAS still picks an fp32 kernel for some shapes),
-  times the share TF32 would save (``1 - 1 / speedup``).
+  ran without TF32, each kind judged on its own, as each has its own process-wide switch
+  (GEMMs: ``torch.backends.cuda.matmul.allow_tf32``, off by default; cuDNN's convolutions:
+  ``torch.backends.cudnn.allow_tf32``, on by default): a kind counts on a rank that ran none
+  of its kernels with TF32 (one TF32 kernel says its switch is on: cuBLAS and cuDNN still pick
+  an fp32 kernel for some shapes), times the share TF32 would save (``1 - 1 / speedup``).
 - ``matmul_alignment``: the device time of the kernels of fp16/bf16 ``aten::mm``, ``bmm`` and
   ``addmm`` ops with a dim not a multiple of 8 (PyTorch's pattern matcher's
   ``MatMulDimInFP16Pattern``), times the share padding would save (``1 - 1 / speedup``): busy
@@ -40,10 +44,23 @@ PAGEABLE_ADVICE = (
     "Copies between the device and pageable host memory run synchronously: pin the host side "
     "(DataLoader(pin_memory=True), tensor.pin_memory()) and copy with non_blocking=True."
 )
+TF32_SWITCHES = {
+    "gemm": (
+        "matmuls",
+        "torch.backends.cuda.matmul.allow_tf32",
+        "torch.backends.cuda.matmul.allow_tf32 = True (or "
+        'torch.set_float32_matmul_precision("high"))',
+    ),
+    "conv": (
+        "convolutions",
+        "torch.backends.cudnn.allow_tf32",
+        "torch.backends.cudnn.allow_tf32 = True (its default: something turned it off)",
+    ),
+}
+"""Each kind of ``tf32_off``: what it is, its switch, the advice's setting."""
 TF32_ADVICE = (
-    "fp32 matmuls and convolutions run without TF32 on an Ampere or later device: set "
-    'torch.backends.cuda.matmul.allow_tf32 = True (or torch.set_float32_matmul_precision("high"))'
-    " and torch.backends.cudnn.allow_tf32 = True, or train with AMP (torch.autocast)."
+    "fp32 {what} run without TF32 on an Ampere or later device: set {how}, or train with AMP "
+    "(torch.autocast)."
 )
 ALIGN_ADVICE = (
     "fp16/bf16 matmuls with dims not multiples of 8 ({shapes}) run slower kernels: pad the dims "
@@ -120,17 +137,30 @@ def memcpy_pageable(fig: GpuWindow, th: dict[str, float]) -> Judged:
 
 
 def tf32_off(fig: GpuWindow, th: dict[str, float]) -> Judged:
-    """The ranks that ran no TF32 kernel and whose fp32 GEMMs without it take over
-    ``min_share`` of their step, each costing that time times ``1 - 1 / speedup``."""
-    fp32 = _over_share(fig, "fp32_gemm_us", th["min_share"])
-    fp32 = {r: ms for r, ms in fp32.items() if not fig.gpu[r].get("tf32_gemm_us")}
-    if not fp32:
+    """The ranks whose fp32 GEMMs or convolutions without TF32 take over ``min_share`` of
+    their step, each kind on a rank that ran none of its kernels with TF32 (its switch is
+    off), each costing that time times ``1 - 1 / speedup``; the advice names those switches."""
+    off: dict[str, dict[int, float]] = {}
+    for kind in TF32_SWITCHES:
+        fp32 = _over_share(fig, f"fp32_{kind}_us", th["min_share"])
+        fp32 = {r: ms for r, ms in fp32.items() if not fig.gpu[r].get(f"tf32_{kind}_us")}
+        if fp32:
+            off[kind] = fp32
+    if not off:
         return None
     saved = 1.0 - 1.0 / th["speedup"]
-    costs = {r: ms * saved for r, ms in fp32.items()}
-    more: dict[str, Any] = {"fp32_gemm_ms_per_step": {r: round(ms, 3) for r, ms in fp32.items()}}
+    costs: dict[int, float] = {}
+    for by_rank in off.values():
+        for r, ms in by_rank.items():
+            costs[r] = costs.get(r, 0.0) + ms * saved
+    more: dict[str, Any] = {
+        f"fp32_{k}_ms_per_step": {r: round(v.get(r, 0.0), 3) for r in costs} for k, v in off.items()
+    }
+    more["switches_off"] = {TF32_SWITCHES[k][1]: len(v) for k, v in off.items()}
     more["assumed_speedup"] = th["speedup"]
-    return costs, more, TF32_ADVICE
+    what = " and ".join(TF32_SWITCHES[k][0] for k in off)
+    how = " and ".join(TF32_SWITCHES[k][2] for k in off)
+    return costs, more, TF32_ADVICE.format(what=what, how=how)
 
 
 def matmul_alignment(fig: GpuWindow, th: dict[str, float]) -> Judged:

@@ -636,9 +636,11 @@ class GpuEntry(TypedDict):
     """A CUDA rank's figures of the findings' GPU rules (issue 57; ``summary_codec.GpuRow``),
     each a mean a recorded step: the host's wait in device synchronizations, how many, and the
     ops that caused the most (``[name, wait_us, syncs]``); copies from pageable memory (device
-    time, how many); fp32 GEMM and convolution kernels without TF32 and with it; the kernels
-    of fp16/bf16 matmuls with a dim not a multiple of 8 (device time; how many such ops in the
-    window, and a few of their shapes: ``aten::mm [2047, 64] [64, 512]``)."""
+    time, how many); fp32 GEMM kernels without TF32 and with it (a record from before
+    ``fp32_conv_us``: its convolutions' too); the kernels of fp16/bf16 matmuls with a dim not
+    a multiple of 8 (device time; how many such ops in the window, and a few of their shapes:
+    ``aten::mm [2047, 64] [64, 512]``); fp32 convolution (cuDNN) kernels without TF32 and
+    with it."""
 
     sync_wait_us: float
     syncs: int
@@ -650,6 +652,8 @@ class GpuEntry(TypedDict):
     misaligned_mm_us: float
     misaligned_mm_ops: int
     misaligned_mm_shapes: list[str]
+    fp32_conv_us: float
+    tf32_conv_us: float
 
 
 class BreakdownTable(TypedDict):

@@ -150,13 +150,17 @@ class GpuRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """A CUDA rank's figures of the findings' GPU rules (issue 57,
     ``core.findings_device``), each a mean over the window's recorded steps: the host's wait
     in device synchronizations (the sync runtime calls and ``aten::_local_scalar_dense``,
-    outermost only), how many, and the ops that caused the most; the device time of copies
-    from pageable memory and how many; the device time of fp32 GEMM and convolution kernels
-    without TF32 on an Ampere or later device, and of TF32 ones. ``matmul_alignment`` reads
-    the last three (trailing, so a row without them decodes): the device time of the kernels
-    launched by fp16/bf16 ``aten::mm``/``bmm``/``addmm`` ops with a dim not a multiple of 8
-    (ops recorded with ``record_shapes``; without shapes an op is not judged), how many such ops
-    in the window, and the first ``MAX_MATMUL_SHAPES`` of their shapes."""
+    outermost only, none inside a collective), how many, and the ops that caused the most; the
+    device time of copies from pageable memory and how many (none a counted sync launched: the
+    copy back of ``.item()``); the device time of fp32 GEMM kernels without TF32 on an Ampere
+    or later device, and of TF32 ones (an older agent's row: its convolutions' too, judged as
+    GEMMs). ``matmul_alignment`` reads the next three (trailing, so a row without them
+    decodes): the device time of the kernels launched by fp16/bf16 ``aten::mm``/``bmm``/
+    ``addmm`` ops with a dim not a multiple of 8 (ops recorded with ``record_shapes``; without
+    shapes an op is not judged), how many such ops in the window, and the first
+    ``MAX_MATMUL_SHAPES`` of their shapes. ``tf32_off`` reads the last two (trailing too): the
+    device time of fp32 convolution (cuDNN) kernels without TF32 on an Ampere or later device,
+    and of TF32 ones."""
 
     wait_us: Micros
     syncs: Count
@@ -170,6 +174,8 @@ class GpuRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     misaligned_mm_shapes: Annotated[
         tuple[Name, ...], msgspec.Meta(max_length=MAX_MATMUL_SHAPES)
     ] = ()
+    fp32_conv_us: Micros = 0.0
+    tf32_conv_us: Micros = 0.0
 
 
 class MemoryRow(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.protocol.summary_codec import MAX_MATMUL_SHAPES
-from worker_ext.agent.trace_reader import ANNOTATION, COPY, OP, RUNTIME, STEP_NAME
+from worker_ext.agent.host_syncs import CpuEvents
+from worker_ext.agent.trace_reader import COPY, OP, RUNTIME
 
 COMM_KERNEL = re.compile(r"^nccl.*Kernel")
 MEMORY_KERNEL = re.compile(r"^(Memcpy|Memset|dma)")
@@ -77,6 +78,7 @@ class DeviceWindow:
     launch_bound: list[int]
     op_device: dict[int, int] = field(default_factory=dict)  # op name id (-1: NO_OP) -> ns
     op_kernels: dict[tuple[int, int], int] = field(default_factory=dict)  # (op, kernel) -> ns
+    synced_rows: dict[int, list[int]] = field(default_factory=dict)  # as rows: under a host sync
 
     @property
     def idle_ns(self) -> int:
@@ -110,12 +112,8 @@ def device_window(
     start, end, name, cat, dev, stream = (x[mine] for x in (start, end, name, cat, dev, stream))
     at, step = at[mine], step[mine]
     kinds = _kinds(names, name, cat)
-    rows: dict[int, list[int]] = {}
     dur = end - start
-    if len(name):
-        ids, inverse = np.unique(name, return_inverse=True)
-        ns, counts = np.bincount(inverse, weights=dur), np.bincount(inverse)
-        rows = {int(i): [int(t), int(c), 0] for i, t, c in zip(ids, ns, counts, strict=True)}
+    rows = _by_name(name, dur)
     compute = union_ns(start[kinds == COMPUTE], end[kinds == COMPUTE])
     comm = union_ns(start[kinds == COMM], end[kinds == COMM])
     both = union_ns(
@@ -142,19 +140,33 @@ def device_window(
     )
     _launch_stats(result, names, launches, at, step, start, end)
     _op_time(result, launches, at, name, dur)
+    if launches.synced is not None and len(at):
+        synced = launches.synced[at]
+        result.synced_rows = _by_name(name[synced], dur[synced])
     return result
+
+
+def _by_name(name: np.ndarray, dur: np.ndarray) -> dict[int, list[int]]:
+    """Device events by name id: ``[ns, events, 0]``."""
+    if not len(name):
+        return {}
+    ids, inverse = np.unique(name, return_inverse=True)
+    ns, counts = np.bincount(inverse, weights=dur), np.bincount(inverse)
+    return {int(i): [int(t), int(c), 0] for i, t, c in zip(ids, ns, counts, strict=True)}
 
 
 @dataclass
 class Launches:
     """The trace's launch calls (CPU RUNTIME events with a correlation), by correlation, with
-    the innermost CPU op around each (``op``: its name id, -1 for none)."""
+    the innermost CPU op around each (``op``: its name id, -1 for none) and whether a host
+    sync the findings count holds it (``synced``; None: none does)."""
 
     corr: np.ndarray  # sorted
     start: np.ndarray
     end: np.ndarray
     name: np.ndarray
     op: np.ndarray
+    synced: np.ndarray | None = None
 
     def find(self, corr: np.ndarray) -> np.ndarray:
         """The row of each correlation's launch, or -1."""
@@ -164,16 +176,10 @@ class Launches:
         return np.where((self.corr[i] == corr) & (corr >= 0), i, -1)
 
 
-def launches_of(
-    kind: np.ndarray,
-    corr: np.ndarray,
-    start: np.ndarray,
-    end: np.ndarray,
-    name: np.ndarray,
-    parent: np.ndarray,
-) -> Launches:
-    """The launches among CPU events (in any order, with ``parent`` indices into the same
-    arrays, -1 at the top), each with the innermost ``OP`` event around it."""
+def launches_of(ev: CpuEvents, corr: np.ndarray, synced: np.ndarray | None = None) -> Launches:
+    """The launches among ``ev`` (each event's ``corr``), each with the innermost ``OP`` event
+    around it; ``synced``: the events inside a counted host sync (it included), or None."""
+    kind, name, parent = ev.kind, ev.name, ev.parent
     is_launch = (kind == RUNTIME) & (corr >= 0)
     rows = np.flatnonzero(is_launch)
     op = np.full(len(rows), -1, dtype=np.int64)
@@ -186,7 +192,9 @@ def launches_of(
     # One launch per correlation (the first, if a trace repeats one).
     keys, first = np.unique(corr[rows], return_index=True)
     pick = rows[first]
-    return Launches(keys, start[pick], end[pick], name[pick], op[first])
+    out = Launches(keys, ev.start[pick], ev.end[pick], name[pick], op[first])
+    out.synced = None if synced is None else synced[pick]
+    return out
 
 
 def _kinds(names: list[str], name: np.ndarray, cat: np.ndarray) -> np.ndarray:
@@ -284,93 +292,42 @@ def _op_time(
             r.op_kernels[(o, k)] = d
 
 
-# The findings' GPU rules (issue 57, ``core.findings_device``): the calls that block the host
-# until the device is done (nsys's cuda_api_sync and cuda_memcpy_sync; the driver's twins), the
-# op under ``.item()`` and friends (it copies a scalar back and waits for it), a copy from or
-# to pageable memory (kineto names its kinds), and fp32 GEMM and convolution kernels with TF32
-# (cuBLAS's and CUTLASS's ``s1688`` tensor-op kernels, TF32's m16n8k8 MMA; ``s16816`` is fp16's
-# and bf16's m16n8k16, not TF32; ``tf32`` in cuDNN's and cuBLASLt's names) or
-# without it on an Ampere or later device (its SIMT ``sgemm``/``scudnn`` and ``f32f32_f32f32``
-# kernels: a pre-Ampere device's are named ``volta_``/``turing_``/``maxwell_``).
-SYNC_CALLS = frozenset(
-    {
-        *("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"),
-        *("cudaMemcpy", "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cudaMemcpyToSymbol"),
-        *("cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize"),
-    }
-)
-SCALAR_OP = "aten::_local_scalar_dense"
+# The findings' GPU rules (issue 57, ``core.findings_device``): a copy from or to pageable
+# memory (kineto names its kinds), and fp32 GEMM and convolution kernels with TF32 (cuBLAS's
+# and CUTLASS's ``s1688`` tensor-op kernels, TF32's m16n8k8 MMA; ``s16816`` is fp16's and
+# bf16's m16n8k16, not TF32; ``tf32`` in cuDNN's and cuBLASLt's names) or without it on an
+# Ampere or later device (its SIMT ``sgemm``/``scudnn`` and ``f32f32_f32f32`` kernels: a
+# pre-Ampere device's are named ``volta_``/``turing_``/``maxwell_``); of those, cuDNN's
+# convolutions (``torch.backends.cudnn.allow_tf32``, not the matmul switch) by their names:
+# ``scudnn``, ``cudnn``, ``conv``, ``fprop``/``dgrad``/``wgrad`` (cuDNN's implicit-GEMM ones).
 PAGEABLE_COPY = re.compile(r"^Memcpy \w+ \(.*Pageable")
 TF32_KERNEL = re.compile(r"tf32|s1688", re.IGNORECASE)
 FP32_KERNEL = re.compile(
     r"^(void )?(\w+::Kernel<)?(ampere|sm_?(8|9|1\d)\d|cutlass_(8|9|1\d)\d)_\w*?"
     r"(sgemm|scudnn|f32f32_f32f32)"
 )
+CONV_KERNEL = re.compile(r"cudnn|conv|fprop|dgrad|wgrad", re.IGNORECASE)
 
 
-@dataclass
-class HostSyncs:
-    """The host's waits for the device inside a window (times in ns): the outermost sync calls
-    and ``SCALAR_OP`` spans, clipped to the window, and by what caused each (the innermost op
-    around it but ``SCALAR_OP``, else its innermost annotation but a step's, such as
-    ``DistributedDataParallel.forward``; -1: none): ``[ns, syncs]``."""
-
-    wait_ns: int = 0
-    syncs: int = 0
-    causes: dict[int, list[int]] = field(default_factory=dict)
-
-
-def host_syncs(
-    names: list[str],
-    name: np.ndarray,
-    kind: np.ndarray,
-    start: np.ndarray,
-    end: np.ndarray,
-    parent: np.ndarray,
-    span: tuple[int, int],
-) -> HostSyncs:
-    """``HostSyncs`` of CPU events (``parent``: indices into the same arrays, -1 at the top); a
-    trace without such names costs one scan of its names."""
-    is_call = np.array([n in SYNC_CALLS for n in names] or [False])
-    scalar = np.array([n == SCALAR_OP for n in names] or [False])
-    out = HostSyncs()
-    if not len(name) or not (is_call.any() or scalar.any()):
-        return out
-    flag = ((kind == RUNTIME) & is_call[name]) | ((kind == OP) & scalar[name])
-    clipped = np.clip(np.minimum(end, span[1]) - np.maximum(start, span[0]), 0, None)
-    for i in np.flatnonzero(flag & (clipped > 0)).tolist():
-        p, op, note, nested = int(parent[i]), -1, -1, False
-        while p >= 0 and not nested:
-            nested, k, n = bool(flag[p]), int(kind[p]), int(name[p])
-            if op < 0 and k == OP and not scalar[n]:
-                op = n
-            elif note < 0 and k == ANNOTATION and not STEP_NAME.match(names[n]):
-                note = n
-            p = int(parent[p])
-        cause = op if op >= 0 else note
-        if not nested:
-            out.wait_ns += int(clipped[i])
-            out.syncs += 1
-            row = out.causes.setdefault(cause, [0, 0])
-            row[0] += int(clipped[i])
-            row[1] += 1
-    return out
-
-
-def gpu_kernel_ns(names: list[str], rows: dict[int, list[int]]) -> tuple[int, int, int, int]:
+def gpu_kernel_ns(
+    names: list[str], rows: dict[int, list[int]], synced: dict[int, list[int]] | None = None
+) -> tuple[int, ...]:
     """Of a window's device rows (``DeviceWindow.rows``): the time and number of copies from or
-    to pageable memory, the time of fp32 GEMM and convolution kernels without TF32 on an Ampere
-    or later device (``FP32_KERNEL``) and of TF32 ones (``TF32_KERNEL``)."""
-    pageable = copies = fp32 = tf32 = 0
+    to pageable memory (less those of ``synced``: launched by a counted host sync), the time of
+    fp32 GEMM kernels without TF32 on an Ampere or later device (``FP32_KERNEL``) and of TF32
+    ones (``TF32_KERNEL``), then the same two of convolution kernels (``CONV_KERNEL``)."""
+    out = [0] * 6  # pageable, copies, fp32 GEMM, TF32 GEMM, fp32 conv, TF32 conv
+    synced = synced or {}
     for i, (ns, count, _) in rows.items():
         n = names[i]
         if PAGEABLE_COPY.match(n):
-            pageable, copies = pageable + ns, copies + count
-        elif TF32_KERNEL.search(n):
-            tf32 += ns
-        elif FP32_KERNEL.match(n):
-            fp32 += ns
-    return pageable, copies, fp32, tf32
+            by_sync = synced.get(i, (0, 0))
+            out[0], out[1] = out[0] + ns - by_sync[0], out[1] + count - by_sync[1]
+            continue
+        at = 3 if TF32_KERNEL.search(n) else 2 if FP32_KERNEL.match(n) else 0
+        if at:
+            out[at + 2 * bool(CONV_KERNEL.search(n))] += ns
+    return tuple(out)
 
 
 @dataclass

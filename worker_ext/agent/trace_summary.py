@@ -33,17 +33,16 @@ from worker_ext.agent.collective_reader import DEFAULT_CAP, collectives_of
 from worker_ext.agent.device_summary import (
     NO_OP,
     DeviceWindow,
-    HostSyncs,
     Launches,
     MisalignedMatmuls,
     device_window,
     gpu_kernel_ns,
-    host_syncs,
     launched_ns,
     launches_of,
     misaligned_matmuls,
     union_ns,
 )
+from worker_ext.agent.host_syncs import CpuEvents, HostSyncs, host_syncs
 from worker_ext.agent.trace_reader import (
     ANNOTATION,
     CHUNK_BYTES,
@@ -383,11 +382,13 @@ def _nest(d: TraceDigest, stacks: bool, span: tuple[int, int], clip: bool = Fals
             rows[int(name[i])][2] += int(flops[i])
     allocs = _allocations(d, thread, start, end, kind, name, parent)
     folded = _folded(names, name, kind, parent, self_ns) if stacks else {}
-    launches = launches_of(kind, corr, start, end, name, parent)
+    ev = CpuEvents(names, name, kind, start, end, parent)
+    syncs = host_syncs(ev, span, skip=in_comm)  # (a wait inside a collective is its wait)
+    launches = launches_of(ev, corr, _under(syncs.counted, parent))
     op_names = set(name[kind == OP].tolist())  # (np.unique would import numpy.ma: 7 ms)
-    host = _host_ns(names, name, kind, start, end, parent, span)
+    host = _host_ns(ev, span)
     result = _CpuResult(rows, brk, allocs, folded, comm_spans, launches, op_names, host)
-    result.syncs = host_syncs(names, name, kind, start, end, parent, span)
+    result.syncs = syncs
     if d.matmuls:
         result.matmuls = _misaligned(d.matmuls, order, kind, corr, start, parent, span)
     return result
@@ -410,15 +411,16 @@ def _misaligned(
     return misaligned_matmuls(flagged, kind, corr, start, parent, span)
 
 
-def _host_ns(
-    names: list[str],
-    name: np.ndarray,
-    kind: np.ndarray,
-    start: np.ndarray,
-    end: np.ndarray,
-    parent: np.ndarray,
-    span: tuple[int, int],
-) -> tuple[int, ...]:
+def _under(events: list[int], parent: np.ndarray) -> np.ndarray | None:
+    """The events under any of ``events`` (they included), or None for none."""
+    if not events:
+        return None
+    flag = np.zeros(len(parent), dtype=bool)
+    flag[events] = True
+    return _inherited(flag, parent)
+
+
+def _host_ns(ev: CpuEvents, span: tuple[int, int]) -> tuple[int, ...]:
     """Inside ``span`` (each event clipped to it): the inclusive time of the outermost
     DataLoader ``__next__`` spans and their number; of the outermost gradient-zeroing ops under
     a ``zero_grad`` scope (``_ZERO_GRAD_SCOPE``; none under a new zeros tensor) and their
@@ -426,10 +428,10 @@ def _host_ns(
     of outermost per-parameter ops and of foreach ops under them (their time: unused). Events
     of the sorted ``_nest`` arrays; a trace without such names costs one scan of its names, one
     with them a walk up from those events only (``_above``)."""
-    bits = np.array([_host_bits(n) for n in names] or [0], dtype=np.int16)
-    if not len(name) or not (bits & (_LOADER | _ZEROES | _OPT)).any():
+    bits = np.array([_host_bits(n) for n in ev.names] or [0], dtype=np.int16)
+    if not len(ev.name) or not (bits & (_LOADER | _ZEROES | _OPT)).any():
         return (0,) * 10
-    mine = bits[name]
+    mine = bits[ev.name]
     found = []
     # (events, their kind, what their ancestors may be: of ``mask``, exactly ``required``)
     wanted = (
@@ -439,11 +441,10 @@ def _host_ns(
         (_LOOP, OP, _OPT | _LOOP | _MULTI, _OPT),
     )
     for flag, what, mask, required in (*wanted, (_MULTI, OP, _OPT | _MULTI, _OPT)):
-        idx = np.flatnonzero(((mine & flag) != 0) & (kind == what))
-        idx = idx[(np.minimum(end[idx], span[1]) > np.maximum(start[idx], span[0]))]
-        idx = idx[(_above(mine, idx, parent) & mask) == required]  # outermost (scoped, not new)
-        ns = np.minimum(end[idx], span[1]) - np.maximum(start[idx], span[0])
-        found += [int(ns.sum()), len(idx)]
+        idx = np.flatnonzero(((mine & flag) != 0) & (ev.kind == what))
+        idx = idx[ev.inside(idx, span) > 0]
+        idx = idx[(_above(mine, idx, ev.parent) & mask) == required]  # outermost, scoped, not new
+        found += [int(ev.inside(idx, span).sum()), len(idx)]
     return tuple(found)
 
 
@@ -505,12 +506,15 @@ def _gpu_row(
         SyncCause(normalise_name(names[c]) if c >= 0 else NO_OP, ns / 1e3 / steps, n)
         for c, (ns, n) in top
     )
-    pageable, copies, fp32, tf32 = gpu_kernel_ns(names, dev.rows)
+    pageable, copies, fp32, tf32, fp32_conv, tf32_conv = gpu_kernel_ns(
+        names, dev.rows, dev.synced_rows
+    )
     return GpuRow(
         syncs.wait_ns / 1e3 / steps, syncs.syncs, causes,
         pageable / 1e3 / steps, copies, fp32 / 1e3 / steps, tf32 / 1e3 / steps,
         misaligned_mm_us=matmul[0] / 1e3 / steps, misaligned_mm_ops=matmul[1],
         misaligned_mm_shapes=tuple(normalise_name(t) for t in matmul[2]),
+        fp32_conv_us=fp32_conv / 1e3 / steps, tf32_conv_us=tf32_conv / 1e3 / steps,
     )  # fmt: skip
 
 
