@@ -42,9 +42,13 @@ def test_a_cuda_window_without_gpu_figures_says_its_gpu_rules_could_not_judge() 
     missing = not_judged(t, {}, True)
     assert set(GPU_RULES) <= set(missing) and "memory_peak" in missing
     assert "device_gib" in missing["memory_peak"]
-    t["gpu"] = {0: dict(GPU), 1: dict(GPU)}
+    t["gpu"] = {0: dict(GPU), 1: dict(GPU)}  # (no matmul recorded with its shapes)
     missing = not_judged(t, {"memory_peak": {"device_gib": 80.0}}, True)
-    assert not set(GPU_RULES) & set(missing) and "memory_peak" not in missing
+    assert (
+        set(missing) == {"matmul_alignment"} and "record_shapes=True" in missing["matmul_alignment"]
+    )
+    t["gpu"][1]["mm_ops_shaped"] = 3
+    assert not not_judged(t, {"memory_peak": {"device_gib": 80.0}}, True)
     assert not not_judged(_hosted(2), {}, True)  # a CPU window: nothing the device's to miss
 
 

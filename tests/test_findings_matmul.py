@@ -175,10 +175,22 @@ def test_misaligned_dims_judges_only_ops_with_their_types_and_shapes() -> None:
 
 
 def test_quiet_on_the_real_gpu_traces_whose_matmuls_are_fp32_or_unshaped() -> None:
-    for folder in (PAIR, NCCL):
+    from coordinator.core.findings_inputs import not_judged
+
+    for folder, shaped in ((PAIR, True), (NCCL, False)):
         got = _advise(folder, {"matmul_alignment": {"min_share": 0.0}})
         assert "matmul_alignment" not in got
-        assert all(g["misaligned_mm_ops"] == 0 for g in got["table"]["gpu"].values())
+        gpu = got["table"]["gpu"].values()
+        assert all(g["misaligned_mm_ops"] == 0 for g in gpu)
+        # the pair's fp32 matmuls were judged (quiet); the NCCL rank's, recorded without their
+        # shapes, could not be, and advise says so rather than calling the rule quiet
+        assert (
+            all(g["mm_ops_shaped"] > 100 for g in gpu)
+            if shaped
+            else all(g["mm_ops_shaped"] == 0 for g in gpu)
+        )
+        missing = not_judged(got["table"], {}, True)
+        assert ("matmul_alignment" in missing) is not shaped, missing
 
 
 def test_fires_on_the_pairs_matmuls_in_half_precision_at_their_kernels_time(

@@ -163,4 +163,5 @@ def gpu_entry(row: GpuRow) -> GpuEntry:
         "misaligned_mm_shapes": list(row.misaligned_mm_shapes),
         "fp32_conv_us": row.fp32_conv_us,
         "tf32_conv_us": row.tf32_conv_us,
+        "mm_ops_shaped": row.mm_ops_shaped,
     }

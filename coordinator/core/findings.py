@@ -519,7 +519,7 @@ RULES: dict[str, Rule] = {
             "speedup": Threshold(2.0, 1.0, 100.0, "a conservative TF32 over fp32 GEMM speedup "
                                  "(NVIDIA's A100: 156 over 19.5 TFLOPS, 8x)"),
         }, _gpu_rule("tf32_off", device.tf32_off),
-             "fp32 GEMMs without TF32 on Ampere+, on a rank with none with it"),
+             "fp32 GEMMs or convolutions without TF32 on Ampere+, each kind judged on its own"),
         Rule("matmul_alignment", {
             "min_share": MIN_SHARE,
             "speedup": Threshold(1.5, 1.0, 100.0, "a conservative aligned over misaligned "

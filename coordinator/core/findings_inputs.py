@@ -38,6 +38,11 @@ def not_judged(
     cuda = table.get("device") == "cuda" or bool(table.get("device_steps") or table.get("launch"))
     if cuda and not table.get("gpu"):
         out |= dict.fromkeys(GPU_RULES, f"no CUDA rank's GPU figures in the window: {OLDER}")
+    elif cuda and not any(g.get("mm_ops_shaped") for g in table["gpu"].values()):
+        out["matmul_alignment"] = (
+            "no matmul op in the window was recorded with its input types and shapes "
+            "(torch.profiler.profile(record_shapes=True) records them)"
+        )
     if cuda and not (settings.get("memory_peak") or {}).get("device_gib"):
         out["memory_peak"] = (
             "the device's memory is not known: set advise.memory_peak.device_gib in the config"

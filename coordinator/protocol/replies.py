@@ -640,7 +640,7 @@ class GpuEntry(TypedDict):
     ``fp32_conv_us``: its convolutions' too); the kernels of fp16/bf16 matmuls with a dim not
     a multiple of 8 (device time; how many such ops in the window, and a few of their shapes:
     ``aten::mm [2047, 64] [64, 512]``); fp32 convolution (cuDNN) kernels without TF32 and
-    with it."""
+    with it; the matmul ops recorded with their shapes (the ones ``matmul_alignment`` judges)."""
 
     sync_wait_us: float
     syncs: int
@@ -654,6 +654,7 @@ class GpuEntry(TypedDict):
     misaligned_mm_shapes: list[str]
     fp32_conv_us: float
     tf32_conv_us: float
+    mm_ops_shaped: int
 
 
 class BreakdownTable(TypedDict):

@@ -160,7 +160,9 @@ class GpuRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     shapes an op is not judged), how many such ops in the window, and the first
     ``MAX_MATMUL_SHAPES`` of their shapes. ``tf32_off`` reads the last two (trailing too): the
     device time of fp32 convolution (cuDNN) kernels without TF32 on an Ampere or later device,
-    and of TF32 ones."""
+    and of TF32 ones. ``mm_ops_shaped`` (trailing too): the matmul ops in the trace recorded
+    with their input types and dims, the ones ``matmul_alignment`` can judge (0: none, or an
+    older agent's row: the rule says it could not judge)."""
 
     wait_us: Micros
     syncs: Count
@@ -176,6 +178,7 @@ class GpuRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     ] = ()
     fp32_conv_us: Micros = 0.0
     tf32_conv_us: Micros = 0.0
+    mm_ops_shaped: Count = 0
 
 
 class MemoryRow(msgspec.Struct, array_like=True, frozen=True, gc=False):

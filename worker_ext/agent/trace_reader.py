@@ -235,6 +235,9 @@ class TraceDigest:
     _comm_names: list[bool] = field(default_factory=list)  # by name id: a collective's event?
     _matmul_names: list[bool] = field(default_factory=list)  # by name id: in MATMUL_OPS?
     _matmul_seen: bool = False  # any of them
+    matmuls_shaped: int = 0
+    """Matmul ops (``MATMUL_OPS``) recorded with their input types and dims (``record_shapes``):
+    the ones ``matmul_alignment`` can judge."""
     _cpu_events: int = 0  # CPU events folded in so far
 
     @property
@@ -345,6 +348,8 @@ class TraceDigest:
         idx = np.flatnonzero(np.array(known, dtype=bool)[name]).tolist()
         found = _decode_all(_MATMUL_ARGS, _MATMUL_ARGS_LIST, [cpu[i] for i in idx])
         for i, a in zip(idx, found, strict=True):
+            shaped = a is not None and isinstance(a.input_type, list)
+            self.matmuls_shaped += shaped and isinstance(a.input_dims, list)
             text = misaligned_dims(cpu[i].name, a)
             if text is not None:
                 self.matmuls.append((self._cpu_events + i, text))

@@ -162,7 +162,8 @@ def summarise(
         dev = device_window(d.names, d.device, cpu.launches, owners)
         _on_device(summary, d, cpu, dev, top_k)
         mm = cpu.matmuls  # (their kernels: by launch, to the steps as ``dev``'s)
-        matmul = (launched_ns(d.device, cpu.launches, mm.corrs, owners), mm.ops, mm.shapes)
+        matmul = (launched_ns(d.device, cpu.launches, mm.corrs, owners), mm.ops, mm.shapes,
+                  d.matmuls_shaped)  # fmt: skip
         summary.gpu = _gpu_row(d.names, cpu.syncs, dev, max(len(step_spans), 1), matmul)
     else:
         _on_cpu(summary, d, cpu, w1 - w0, top_k)
@@ -496,11 +497,11 @@ def _gpu_row(
     syncs: HostSyncs,
     dev: DeviceWindow,
     steps: int,
-    matmul: tuple[int, int, tuple[str, ...]] = (0, 0, ()),
+    matmul: tuple[int, int, tuple[str, ...], int] = (0, 0, (), 0),
 ) -> GpuRow:
     """A CUDA rank's ``GpuRow``: its host syncs (the ``MAX_SYNC_CAUSES`` costliest causes)
     and device figures, each a mean over ``steps``; ``matmul``: its misaligned fp16/bf16
-    matmuls' device time (ns), ops and shapes."""
+    matmuls' device time (ns), ops and shapes, and the matmul ops recorded with shapes."""
     top = sorted(syncs.causes.items(), key=lambda kv: (-kv[1][0], kv[0]))[:MAX_SYNC_CAUSES]
     causes = tuple(
         SyncCause(normalise_name(names[c]) if c >= 0 else NO_OP, ns / 1e3 / steps, n)
@@ -515,6 +516,7 @@ def _gpu_row(
         misaligned_mm_us=matmul[0] / 1e3 / steps, misaligned_mm_ops=matmul[1],
         misaligned_mm_shapes=tuple(normalise_name(t) for t in matmul[2]),
         fp32_conv_us=fp32_conv / 1e3 / steps, tf32_conv_us=tf32_conv / 1e3 / steps,
+        mm_ops_shaped=matmul[3],
     )  # fmt: skip
 
 
