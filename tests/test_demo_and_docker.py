@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
+from tests.no_false_alarm import assert_no_false_alarm, from_cli, in_process
 from trainers.demo import build_config, parse_args, print_kernels
 
 
@@ -83,6 +84,10 @@ def test_demo_prints_steps_status_kernels_and_traces(tmp_path):
     for d in os.listdir(tmp_path / "demo"):
         if d.startswith("window_"):
             assert sorted(os.listdir(tmp_path / "demo" / d)) == ["policy", "rollout"]
+    # No false alarm (issue 57, item 5): each window's findings, each role, from the record.
+    assert_no_false_alarm(
+        from_cli(in_process, ["--from", str(record)]), [0, 1], ["policy", "rollout"]
+    )
 
 
 @pytest.mark.subprocess

@@ -12,6 +12,7 @@ from coordinator.core.schedule import Schedule
 from coordinator.ops import notebook as nb
 from coordinator.ops.cli import main as cli_main
 from tests.configs import profiler_config
+from tests.no_false_alarm import assert_no_false_alarm, from_cli, in_process
 from trainers.hooks import ProfilingHooks
 from trainers.reference.loops import (
     RunConfig,
@@ -165,6 +166,9 @@ def test_trainer_is_profiled_end_to_end_and_unchanged(ray_session, actors, tmp_p
     assert {st for (tid, _), st in states.items() if tid == kind} == {"ok"}
     if kind == "fully-async":  # its second generation worker is registered, not profiled
         assert states[(f"{kind}.rollout", 1)] == "not_selected"
+    # No false alarm (issue 57, item 5): each window's findings, each role, from the record.
+    record = from_cli(in_process, ["--from", str(tmp_path / "run" / "record")])
+    assert_no_false_alarm(record, [w["index"] for w in status["windows"]], roles)
 
 
 def names(table):
