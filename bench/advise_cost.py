@@ -67,6 +67,7 @@ from scale_sim import PER_NODE, collective_blocks, node_ranks, template  # noqa:
 from coordinator.core.aggregate import WindowAggregate, find_arriver, keep_arriver  # noqa: E402
 from coordinator.core.collectives import window_collectives  # noqa: E402
 from coordinator.core.findings import RULES, figures_of, window_findings  # noqa: E402
+from coordinator.core.findings_more import leak_figures  # noqa: E402
 from coordinator.core.partial import fold_summaries  # noqa: E402
 from coordinator.protocol.partial_codec import decode_partial, encode_partial  # noqa: E402
 from coordinator.protocol.summary_codec import (  # noqa: E402
@@ -94,18 +95,22 @@ def with_device(s: RankSummary) -> RankSummary:
     share = 0.95 if s.rank % 16 == 0 else rnd.uniform(0.3, 0.8)
     s.peak_bytes = int(share * DEVICE_GIB * 2**30)
     step = sum(us for _, us in s.step_us) / max(len(s.step_us), 1)
-    s.host = HostRow((0.3 if s.rank % 32 == 0 else 0.01) * step, 4, 0.02 * step, 64)
-    causes = (SyncCause("aten::item", 0.004 * step, 4), SyncCause("aten::nonzero", 0.001 * step, 2))
-    page = 0.01 * step if s.rank % 4 == 0 else 0.0
+    loop = s.rank % 8 == 4  # one in 8: an optimizer's per-parameter loop, 400 ops a step
+    s.host = HostRow(
+        (0.3 if s.rank % 32 == 0 else 0.01) * step, 4, 0.02 * step, 64,
+        0.05 * step, 400.0 * loop, 0.0 if loop else 12.0,
+    )  # fmt: skip
+    causes = (SyncCause("aten::item", 0.016 * step, 4), SyncCause("aten::nonzero", 0.004 * step, 2))
+    page = 0.02 * step if s.rank % 4 == 0 else 0.0
     fp32, tf32 = (0.1 * step, 0.0) if s.rank % 16 == 0 else (0.01 * step, 0.3 * step)
     odd = s.rank % 16 == 8  # one in 16: fp16 matmuls not multiples of 8 for 5% of its step
     shapes = ("aten::mm [4095, 1024] [1024, 50257]", "aten::addmm [50257] [4095, 1024]") * odd
     s.gpu = GpuRow(
-        0.005 * step, 6, causes, page, 8 * (page > 0), fp32, tf32,
+        0.02 * step, 6, causes, page, 8 * (page > 0), fp32, tf32,
         misaligned_mm_us=0.05 * step * odd, misaligned_mm_ops=48 * odd,
         misaligned_mm_shapes=shapes,
         fp32_conv_us=(0.08 if s.rank % 16 == 4 else 0.005) * step,
-        tf32_conv_us=0.0 if s.rank % 16 == 4 else 0.1 * step,
+        tf32_conv_us=0.0 if s.rank % 16 == 4 else 0.1 * step, mm_ops_shaped=96,
     )  # fmt: skip
     return s
 
@@ -140,14 +145,35 @@ def reads(agg: WindowAggregate) -> tuple[dict[str, Any], dict[str, Any]]:
     return table, coll
 
 
+def memory_marks(ranks: int) -> dict[str, Any]:
+    """The run's ``memory()`` reply as ``advise()`` reads it (its marks, no series): every
+    rank sampled, one in 64 marked as leaking 30 MiB a minute on its node of 64 GiB."""
+    nodes = {f"node-{n}": {"total_bytes": 64 << 30, "available_bytes": 20 << 30}
+             for n in range(0, ranks // PER_NODE + 1)}  # fmt: skip
+    entries = []
+    for r in range(ranks):
+        growth = {"bytes_per_min": 30.0 * 2**20, "time_left_s": 4e3, "since": 1e6}
+        entries.append({
+            "rank": r, "trainer_id": "policy", "node_id": f"node-{r // PER_NODE}",
+            "rss_bytes": 6 << 30, "culprit": r % 64 == 0, "growth": growth if r % 64 == 0 else None,
+        })  # fmt: skip
+    return {"ranks": entries, "nodes": nodes}
+
+
 class Answered:
     """Stands in for ``service.readers.Readers`` once its two reads have answered: ``advise()``
-    gets the finished table and reply back, and runs the rules on a reads thread of its own."""
+    gets the finished table and reply back (and the memory book's marks), and runs the rules
+    on a reads thread of its own."""
 
-    def __init__(self, table: dict[str, Any], coll: dict[str, Any]) -> None:
-        self.table, self.coll = table, coll
+    def __init__(
+        self, table: dict[str, Any], coll: dict[str, Any], memory: dict[str, Any] | None
+    ) -> None:
+        self.table, self.coll, self.memory = {**table, "run": "bench"}, coll, memory
         self.shell = self
         self.reads = ThreadPoolExecutor(1)
+
+    async def memory_recorded(self, *_: Any) -> dict[str, Any] | None:
+        return self.memory
 
     def find_run(self, run: str | None) -> None:
         return None
@@ -159,9 +185,11 @@ class Answered:
         return self.coll
 
 
-def advise_cpu(table: dict[str, Any], coll: dict[str, Any], rounds: int) -> float:
+def advise_cpu(
+    table: dict[str, Any], coll: dict[str, Any], memory: dict[str, Any] | None, rounds: int
+) -> float:
     """The least CPU time of ``rounds`` ``advise()`` calls on answered reads."""
-    readers = Answered(table, coll)
+    readers = Answered(table, coll, memory)
 
     async def go() -> float:
         times = []
@@ -177,12 +205,15 @@ def advise_cpu(table: dict[str, Any], coll: dict[str, Any], rounds: int) -> floa
         readers.reads.shutdown()
 
 
-def per_rule(table: dict[str, Any], coll: dict[str, Any], settings: Any, rounds: int) -> str:
+def per_rule(
+    table: dict[str, Any], coll: dict[str, Any], settings: Any, memory: Any, rounds: int
+) -> str:
     """Each rule's least CPU time over ``rounds`` runs of all of them in order (they share
     the figures: an earlier rule's time is subtracted by a later one)."""
     least: dict[str, float] = {}
     for _ in range(rounds):
         fig = figures_of(table, coll)
+        fig.memory = leak_figures(memory, None)
         for rule in RULES.values():
             th = {n: t.default for n, t in rule.thresholds.items()}
             th.update(settings.get(rule.id, {}))
@@ -196,11 +227,12 @@ def run(ranks: int, per_rank: int, rounds: int, cuda: bool) -> None:
     agg = window(ranks, per_rank, cuda)
     table, coll = reads(agg)
     settings = {"memory_peak": {"device_gib": DEVICE_GIB}} if cuda else {}
-    window_findings(table, coll, settings)  # (warm)
-    rules, (found, quiet) = best(lambda: window_findings(table, coll, settings), rounds)
+    memory = memory_marks(ranks) if cuda else None
+    window_findings(table, coll, settings, memory)  # (warm)
+    rules, (found, quiet) = best(lambda: window_findings(table, coll, settings, memory), rounds)
     figs, _ = best(lambda: figures_of(table, coll), rounds)
-    whole = advise_cpu(table, coll, rounds)
-    each = per_rule(table, coll, settings, rounds)
+    whole = advise_cpu(table, coll, memory, rounds)
+    each = per_rule(table, coll, settings, memory, rounds)
     names = ", ".join(f"{f['rule']} ({len(f['ranks'])} ranks)" for f in found)
     label = "cuda (device steps, launch, peaks)" if cuda else "template (breakdown only)"
     parts = [

@@ -60,6 +60,20 @@ def test_optimizer_foreach_fires_on_the_looping_rank_at_its_ops_times_the_saving
     assert _by_rule(capped)["optimizer_foreach"]["cost_ms_per_step"] == pytest.approx(9.0)
 
 
+def test_optimizer_foreach_s_evidence_is_bounded_on_many_ranks():
+    """Over ``EVIDENCE_RANKS`` looping ranks, each per-rank figure lists the costliest only
+    (``ranks`` names them all), as every rule's does."""
+    from coordinator.core.findings import EVIDENCE_RANKS
+
+    rows = {r: {**LOOP, "optimizer_loop_ops_per_step": 1800.0 + r} for r in range(100)}
+    f = _by_rule(window_findings(_table(rows))[0])["optimizer_foreach"]
+    assert f["ranks"] == list(range(100)) and f["all_ranks"]
+    top = list(range(100 - EVIDENCE_RANKS, 100))
+    for key in ("ms_per_step", "per_parameter_ops_per_step", "optimizer_step_ms"):
+        assert sorted(f["evidence"][key]) == top, (key, f["evidence"][key])
+    assert f["evidence"]["ranks_in_evidence"] == f"the {EVIDENCE_RANKS} costliest of 100"
+
+
 def test_optimizer_foreach_is_quiet_with_foreach_long_cpu_ops_or_under_the_share():
     assert "optimizer_foreach" in window_findings(_table({0: FOREACH, 1: FOREACH}))[1]
     mixed = {**LOOP, "optimizer_foreach_ops_per_step": 2.0}  # a foreach op: not the loop form

@@ -90,6 +90,8 @@ class Figures:
     host_sums: dict[str, float] = field(default_factory=dict)  # a host key's sum over ranks
     memory: list[dict[str, Any]] | None = None  # memory_leak's marked ranks (findings_more)
     gpu: dict[int, Mapping[str, Any]] = field(default_factory=dict)  # a CUDA rank's GpuEntry
+    idle: dict[int, float] | None = None  # each rank's device idle a step (``idles``), once
+    scale: dict[int, float] = field(default_factory=dict)  # ``_scales``
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ def _finding(
     return {
         "rule": rule,
         "ranks": ranks,
-        "all_ranks": bool(fig.ranks) and ranks == sorted(fig.ranks),
+        "all_ranks": bool(fig.ranks) and ranks == fig.ranks,  # (figures_of sorts them)
         "steps": list(fig.steps),
         "cost_ms_per_step": round(max(cost, 0.0), 3),
         "evidence": evidence,
@@ -120,12 +122,18 @@ def _finding(
 
 
 def _over_ranks(
-    fig: Figures, rule: str, costs: dict[int, float], more: dict[str, Any], advice: str
+    fig: Figures,
+    rule: str,
+    costs: dict[int, float],
+    more: dict[str, Any],
+    advice: str,
+    top: list[int] | None = None,
 ) -> Finding:
     """A finding over the ranks of ``costs`` (rank -> its ms a step), costing their mean; its
     evidence each rank's ms a step and ``more``, for its ``EVIDENCE_RANKS`` costliest ranks
-    when there are more (``ranks_in_evidence`` then says how many of how many)."""
-    top = shown(costs)
+    when there are more (``ranks_in_evidence`` then says how many of how many; ``top``: those
+    ranks, ``shown(costs)``, when the caller has them)."""
+    top = shown(costs) if top is None else top
     if len(top) < len(costs):
         more["ranks_in_evidence"] = f"the {len(top)} costliest of {len(costs)}"
     ms = {r: round(costs[r], 3) for r in top}
@@ -149,12 +157,18 @@ def _names(ranks: list[int]) -> str:
 def _per_step(fig: Figures, rank: int, part_us: float) -> float:
     """``part_us`` of a rank's window (a breakdown category) as ms a step: its share of the
     window times the rank's step time (else the window's steps share it evenly)."""
-    row = fig.breakdown.get(rank, {})
-    window_us = row.get("window_us", 0.0)
-    step = fig.step_ms.get(rank)
-    if window_us > 0 and step:
-        return part_us / window_us * step
-    return part_us / 1e3 / max(len(fig.steps), 1)
+    scale = fig.scale.get(rank)
+    return part_us * scale if scale is not None else part_us / 1e3 / max(len(fig.steps), 1)
+
+
+def _scales(rows: dict[int, Mapping[str, float]], step_ms: dict[int, float]) -> dict[int, float]:
+    """Each rank's ms a step per us of its window (``_per_step``), where both are known."""
+    out: dict[int, float] = {}
+    for r, row in rows.items():
+        window_us, step = row.get("window_us", 0.0), step_ms.get(r)
+        if window_us > 0 and step:
+            out[r] = step / window_us
+    return out
 
 
 ADVICE = {
@@ -232,7 +246,7 @@ def _host_rule(
     }
     if any(costs[r] < host[r] for r in top):  # (capped at the device's idle)
         more["host_ms"] = {r: round(host[r], 3) for r in top}
-    return _over_ranks(fig, rule, costs, more, advice)
+    return _over_ranks(fig, rule, costs, more, advice, top)
 
 
 def dataloader(fig: Figures, th: dict[str, float]) -> Finding | None:
@@ -276,9 +290,10 @@ def straggler(fig: Figures, th: dict[str, float]) -> Finding | None:
     med_step, med_compute = s.get("median_step_ms") or 0.0, s.get("median_compute_ms") or 0.0
     n = max(len(fig.steps), 1)
     over: dict[int, float] = {}
+    ratio = th["ratio"]
     for r, v in s.get("ranks", {}).items():
-        ratios = (v.get("step_ratio"), v.get("compute_ratio"))
-        if not any(x is not None and x > th["ratio"] for x in ratios):
+        sr, cr = v.get("step_ratio"), v.get("compute_ratio")
+        if not ((sr is not None and sr > ratio) or (cr is not None and cr > ratio)):
             continue
         step_excess = (v["step_ms"] - med_step) if v.get("step_ms") is not None else 0.0
         excess = max(step_excess, (v["compute_ms"] - med_compute) / n)
@@ -331,16 +346,18 @@ def exposed_comm(fig: Figures, th: dict[str, float]) -> Finding | None:
         "the step: overlap it (DistributedDataParallel's bucket_cap_mb, FSDP's prefetch) or do "
         "it less often (gradient accumulation under DDP's no_sync(), a larger batch)."
     )
-    return _over_ranks(fig, "exposed_comm", costs, more, advice)
+    return _over_ranks(fig, "exposed_comm", costs, more, advice, top)
 
 
 def launch_bound(fig: Figures, th: dict[str, float]) -> Finding | None:
     costs: dict[int, float] = {}
     steps: dict[int, list[int]] = {}
     for r, entry in fig.launch.items():
-        bound = set(entry.get("launch_bound") or ())
+        if not entry.get("launch_bound"):
+            continue
+        bound = set(entry["launch_bound"])
         recorded = fig.device_steps.get(r) or []
-        if not bound or not recorded:
+        if not recorded:
             continue
         idle_us = sum(span - busy for s, busy, span in recorded if int(s) in bound)
         ms = idle_us / 1e3 / len(recorded)
@@ -357,28 +374,38 @@ def launch_bound(fig: Figures, th: dict[str, float]) -> Finding | None:
         "delay_p50_us": {r: fig.launch[r].get("delay_p50_us") for r in top},
         "short_share": {r: fig.launch[r].get("short_share") for r in top},
     }
-    return _over_ranks(fig, "launch_bound", costs, more, ADVICE["launch_bound"])
+    return _over_ranks(fig, "launch_bound", costs, more, ADVICE["launch_bound"], top)
+
+
+def idles(fig: Figures) -> dict[int, float]:
+    """Each rank's device idle a step (its breakdown's ``other_us``, as ``_per_step`` scales
+    it), for the ranks with a window; made once a window (several rules read it)."""
+    if fig.idle is None:
+        fig.idle = {
+            r: _per_step(fig, r, row.get("other_us", 0.0))
+            for r, row in fig.breakdown.items()
+            if row.get("window_us", 0.0) > 0
+        }
+    return fig.idle
 
 
 def idle_ms(fig: Figures, rank: int) -> float:
-    """A CUDA rank's device idle a step (its breakdown's ``other_us``); 0 when not known."""
-    row = fig.breakdown.get(rank)
-    if not row or row.get("window_us", 0.0) <= 0:
-        return 0.0
-    return _per_step(fig, rank, row.get("other_us", 0.0))
+    """A CUDA rank's device idle a step (``idles``); 0 when not known."""
+    return idles(fig).get(rank, 0.0)
+
+
+TAKEN_FROM_IDLE = ("launch_bound", "dataloader", "host_sync", "optimizer_foreach")
+"""What ``gpu_idle`` takes off a rank's idle: the idle of its launch-bound steps, its host
+loading data, the idle its syncs left (at most), its optimizer loop's launches."""
 
 
 def gpu_idle(fig: Figures, th: dict[str, float]) -> Finding | None:
     costs: dict[int, float] = {}
+    idle, taken = idles(fig), [fig.spent.get(rule, {}) for rule in TAKEN_FROM_IDLE]
     for r in sorted(fig.cuda):
-        row = fig.breakdown.get(r)
-        if not row or row.get("window_us", 0.0) <= 0:
+        if (ms := idle.get(r)) is None:
             continue
-        ms = _per_step(fig, r, row.get("other_us", 0.0))
-        ms -= fig.spent.get("launch_bound", {}).get(r, 0.0)  # counted by launch_bound
-        ms -= fig.spent.get("dataloader", {}).get(r, 0.0)  # the host loading data
-        ms -= fig.spent.get("host_sync", {}).get(r, 0.0)  # the idle its syncs left, at most
-        ms -= fig.spent.get("optimizer_foreach", {}).get(r, 0.0)  # its loop's launches
+        ms -= sum(t.get(r, 0.0) for t in taken)
         step = fig.step_ms.get(r) or fig.median_step_ms
         if step and ms > th["share"] * step:
             costs[r] = ms
@@ -390,7 +417,7 @@ def gpu_idle(fig: Figures, th: dict[str, float]) -> Finding | None:
         "idle_share": {r: round(fig.breakdown[r].get("other_share", 0.0), 4) for r in top},
         "launch_bound_subtracted_ms": {r: round(spent.get(r, 0.0), 3) for r in top},
     }
-    return _over_ranks(fig, "gpu_idle", costs, more, ADVICE["gpu_idle"])
+    return _over_ranks(fig, "gpu_idle", costs, more, ADVICE["gpu_idle"], top)
 
 
 def memory_peak(fig: Figures, th: dict[str, float]) -> Finding | None:
@@ -418,48 +445,42 @@ def _judged(
     rule: str, judge: Callable[[Figures, dict[str, float]], more.Judged]
 ) -> Callable[[Figures, dict[str, float]], Finding | None]:
     """A rule of ``findings_more``: what its judge costs counted in ``fig.spent``, its finding
-    over their ranks."""
-
-    def run(fig: Figures, th: dict[str, float]) -> Finding | None:
-        got = judge(fig, th)
-        if got is None:
-            return None
-        fig.spent[rule] = got[0]
-        return _over_ranks(fig, rule, *got)
-
-    return run
+    over their ranks (its evidence bounded as ``_gpu_rule``'s)."""
+    return _gpu_rule(rule, judge, counted=True)
 
 
 def _gpu_rule(
     rule: str,
     judge: Callable[[Figures, dict[str, float]], device.Judged],
     at_most_idle: bool = False,
+    counted: bool = False,
 ) -> Callable[[Figures, dict[str, float]], Finding | None]:
     """A rule of ``findings_device``: its finding over the ranks its judge costs, each per-rank
     figure of its evidence bounded as ``ms_per_step`` is (``shown``). ``at_most_idle``: a host
     wait, costing a rank at most its device's idle a step (``idle_ms``: a wait while the device
-    runs costs the step nothing), counted in ``fig.spent`` (``gpu_idle`` takes it off)."""
+    runs costs the step nothing), counted in ``fig.spent`` (``gpu_idle`` takes it off);
+    ``counted``: its costs counted in ``fig.spent`` as they are."""
 
     def run(fig: Figures, th: dict[str, float]) -> Finding | None:
         got = judge(fig, th)
         if got is None:
             return None
         costs, more, advice = got
+        judged = costs.keys()
         if at_most_idle:
-            waits = costs
-            costs = {r: min(c, idle_ms(fig, r)) for r, c in waits.items()}
-            costs = {r: c for r, c in costs.items() if c > 0}
+            idle, waits = idles(fig), costs
+            costs = {r: m for r, c in waits.items() if (m := min(c, idle.get(r, 0.0))) > 0}
             if not costs:
                 return None
+        if at_most_idle or counted:
             fig.spent[rule] = costs
-            more = {k: {r: v[r] for r in costs} if isinstance(v, dict) and v.keys() == waits.keys()
-                    else v for k, v in more.items()}  # fmt: skip
-            more["wait_ms"] = {r: round(waits[r], 3) for r in costs}
         top = shown(costs)
-        for key, v in more.items():
-            if isinstance(v, dict) and len(top) < len(v) and v.keys() == costs.keys():
-                more[key] = {r: v[r] for r in top}
-        return _over_ranks(fig, rule, costs, more, advice)
+        if len(top) < len(judged):  # (each per-rank figure of the judge's, for those shown)
+            more = {k: {r: v[r] for r in top} if isinstance(v, dict) and v.keys() == judged
+                    else v for k, v in more.items()}  # fmt: skip
+        if at_most_idle:
+            more["wait_ms"] = {r: round(waits[r], 3) for r in top}
+        return _over_ranks(fig, rule, costs, more, advice, top)
 
     return run
 
@@ -618,6 +639,7 @@ def figures_of(table: Mapping[str, Any], collectives: Mapping[str, Any] | None) 
         last_arriver=la,
         wait_ms=wait,
         gpu={int(r): v for r, v in (table.get("gpu") or {}).items()},
+        scale=_scales(rows, step_ms),
     )
 
 
