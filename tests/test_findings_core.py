@@ -146,6 +146,20 @@ def test_a_late_straggler_is_not_counted_twice() -> None:
     assert "straggler" not in found  # its excess is the others' wait: reported once
 
 
+def test_a_rank_that_computes_longer_but_meets_the_others_in_step_is_no_straggler() -> None:
+    """Ranks that meet in collectives: a compute excess whose step is no longer than the
+    others' costs the step only through their wait (collective_wait's, here under its bound:
+    the rank did not arrive last at most collectives); without collectives it is the cost."""
+    t = table()
+    t["stragglers"]["ranks"][1] = _rank(step_ms=100.0, compute_ms=360.0)  # 1.5x its compute
+    assert rules(t)["straggler"]["cost_ms_per_step"] == 30.0  # no collectives: its excess
+    synced = rules(t, {"matched": 8, "ranks": [], "last_arriver": None})
+    assert "straggler" not in synced, synced
+    t["stragglers"]["ranks"][1] = _rank(step_ms=140.0, compute_ms=360.0)  # its step longer too
+    synced = rules(t, {"matched": 8, "ranks": [], "last_arriver": None})
+    assert synced["straggler"]["cost_ms_per_step"] == 40.0
+
+
 def test_exposed_comm_on_cpu_over_ten_percent() -> None:
     t = table()
     for r in range(4):

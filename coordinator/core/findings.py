@@ -24,7 +24,9 @@ How overlapping lost time is resolved, so no time is reported twice (rules run i
   wait for exactly that time: it is the data loading's, or the zeroing's, not counted again).
 - ``straggler``: a rank that is also the last arriver costs its excess minus that wait (the
   others' wait for it is the same time), and minus its ``dataloader`` and ``zero_grad`` time
-  beyond the other ranks' mean; nothing left, no finding.
+  beyond the other ranks' mean; nothing left, no finding. Where the ranks meet in collectives
+  its excess is its step time over the median only: a compute excess there costs the step
+  through the others' wait in the collectives, which is ``collective_wait``'s.
 - ``exposed_comm``: each rank's exposed communication minus its own wait in collectives (a
   rank spinning in an all_reduce for a late peer is waiting, not communicating).
 - ``launch_bound``: the device idle of each rank's launch-bound steps.
@@ -92,6 +94,7 @@ class Figures:
     gpu: dict[int, Mapping[str, Any]] = field(default_factory=dict)  # a CUDA rank's GpuEntry
     idle: dict[int, float] | None = None  # each rank's device idle a step (``idles``), once
     scale: dict[int, float] = field(default_factory=dict)  # ``_scales``
+    synced: bool = False  # its ranks meet in collectives (matched, or a last arriver known)
 
 
 @dataclass(frozen=True)
@@ -296,7 +299,10 @@ def straggler(fig: Figures, th: dict[str, float]) -> Finding | None:
         if not ((sr is not None and sr > ratio) or (cr is not None and cr > ratio)):
             continue
         step_excess = (v["step_ms"] - med_step) if v.get("step_ms") is not None else 0.0
-        excess = max(step_excess, (v["compute_ms"] - med_compute) / n)
+        # (ranks that meet in collectives: a compute excess costs the step only through the
+        # others' wait, collective_wait's; its own step time over the median is its cost)
+        compute_excess = (v["compute_ms"] - med_compute) / n
+        excess = step_excess if fig.synced else max(step_excess, compute_excess)
         excess -= fig.spent.get("collective_wait", {}).get(int(r), 0.0)
         excess -= host_excess(fig, int(r), None)
         if excess > 0 and excess >= th["min_share"] * fig.median_step_ms:
@@ -640,6 +646,7 @@ def figures_of(table: Mapping[str, Any], collectives: Mapping[str, Any] | None) 
         wait_ms=wait,
         gpu={int(r): v for r, v in (table.get("gpu") or {}).items()},
         scale=_scales(rows, step_ms),
+        synced=la is not None or bool((collectives or {}).get("matched")),
     )
 
 
