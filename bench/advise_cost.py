@@ -19,7 +19,8 @@ the reply ``window_collectives`` as ``collectives()`` matches it (``shown`` 0). 
   memory, one in 8 ranks launch-bound in every step and one in 16 at 95% of an 80 GiB device
   (``memory_peak``'s ``device_gib`` set to 80), and its host time (``HostRow``): one rank in
   32 in its DataLoader for 30% of its step, the others 1%, every rank zeroing its gradients
-  for 2% (``dataloader`` names 32 ranks, ``zero_grad`` all), and its GPU figures (``GpuRow``):
+  for 2% (``dataloader`` names 32 ranks, ``zero_grad`` all), one in 32 waiting for a CPU 5%
+  of its step, the others 0.5% (``host_contention``), and its GPU figures (``GpuRow``):
   every rank waiting 0.5% of its step in 6 syncs of 2 causing ops, one in 4 copying pageable
   memory for 1%, one in 16 running its GEMMs in fp32 for 10% without TF32 and another one in
   16 its convolutions for 8% (``host_sync`` names all, ``memcpy_pageable`` 256, ``tf32_off``
@@ -99,6 +100,7 @@ def with_device(s: RankSummary) -> RankSummary:
     s.host = HostRow(
         (0.3 if s.rank % 32 == 0 else 0.01) * step, 4, 0.02 * step, 64,
         0.05 * step, 400.0 * loop, 0.0 if loop else 12.0,
+        (0.05 if s.rank % 32 == 16 else 0.005) * step,  # waiting for a CPU
     )  # fmt: skip
     causes = (SyncCause("aten::item", 0.016 * step, 4), SyncCause("aten::nonzero", 0.004 * step, 2))
     page = 0.02 * step if s.rank % 4 == 0 else 0.0

@@ -23,6 +23,8 @@ BOUND = 0.02  # issue 57: "no finding costing more than 2% of the step"
 TRUE: dict[str, str] = {
     "zero_grad": "trainers/reference/workers.py update() calls opt.zero_grad(set_to_none=False)",
     "exposed_comm": "update() all-reduces the flat gradients after backward(), unoverlapped",
+    "host_contention": "the shared test host runs more busy threads than its 2 cores: the "
+    "ranks' training threads wait for a CPU (schedstat run_delay), real time, the host's fault",
 }
 
 # (window, role) -> (its advise() reply, its kernel_summary() table)

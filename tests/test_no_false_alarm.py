@@ -31,7 +31,7 @@ def test_a_finding_over_two_percent_of_the_median_step_is_a_false_alarm() -> Non
 
 
 def test_a_true_finding_the_docs_explain_may_cost_more() -> None:
-    assert set(TRUE) == {"zero_grad", "exposed_comm"} and all(TRUE.values())
+    assert set(TRUE) == {"zero_grad", "exposed_comm", "host_contention"} and all(TRUE.values())
     assert false_alarms(_reply(("zero_grad", 9.0), ("exposed_comm", 12.0)), 100.0) == []
     assert false_alarms(_reply(("zero_grad", 9.0)), 100.0, true={}) != []
 

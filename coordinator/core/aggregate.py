@@ -603,7 +603,7 @@ def _keys(rows: dict[int, dict[str, float]]) -> list[str]:
 
 HOST_KEYS = (
     *("dataloader_us_per_step", "zero_grad_us_per_step", "optimizer_us_per_step"),
-    *("optimizer_loop_ops_per_step", "optimizer_foreach_ops_per_step"),
+    *("optimizer_loop_ops_per_step", "optimizer_foreach_ops_per_step", "cpu_wait_us_per_step"),
 )
 """The breakdown row's keys of a rank's host time (``HostRow``), where its summary has it."""
 
@@ -623,6 +623,8 @@ def _breakdown_row(b: Breakdown, host: HostRow | None = None) -> dict[str, float
             row["optimizer_us_per_step"] = host.optimizer_us
             row["optimizer_loop_ops_per_step"] = host.optimizer_loop_ops
             row["optimizer_foreach_ops_per_step"] = host.optimizer_foreach_ops
+        if host.cpu_wait_us is not None:  # (host_contention reads it; None: not measured)
+            row["cpu_wait_us_per_step"] = host.cpu_wait_us
     return row
 
 

@@ -14,24 +14,29 @@ breakdown, times its step time; a finding over several ranks costs the mean of t
 
 How overlapping lost time is resolved, so no time is reported twice (rules run in this order):
 
+- ``host_contention`` (``core.findings_more``): each rank's training thread's wait for a CPU
+  (on a CUDA rank at most its device's idle), counted first: the others take it off.
 - ``dataloader``: each rank's time inside its DataLoader's ``__next__``, counted here only;
   on a CUDA rank at most its device's idle (loading while the device runs costs nothing).
 - ``zero_grad``: each rank's time in the ops that zero its gradients, counted here only.
 - ``optimizer_foreach`` (after ``zero_grad``, a host rule like it) and ``memory_leak`` (no
   time): ``core.findings_more`` says how they overlap the others.
 - ``collective_wait``: the ranks' wait for the last arriver, less the late rank's time that
-  ``dataloader`` and ``zero_grad`` counted beyond the waiting ranks' mean of it (the others
-  wait for exactly that time: it is the data loading's, or the zeroing's, not counted again).
+  ``host_contention``, ``dataloader`` and ``zero_grad`` counted beyond the waiting ranks' mean
+  of it (the others wait for exactly that time: it is the CPU wait's, the data loading's or
+  the zeroing's, not counted again).
 - ``straggler``: a rank that is also the last arriver costs its excess minus that wait (the
-  others' wait for it is the same time), and minus its ``dataloader`` and ``zero_grad`` time
-  beyond the other ranks' mean; nothing left, no finding. Where the ranks meet in collectives
-  its excess is its step time over the median only: a compute excess there costs the step
-  through the others' wait in the collectives, which is ``collective_wait``'s.
+  others' wait for it is the same time), and minus its ``host_contention``, ``dataloader``
+  and ``zero_grad`` time beyond the other ranks' mean; nothing left, no finding. Where the
+  ranks meet in collectives its excess is its step time over the median only: a compute
+  excess there costs the step through the others' wait in the collectives, which is
+  ``collective_wait``'s.
 - ``exposed_comm``: each rank's exposed communication minus its own wait in collectives (a
   rank spinning in an all_reduce for a late peer is waiting, not communicating).
 - ``launch_bound``: the device idle of each rank's launch-bound steps.
 - ``gpu_idle``: each CUDA rank's device idle minus what ``launch_bound`` counted of it, and
-  minus the time ``dataloader`` counted on it (the device idles while its host loads data).
+  minus the time ``dataloader`` and ``host_contention`` counted on it (the device idles while
+  its host loads data, or waits for a CPU).
 - ``host_sync``, ``memcpy_pageable``, ``tf32_off``, ``matmul_alignment``
   (``core.findings_device``): the host's wait while its device runs, and busy device time
   (copies, fp32 kernels, fp16/bf16 matmul kernels: each kernel in one rule at most): none is
@@ -191,7 +196,11 @@ ADVICE = {
 """The advice of the rules whose sentence names no figure."""
 
 
-HOST_RULES = {"dataloader": "dataloader_us_per_step", "zero_grad": "zero_grad_us_per_step"}
+HOST_RULES = {
+    "host_contention": "cpu_wait_us_per_step",
+    "dataloader": "dataloader_us_per_step",
+    "zero_grad": "zero_grad_us_per_step",
+}
 """The rules of a rank's host time, and the key of its breakdown row each reads (the agent's
 ``HostRow``, as ``aggregate.HOST_KEYS`` puts it there): a late or slow rank's excess may be
 that time."""
@@ -400,9 +409,12 @@ def idle_ms(fig: Figures, rank: int) -> float:
     return idles(fig).get(rank, 0.0)
 
 
-TAKEN_FROM_IDLE = ("launch_bound", "dataloader", "host_sync", "optimizer_foreach")
+TAKEN_FROM_IDLE = (
+    "launch_bound", "dataloader", "host_sync", "optimizer_foreach", "host_contention"
+)  # fmt: skip
 """What ``gpu_idle`` takes off a rank's idle: the idle of its launch-bound steps, its host
-loading data, the idle its syncs left (at most), its optimizer loop's launches."""
+loading data, the idle its syncs left (at most), its optimizer loop's launches, its host
+thread's wait for a CPU (at most)."""
 
 
 def gpu_idle(fig: Figures, th: dict[str, float]) -> Finding | None:
@@ -505,6 +517,10 @@ QUIET_SHARE = Threshold(
 RULES: dict[str, Rule] = {
     r.id: r
     for r in (
+        Rule("host_contention", {"min_share": MIN_SHARE},
+             _judged("host_contention",
+                     lambda fig, th: more.host_contention(fig, th, idles(fig))),
+             "the training thread's wait for a CPU (Linux schedstat run_delay), per step"),
         Rule("dataloader", {
             "share": Threshold(0.05, 0.0, 1.0, f"{TB}: DataLoader over 5% of the step"),
         }, dataloader, "a rank's time inside its DataLoader's __next__, per step"),

@@ -1,7 +1,16 @@
-"""Two more of a window's findings (issue 57; docs/advise.md): ``optimizer_foreach`` and
-``memory_leak``. Pure: no Ray, no torch. ``core.findings`` registers them in its rule table
-(``RULES``) and makes their findings (``_judged``): each judge here gives the ranks' costs in
-ms a step, the evidence beyond them and the advice, or None (quiet).
+"""Three more of a window's findings (issue 57; docs/advise.md): ``host_contention``,
+``optimizer_foreach`` and ``memory_leak``. Pure: no Ray, no torch. ``core.findings``
+registers them in its rule table (``RULES``) and makes their findings (``_judged``): each
+judge here gives the ranks' costs in ms a step, the evidence beyond them and the advice, or
+None (quiet).
+
+``host_contention``: a rank whose training thread (the one driving its profiler) was ready
+to run but waited for a CPU over ``min_share`` of its step, a mean over the recorded steps (the
+summary's ``cpu_wait_us_per_step``: Linux's schedstat ``run_delay``, read by the rank as the
+recorded steps begin and end, ``worker_ext.rank.cpu_wait``). That is real lost time, but the
+host's: more runnable threads than cores (DataLoader workers, intra-op threads, other jobs).
+Its cost is that wait a step; on a CUDA rank at most its device's idle a step (``idle``: the
+device runs its queued kernels while the host waits).
 
 ``optimizer_foreach`` (PyTorch's pattern matcher flags an optimizer without ``foreach``): a
 rank whose torch optimizer step (``Optimizer.step#AdamW.step`` ...: the optimizers with a
@@ -22,7 +31,12 @@ is gone at the rates of its marked ranks. It costs no step time (0 ms): a leak c
 until the node runs out, then the run. Its figures are the memory book's as of the read (the
 live run's; a trace read offline has none).
 
-Overlaps (the rules run in ``RULES``' order): ``optimizer_foreach`` runs with the host rules,
+Overlaps (the rules run in ``RULES``' order): ``host_contention`` runs first (a thread that
+could not run is the cause of whatever it was doing late) and is one of ``findings.HOST_RULES``:
+``collective_wait`` and ``straggler`` take off the late or slow rank's CPU wait beyond the
+others' mean, ``gpu_idle`` what it counted on a CUDA rank. A wait that fell inside the
+DataLoader's ``__next__`` or a gradient zeroing is in that rule's time too (the wait is not
+located within the step). ``optimizer_foreach`` runs with the host rules,
 after ``zero_grad`` (the zeroing is its own span, not the step's), and is one of
 ``findings.HOST_RULES``: ``collective_wait`` and ``straggler`` take off what it counted on a
 late or slow rank beyond the others' mean (ranks alike take nothing off); ``launch_bound`` and
@@ -48,6 +62,36 @@ class Window(Protocol):
     breakdown: dict[int, Mapping[str, float]]
     cuda: set[int]
     memory: list[dict[str, Any]] | None
+
+
+CONTENTION_ADVICE = (
+    "The training thread waits for a CPU: the host runs more busy threads than it has cores. "
+    "Run fewer a core: fewer DataLoader workers (DataLoader(num_workers=N)), fewer intra-op "
+    "threads (OMP_NUM_THREADS, torch.set_num_threads), the ranks' cores apart (one rank per "
+    "GPU's cores: taskset, os.sched_setaffinity), and no other jobs on the node."
+)
+
+
+def host_contention(fig: Window, th: dict[str, float], idle: Mapping[int, float]) -> Judged:
+    """Each rank's wait for a CPU a step over ``min_share`` of its step (a CUDA rank's at most
+    its device's idle a step, ``idle``)."""
+    costs: dict[int, float] = {}
+    waits: dict[int, float] = {}
+    steps: dict[int, float] = {}
+    for r, row in fig.breakdown.items():
+        wait = row.get("cpu_wait_us_per_step", 0.0) / 1e3
+        step = fig.step_ms.get(r) or fig.median_step_ms
+        ms = min(wait, idle.get(r, 0.0)) if r in fig.cuda else wait
+        if ms > 0 and step and ms > th["min_share"] * step:
+            costs[r], waits[r], steps[r] = ms, wait, step
+    if not costs:
+        return None
+    more = {
+        "cpu_wait_ms": {r: round(waits[r], 3) for r in costs},
+        "share_of_step": {r: round(waits[r] / steps[r], 4) for r in costs},
+        "step_ms": {r: round(steps[r], 3) for r in costs},
+    }
+    return costs, more, CONTENTION_ADVICE
 
 
 def optimizer_foreach(fig: Window, th: dict[str, float]) -> Judged:

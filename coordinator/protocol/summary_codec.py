@@ -119,7 +119,10 @@ class HostRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     calls. ``optimizer_foreach`` reads the last three (trailing, so a row without them
     decodes): a torch optimizer's ``Optimizer.step#<Name>.step`` spans, and the outermost ops
     under them, per-parameter math (``aten::add_``, ``mul_``, ``addcdiv_`` ...) and
-    ``aten::_foreach_*`` / ``aten::_fused_*``, each a mean per recorded step."""
+    ``aten::_foreach_*`` / ``aten::_fused_*``, each a mean per recorded step.
+    ``host_contention`` reads ``cpu_wait_us`` (trailing, after them): the training thread's
+    wait for a CPU a recorded step (Linux's schedstat ``run_delay``, read by the rank at the
+    recorded steps' start and end); None: not measured (no schedstat, a trace read offline)."""
 
     dataloader_us: Micros
     dataloader_calls: Count
@@ -128,6 +131,7 @@ class HostRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     optimizer_us: Micros = 0.0
     optimizer_loop_ops: Micros = 0.0
     optimizer_foreach_ops: Micros = 0.0
+    cpu_wait_us: Micros | None = None
 
 
 MAX_SYNC_CAUSES = 4

@@ -55,6 +55,9 @@ class TraceJob:
     """``engine: kineto``: the trace is libkineto's, still to come (``kineto_traces``)."""
     collectives_cap: int = DEFAULT_COLLECTIVES_CAP
     """Collectives the summary keeps (the config's ``collectives_cap``)."""
+    cpu_wait_ns: int | None = None
+    """The training thread's wait for a CPU over the recorded steps (``rank.cpu_wait``), ns;
+    None: not measured. A kineto rank writes it beside libkineto's file (``cpu_wait_path``)."""
 
 
 @dataclass
@@ -99,6 +102,8 @@ def fetch_kineto_trace(job: TraceJob) -> JobResult | None:
     why = await_trace(job.kineto, job.raw_path)
     if why is None:
         return None
+    with contextlib.suppress(OSError):
+        os.unlink(cpu_wait_path(job.kineto.log_file))
     return JobResult(window=job.window, pid=os.getpid(), trace_path=None, errors=[why])
 
 
@@ -119,6 +124,7 @@ def summarise_job(job: TraceJob) -> tuple[JobResult, bytes | None, list[str] | N
             flops=job.with_flops,
             clip=job.kineto is not None,
             collectives_cap=job.collectives_cap,
+            cpu_wait_ns=job.cpu_wait_ns if job.kineto is None else kineto_cpu_wait(job),
         )
         blob = _encoded(summary)
         if job.kineto is not None:
@@ -129,6 +135,27 @@ def summarise_job(job: TraceJob) -> tuple[JobResult, bytes | None, list[str] | N
     except Exception as exc:  # the reason goes to the rank's status
         res.errors.append(reason("summary", exc))
         return res, None, None
+
+
+def cpu_wait_path(log_file: str) -> str:
+    """Where a kineto rank writes its window's ``cpu_wait_ns`` (its job went to the agent at
+    the window's start): beside libkineto's file, before it lets libkineto write."""
+    return log_file + ".cpu_wait"
+
+
+def kineto_cpu_wait(job: TraceJob) -> int | None:
+    """A kineto window's ``cpu_wait_ns`` as its rank wrote it (the file then removed); None:
+    not written, or not a number."""
+    assert job.kineto is not None
+    path = cpu_wait_path(job.kineto.log_file)
+    try:
+        with open(path, "rb") as f:
+            return max(int(f.read()), 0)
+    except (OSError, ValueError):
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _encoded(summary: RankSummary) -> bytes:

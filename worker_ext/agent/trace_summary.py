@@ -97,12 +97,15 @@ def summarise_trace(
     chunk_bytes: int = CHUNK_BYTES,
     clip: bool = False,
     collectives_cap: int = DEFAULT_CAP,
+    cpu_wait_ns: int | None = None,
 ) -> tuple[RankSummary, list[str] | None]:
     """Read ``path`` once and build the rank's summary (and folded stacks when ``stacks``).
 
     ``flops``: count matrix-product flops from the recorded input shapes (``with_flops``).
     ``clip``: leave out the CPU events outside the recorded steps' span (a trace that began
     or ended off the steps: libkineto's, whose collection starts and stops on its own thread).
+    ``cpu_wait_ns``: the training thread's wait for a CPU over the recorded steps, as the rank
+    measured it (``TraceJob.cpu_wait_ns``; None: not measured).
     Raises ``trace_reader.TraceError`` for a trace that cannot be read.
     """
     digest = read_trace(path, chunk_bytes=chunk_bytes, flops=flops)
@@ -117,6 +120,7 @@ def summarise_trace(
         stacks=stacks,
         clip=clip,
         collectives_cap=collectives_cap,
+        cpu_wait_ns=cpu_wait_ns,
     )
 
 
@@ -132,9 +136,11 @@ def summarise(
     stacks: bool = False,
     clip: bool = False,
     collectives_cap: int = DEFAULT_CAP,
+    cpu_wait_ns: int | None = None,
 ) -> tuple[RankSummary, list[str] | None]:
     """The rank's summary of a read trace, and folded-stack lines (``a;b;c self_us``); its
-    collectives (``collective_reader``) whole steps up to ``collectives_cap``."""
+    collectives (``collective_reader``) whole steps up to ``collectives_cap``; ``cpu_wait_ns``
+    as ``summarise_trace``'s."""
     step_spans, w0, w1 = _window_span(d, steps)
     cpu = _nest(d, stacks, (w0, w1), clip and bool(step_spans))
     comm = np.array(cpu.comm_spans, dtype=np.int64).reshape(-1, 2)
@@ -153,7 +159,7 @@ def summarise(
         memory=memory,
         memory_flow=flow,
         collectives=_collectives(d, collectives_cap, clip and bool(step_spans)),
-        host=_host_row(cpu.host_ns, max(len(step_spans), 1)),
+        host=_host_row(cpu.host_ns, max(len(step_spans), 1), cpu_wait_ns),
     )
     if device == "cuda" and d.device:
         # Attributed by their launch: to each recorded step, or (no step marker: the trace
@@ -480,15 +486,17 @@ def _above(bits: np.ndarray, idx: np.ndarray, parent: np.ndarray) -> np.ndarray:
     return acc
 
 
-def _host_row(ns: tuple[int, ...], steps: int) -> HostRow:
+def _host_row(ns: tuple[int, ...], steps: int, cpu_wait_ns: int | None = None) -> HostRow:
     """``_host_ns`` as ``HostRow`` (times and the optimizer's op counts a mean over
     ``steps``), zeros included: a row of zeros says "measured, none found" where a summary
-    without one (an older agent's) says "not measured" (``core.findings_inputs``)."""
+    without one (an older agent's) says "not measured" (``core.findings_inputs``); the
+    rank's CPU wait a step, None when it was not measured."""
     loader_ns, calls, zero_ns, ops, opt_ns, _, _, loop, _, multi = ns
     per = 1 / steps
+    wait = cpu_wait_ns / 1e3 * per if cpu_wait_ns is not None else None
     return HostRow(
         loader_ns / 1e3 * per, calls, zero_ns / 1e3 * per, ops,
-        opt_ns / 1e3 * per, loop * per, multi * per,
+        opt_ns / 1e3 * per, loop * per, multi * per, wait,
     )  # fmt: skip
 
 

@@ -34,6 +34,7 @@ from coordinator.core.validate import role_problem
 from coordinator.protocol.replies import ClosedWindow, Phase, RankReply, Reason, rank_reply
 from worker_ext.agent.trace_jobs import TraceJob
 from worker_ext.rank.agent_link import node_id
+from worker_ext.rank.cpu_wait import run_delay_ns, waited_ns
 from worker_ext.rank.hand_off import HandOff
 from worker_ext.rank.mixin import ProfilerWorkerMixin
 from worker_ext.rank.stack_dump import enable_stack_dump
@@ -66,6 +67,7 @@ class EngineRank:
         self.note: str | None = None
         self.window: Window | None = None
         self.recording_from: int | None = None  # the first step the engine records
+        self.waited_from: int | None = None  # run_delay_ns then (``cpu_wait``)
         self.out_dir: str | None = None  # where the engine writes this window
         self.seen: set[str] = set()  # trace files in a shared engine_trace_dir before the window
         self.closed: ClosedWindow | None = None
@@ -198,11 +200,13 @@ class EngineRank:
             self.seen = set(_trace_files(self.trace_dir))
             _engine_call(self.engine, "start_profile")
         self.recording_from = step
+        self.waited_from = run_delay_ns()
 
     def _finish(self, last: int | None, partial: bool) -> None:
         w, first = self.window, self.recording_from
         assert w is not None and first is not None
         self.window, self.recording_from = None, None
+        waited = waited_ns(self.waited_from)
         _engine_call(self.engine, "stop_profile")
         steps = (first, last if last is not None else first)
         path = self._place_trace(w, steps)
@@ -211,7 +215,7 @@ class EngineRank:
         )
         self.windows_captured += 1
         self.last_trace_path = path
-        self.hand_off.submit(self._job(w, steps, partial, path))
+        self.hand_off.submit(self._job(w, steps, partial, path, waited))
 
     def _place_trace(self, w: Window, steps: tuple[int, int]) -> str:
         """Wait (bounded) for the engine's trace, move it into the window's role directory."""
@@ -243,7 +247,9 @@ class EngineRank:
             shutil.rmtree(self.out_dir, ignore_errors=True)
         return placed
 
-    def _job(self, w: Window, steps: tuple[int, int], partial: bool, path: str) -> TraceJob:
+    def _job(
+        self, w: Window, steps: tuple[int, int], partial: bool, path: str, waited: int | None
+    ) -> TraceJob:
         export = self.config.export_type
         if path.endswith(".gz") or export == "stacks":  # already compressed; no Python stacks
             export = "chrome_trace"
@@ -261,6 +267,7 @@ class EngineRank:
             raw_path=path,
             final_path=final,
             report_to=self.hand_off.report_to,
+            cpu_wait_ns=waited,
         )
 
 

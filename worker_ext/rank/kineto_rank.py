@@ -51,7 +51,8 @@ from worker_ext.agent.kineto_ipc import (
     withdraw_config,
 )
 from worker_ext.agent.kineto_traces import KinetoRequest, cancel_path, ended_path, written_path
-from worker_ext.agent.trace_jobs import TraceJob
+from worker_ext.agent.trace_jobs import TraceJob, cpu_wait_path
+from worker_ext.rank.cpu_wait import run_delay_ns, waited_ns
 from worker_ext.rank.rank_profiler import RankProfiler, may_start
 from worker_ext.rank.torch_session import TraceTarget, role_name, trace_job
 
@@ -282,6 +283,7 @@ class KinetoRankProfiler(RankProfiler):
         run = self._adopt_ahead(run, window, step)
         self._prof, self._window, self._last_done = run, window, None
         self._recorded_first = step if step >= window.first else None
+        self._waited_from = run_delay_ns() if step >= window.first else None
         self._observe(step - 1)
         self._submit_when_counting(run, window, step)
         if step >= window.first:
@@ -380,6 +382,7 @@ class KinetoRankProfiler(RankProfiler):
         if k + 1 >= w.first:
             if self._recorded_first is None:
                 self._recorded_first = k + 1
+                self._waited_from = run_delay_ns()
             self._open_marker(run, k + 1)
 
     def _observe(self, k: int) -> None:
@@ -447,6 +450,7 @@ class KinetoRankProfiler(RankProfiler):
         """Close the window: libkineto's remaining iterations counted now, so it stops here."""
         run, w = self._prof, self._window
         assert isinstance(run, _Run) and w is not None
+        waited = waited_ns(self._waited_from)
         self._close_marker(run)
         self._prof, self._window = None, None
         first, last = self._recorded_first, self._last_done
@@ -457,7 +461,7 @@ class KinetoRankProfiler(RankProfiler):
         elif not self._taken(run):
             self._cancel(run, lost_why(w, run, self._ended, self._step_s))
         else:
-            self._let_libkineto_write(w, run)
+            self._let_libkineto_write(w, run, waited if steps is not None else None)
         self._closed = ClosedWindow(
             window=w.index,
             steps=list(steps) if steps else None,
@@ -488,9 +492,13 @@ class KinetoRankProfiler(RankProfiler):
             return False
         return config_taken(directory, pid, run.log_file)
 
-    def _let_libkineto_write(self, w: Window, run: _Run) -> None:
+    def _let_libkineto_write(self, w: Window, run: _Run, cpu_wait: int | None) -> None:
         """libkineto's remaining iterations counted now, so that it stops here and writes; the
-        end marked for the agent, which then knows a config libkineto dropped at once."""
+        end marked for the agent, which then knows a config libkineto dropped at once. The
+        steps' wait for a CPU (``cpu_wait``) is written first, for the agent's summary."""
+        if cpu_wait is not None:
+            with contextlib.suppress(OSError):
+                write_atomic(cpu_wait_path(run.log_file), str(cpu_wait).encode("ascii"))
         now = libkineto_count(self.injected)
         # A config that came late starts where it came (or at the next step, if none came
         # since): counting its whole length again ends it in either case, the training done.

@@ -33,6 +33,7 @@ from coordinator.protocol.reasons import is_exit
 from coordinator.protocol.replies import ClosedWindow, Phase, RankReply, Reason
 from worker_ext.agent.trace_jobs import TraceJob
 from worker_ext.rank.agent_link import AgentLink, node_id
+from worker_ext.rank.cpu_wait import run_delay_ns, waited_ns
 from worker_ext.rank.hand_off import HandOff
 from worker_ext.rank.memory_snapshot import MemorySnapshots
 from worker_ext.rank.stack_dump import enable_stack_dump
@@ -62,6 +63,7 @@ class _Closing:
     partial: bool
     trace_path: str | None = None
     job: TraceJob | None = None  # the written trace's job, handed to the agent after the stop
+    cpu_wait_ns: int | None = None  # the recorded steps' wait for a CPU (``cpu_wait``)
     exit: BaseException | None = None  # an interpreter exit caught in the trace handler
 
 
@@ -106,6 +108,7 @@ class RankProfiler:
         self._prof: Any = None
         self._window: Window | None = None
         self._recorded_first: int | None = None
+        self._waited_from: int | None = None  # run_delay_ns as the recorded steps began
         self._last_done: int | None = None
         self._closing: _Closing | None = None
         self._closed: ClosedWindow | None = None
@@ -281,6 +284,7 @@ class RankProfiler:
         self._prof, self._window = prof, window
         self.snapshots.window_started()
         self._recorded_first = step if step >= window.first else None
+        self._waited_from = run_delay_ns() if step >= window.first else None
         self._last_done = None
 
     def _step(self, k: int) -> None:
@@ -295,6 +299,7 @@ class RankProfiler:
         prof.step()
         if self._recorded_first is None and k + 1 >= w.first:
             self._recorded_first = k + 1
+            self._waited_from = run_delay_ns()
 
     def _stop_if_open(self) -> None:
         if self._prof is not None:
@@ -305,7 +310,7 @@ class RankProfiler:
         assert w is not None  # a profiler is open only with its window
         first, last = self._recorded_first, self._last_done
         steps = (first, last) if first is not None and last is not None and last >= first else None
-        self._closing = _Closing(w, steps, partial)
+        self._closing = _Closing(w, steps, partial, cpu_wait_ns=waited_ns(self._waited_from))
         try:
             prof._rank_profiler_stopped = True
             prof.stop()  # runs _on_trace_ready while recording
@@ -347,8 +352,9 @@ class RankProfiler:
                 self.rank, self.device, self.run_directory, self.remote_run_dir, self.role
             )
             job = trace_job(
-                self.config, where, closing.window, closing.steps, closing.partial, self.report_to
-            )
+                self.config, where, closing.window, closing.steps, closing.partial,
+                self.report_to, closing.cpu_wait_ns,
+            )  # fmt: skip
             export_trace(prof, job)
             closing.trace_path = job.upload_to or job.final_path
             closing.job = job

@@ -134,9 +134,10 @@ def trace_job(
     steps: tuple[int, int],
     partial: bool,
     report_to: dict[str, str] | None,
+    cpu_wait_ns: int | None = None,
 ) -> TraceJob:
     """The job for a rank's trace of ``window``: where its raw trace goes (its directory made)
-    and what the agent makes of it."""
+    and what the agent makes of it (``cpu_wait_ns``: its steps' wait for a CPU, if measured)."""
     first, last = steps
     export, rank, index = config.export_type, target.rank, window.index
     if export == "none":  # summarised from a temporary trace, then deleted
@@ -173,6 +174,7 @@ def trace_job(
         upload_to=upload,
         storage_options=dict(config.storage_options),
         keep_local=config.keep_local,
+        cpu_wait_ns=cpu_wait_ns,
     )
 
 
