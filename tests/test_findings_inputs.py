@@ -37,8 +37,21 @@ def test_a_row_of_zeros_is_judged_quiet_not_missing() -> None:
     assert not {"dataloader", "zero_grad", "memory_leak"} & set(missing)
 
 
+def _measured(t: dict[str, Any]) -> dict[str, Any]:
+    """``t`` with every rank's CPU wait measured (a live rank's, as the agent sends it)."""
+    for row in t["breakdown"]["ranks"].values():
+        row["cpu_wait_us_per_step"] = 0.0
+    return t
+
+
+def test_a_window_without_the_cpu_wait_says_host_contention_could_not_judge() -> None:
+    missing = not_judged(_hosted(2), {}, True)
+    assert set(missing) == {"host_contention"} and "schedstat" in missing["host_contention"]
+    assert not not_judged(_measured(_hosted(2)), {}, True)
+
+
 def test_a_cuda_window_without_gpu_figures_says_its_gpu_rules_could_not_judge() -> None:
-    t = _hosted(2, device="cuda")
+    t = _measured(_hosted(2, device="cuda"))
     missing = not_judged(t, {}, True)
     assert set(GPU_RULES) <= set(missing) and "memory_peak" in missing
     assert "device_gib" in missing["memory_peak"]
@@ -49,7 +62,7 @@ def test_a_cuda_window_without_gpu_figures_says_its_gpu_rules_could_not_judge() 
     )
     t["gpu"][1]["mm_ops_shaped"] = 3
     assert not not_judged(t, {"memory_peak": {"device_gib": 80.0}}, True)
-    assert not not_judged(_hosted(2), {}, True)  # a CPU window: nothing the device's to miss
+    assert not not_judged(_measured(_hosted(2)), {}, True)  # a CPU window: no device to miss
 
 
 def test_the_agent_sends_a_row_of_zeros_where_it_found_no_host_time(tmp_path) -> None:

@@ -154,9 +154,12 @@ def test_advise_reads_a_record_with_from_as_its_table_says(capsys):
     assert json.loads(json.dumps(found)) == reply["findings"]
     missing = reply["not_judged"]  # (its summaries are older than the host and GPU rules)
     assert sorted(reply["quiet"] + list(missing)) == sorted(quiet), (reply, quiet)
-    expected = {*HOST_RULES, *GPU_RULES, "memory_peak", "memory_leak"} & set(RULES)
+    expected = {*HOST_RULES, *GPU_RULES, "host_contention", "memory_peak", "memory_leak"}
+    expected &= set(RULES)
     assert set(missing) == expected, missing
-    assert "older than this rule" in missing["dataloader"] and "device_gib" in missing["memory_peak"]
+    assert (
+        "older than this rule" in missing["dataloader"] and "device_gib" in missing["memory_peak"]
+    )
     assert {f["rule"] for f in reply["findings"]} == {"gpu_idle", "exposed_comm"}
     assert cli_main(["advise", "--from", record]) == 0
     out = capsys.readouterr().out

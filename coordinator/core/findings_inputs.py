@@ -4,7 +4,8 @@ A rule whose figures no rank's summary carries is not "quiet" (it found nothing)
 look. That is so of a window read from a record, or from an agent, older than the rule: the
 wire's newer rows are optional, so an old summary still decodes, without them. The agent
 sends the host rules' row (``HostRow``) for every rank it reads, zeros included, and a CUDA
-rank's ``GpuRow`` always, so their absence means "not measured", never "nothing found".
+rank's ``GpuRow`` always, so their absence means "not measured", never "nothing found";
+``host_contention``'s CPU wait is in the row only where a live rank measured it.
 
 ``advise_parts`` runs the rules (``findings.window_findings``) and moves each rule that could
 not judge from its quiet list to ``not_judged`` (rule -> one line why).
@@ -35,6 +36,11 @@ def not_judged(
     rows = (table.get("breakdown") or {}).get("ranks") or {}
     if rows and not any("dataloader_us_per_step" in row for row in rows.values()):
         out |= dict.fromkeys(HOST_RULES, f"no rank's host time in the window: {OLDER}")
+    if rows and not any("cpu_wait_us_per_step" in row for row in rows.values()):
+        out["host_contention"] = (
+            "no rank's CPU wait in the window: measured by a live rank (its training thread's "
+            "/proc schedstat), not in a trace read offline nor a summary older than this rule"
+        )
     cuda = table.get("device") == "cuda" or bool(table.get("device_steps") or table.get("launch"))
     if cuda and not table.get("gpu"):
         out |= dict.fromkeys(GPU_RULES, f"no CUDA rank's GPU figures in the window: {OLDER}")
