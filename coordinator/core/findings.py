@@ -340,13 +340,17 @@ def straggler(fig: Figures, th: dict[str, float]) -> Finding | None:
 def exposed_comm(fig: Figures, th: dict[str, float]) -> Finding | None:
     costs: dict[int, float] = {}
     shares: dict[int, float] = {}
+    cuda, scale, wait, step_ms = fig.cuda, fig.scale, fig.wait_ms, fig.step_ms
+    even = 1 / 1e3 / max(len(fig.steps), 1)  # (``_per_step`` without a scale)
     for r, row in fig.breakdown.items():
         comm = row.get("comm_us", 0.0)
-        exposed = comm - row.get("overlap_us", 0.0) if r in fig.cuda else comm
-        ms = _per_step(fig, r, max(exposed, 0.0)) - fig.wait_ms.get(r, 0.0)
-        step = fig.step_ms.get(r) or fig.median_step_ms
-        limit = th["share_cuda"] if r in fig.cuda else th["share_cpu"]
-        if step and ms > limit * step:
+        if not comm:
+            continue
+        on_cuda = r in cuda
+        exposed = max(comm - row.get("overlap_us", 0.0) if on_cuda else comm, 0.0)
+        ms = exposed * scale.get(r, even) - wait.get(r, 0.0)
+        step = step_ms.get(r) or fig.median_step_ms
+        if step and ms > (th["share_cuda"] if on_cuda else th["share_cpu"]) * step:
             costs[r], shares[r] = ms, ms / step
     if not costs:
         return None
@@ -419,11 +423,13 @@ thread's wait for a CPU (at most)."""
 
 def gpu_idle(fig: Figures, th: dict[str, float]) -> Finding | None:
     costs: dict[int, float] = {}
-    idle, taken = idles(fig), [fig.spent.get(rule, {}) for rule in TAKEN_FROM_IDLE]
-    for r in sorted(fig.cuda):
-        if (ms := idle.get(r)) is None:
-            continue
-        ms -= sum(t.get(r, 0.0) for t in taken)
+    idle = idles(fig)
+    left = {r: idle[r] for r in sorted(fig.cuda) if r in idle}
+    for rule in TAKEN_FROM_IDLE:  # (each rule's counted ranks: fewer than the window's, often)
+        for r, ms in fig.spent.get(rule, {}).items():
+            if r in left:
+                left[r] -= ms
+    for r, ms in left.items():
         step = fig.step_ms.get(r) or fig.median_step_ms
         if step and ms > th["share"] * step:
             costs[r] = ms
@@ -636,7 +642,7 @@ def figures_of(table: Mapping[str, Any], collectives: Mapping[str, Any] | None) 
         per = rc["wait_us_per_step"]
         if per:
             wait[int(rc["rank"])] = sum(per.values()) / len(per) / 1e3
-    rows = {int(r): v for r, v in (table.get("breakdown") or {}).get("ranks", {}).items()}
+    rows = _by_rank((table.get("breakdown") or {}).get("ranks", {}))
     if not step_ms:  # no step marker: the window is one step
         n = max(len(table.get("steps") or []), 1)
         step_ms = {r: v["window_us"] / 1e3 / n for r, v in rows.items() if v.get("window_us")}
@@ -655,15 +661,23 @@ def figures_of(table: Mapping[str, Any], collectives: Mapping[str, Any] | None) 
         stragglers=s,
         breakdown=rows,
         cuda=cuda,
-        launch={int(r): v for r, v in (table.get("launch") or {}).items()},
-        device_steps={int(r): v for r, v in device_steps.items()},
+        launch=_by_rank(table.get("launch") or {}),
+        device_steps=_by_rank(device_steps),
         peaks={int(r): int(p) for r, p in (memory.get("peak_bytes") or {}).items()},
         last_arriver=la,
         wait_ms=wait,
-        gpu={int(r): v for r, v in (table.get("gpu") or {}).items()},
+        gpu=_by_rank(table.get("gpu") or {}),
         scale=_scales(rows, step_ms),
         synced=la is not None or bool((collectives or {}).get("matched")),
     )
+
+
+def _by_rank(d: Mapping[Any, Any]) -> dict[int, Any]:
+    """``d`` keyed by int ranks: a live table's already are (a copy), one read back from JSON
+    has them as text (each converted)."""
+    if not d or type(next(iter(d))) is int:
+        return dict(d)
+    return {int(r): v for r, v in d.items()}
 
 
 def window_findings(
