@@ -171,7 +171,7 @@ def test_a_record_s_advise_names_the_leak_its_memory_marks(tmp_path):
     """``advise`` from a record reads the memory book the record kept (issue 57's
     ``memory_leak``); the same record without it is quiet, never an error."""
     h = RecordedCoordinator(open_record(V1))
-    assert "memory_leak" in call(h, "advise")["quiet"]
+    assert "memory book" in call(h, "advise")["not_judged"]["memory_leak"]
     record = tmp_path / "record"
     shutil.copytree(V1, record)
     reply = book_reply(run=h.rec.run.name)

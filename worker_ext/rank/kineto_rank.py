@@ -239,6 +239,14 @@ def never_counted_why(index: int) -> str:
     )
 
 
+def hand_cpu_wait(log_file: str, cpu_wait: int | None) -> None:
+    """The window's steps' wait for a CPU (ns; None: not measured) written beside libkineto's
+    trace, for the agent's summary (``trace_jobs.cpu_wait_path``); a failed write loses only it."""
+    if cpu_wait is not None:
+        with contextlib.suppress(OSError):
+            write_atomic(cpu_wait_path(log_file), str(cpu_wait).encode("ascii"))
+
+
 class KinetoRankProfiler(RankProfiler):
     """A ``RankProfiler`` whose windows libkineto records (see the module docstring)."""
 
@@ -381,8 +389,7 @@ class KinetoRankProfiler(RankProfiler):
             return
         if k + 1 >= w.first:
             if self._recorded_first is None:
-                self._recorded_first = k + 1
-                self._waited_from = run_delay_ns()
+                self._recorded_first, self._waited_from = k + 1, run_delay_ns()
             self._open_marker(run, k + 1)
 
     def _observe(self, k: int) -> None:
@@ -450,7 +457,6 @@ class KinetoRankProfiler(RankProfiler):
         """Close the window: libkineto's remaining iterations counted now, so it stops here."""
         run, w = self._prof, self._window
         assert isinstance(run, _Run) and w is not None
-        waited = waited_ns(self._waited_from)
         self._close_marker(run)
         self._prof, self._window = None, None
         first, last = self._recorded_first, self._last_done
@@ -461,7 +467,7 @@ class KinetoRankProfiler(RankProfiler):
         elif not self._taken(run):
             self._cancel(run, lost_why(w, run, self._ended, self._step_s))
         else:
-            self._let_libkineto_write(w, run, waited if steps is not None else None)
+            self._let_libkineto_write(w, run, waited_ns(self._waited_from) if steps else None)
         self._closed = ClosedWindow(
             window=w.index,
             steps=list(steps) if steps else None,
@@ -493,12 +499,9 @@ class KinetoRankProfiler(RankProfiler):
         return config_taken(directory, pid, run.log_file)
 
     def _let_libkineto_write(self, w: Window, run: _Run, cpu_wait: int | None) -> None:
-        """libkineto's remaining iterations counted now, so that it stops here and writes; the
-        end marked for the agent, which then knows a config libkineto dropped at once. The
-        steps' wait for a CPU (``cpu_wait``) is written first, for the agent's summary."""
-        if cpu_wait is not None:
-            with contextlib.suppress(OSError):
-                write_atomic(cpu_wait_path(run.log_file), str(cpu_wait).encode("ascii"))
+        """libkineto's remaining iterations counted now, so it stops here and writes (the steps'
+        CPU wait handed first); the end marked for the agent (it then knows a dropped config)."""
+        hand_cpu_wait(run.log_file, cpu_wait)
         now = libkineto_count(self.injected)
         # A config that came late starts where it came (or at the next step, if none came
         # since): counting its whole length again ends it in either case, the training done.
