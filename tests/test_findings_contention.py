@@ -56,6 +56,24 @@ def test_host_contention_is_quiet_under_two_percent_of_the_step() -> None:
     assert rules(t) == {}
 
 
+def test_host_contention_costs_at_most_the_step() -> None:
+    """A wait longer than the step (a bad figure) costs the step, no more."""
+    f = rules(_waits(table(), {1: 1e9}))["host_contention"]
+    assert f["cost_ms_per_step"] == pytest.approx(STEP_MS), f
+
+
+def test_the_cpu_wait_inside_the_dataloader_is_counted_once() -> None:
+    """The wait cannot be placed in the step: each host rule takes off its time's share of it
+    (the wait spread evenly over the step), so the two findings never add up past the time."""
+    t = _waits(table(), {1: 30.0})
+    t["breakdown"]["ranks"][1]["dataloader_us_per_step"] = 30e3  # 30% of the step
+    found = rules(t)
+    assert found["host_contention"]["cost_ms_per_step"] == 30.0
+    f = found["dataloader"]
+    assert f["cost_ms_per_step"] == pytest.approx(30.0 - 30.0 * 0.3), f
+    assert f["evidence"]["host_ms"] == {1: 30.0}
+
+
 def test_a_rank_late_for_a_cpu_is_not_also_a_collective_wait() -> None:
     t = _waits(table(), {1: 31.0})
     t["stragglers"]["last_arriver"] = _arriver(rank=1, wait_ms=30.0)
@@ -145,10 +163,17 @@ def test_the_schedstat_reader_reads_this_thread_and_none_without_the_file(
     from worker_ext.rank import cpu_wait
 
     before = cpu_wait.run_delay_ns()
-    assert isinstance(before, int) and before >= 0  # (a real read: this box is Linux)
+    assert before is not None and before[0] == threading.get_native_id() and before[1] >= 0
     assert isinstance(cpu_wait.waited_ns(before), int) and cpu_wait.waited_ns(None) is None
+    other: list[Any] = []  # (a reading of another thread: no difference between two clocks)
+    t = threading.Thread(target=lambda: other.append(cpu_wait.run_delay_ns()))
+    t.start()
+    t.join()
+    assert other[0] is not None and cpu_wait.waited_ns(other[0]) is None
+    assert cpu_wait.per_step(9_000, (4, 6)) == 3_000 and cpu_wait.per_step(9_000, None) is None
+    assert cpu_wait.per_step(None, (4, 6)) is None and cpu_wait.per_step(9, (6, 4)) is None
     monkeypatch.setattr(cpu_wait, "SCHEDSTAT", "/proc/thread-self/no-such-file")
-    assert isinstance(cpu_wait.run_delay_ns(), int)  # the /proc/self/task/<tid> fallback
+    assert cpu_wait.run_delay_ns() is not None  # the /proc/self/task/<tid> fallback
     monkeypatch.setattr(threading, "get_native_id", lambda: 2**31 - 1)
     assert cpu_wait.run_delay_ns() is None and cpu_wait.waited_ns(before) is None
 
@@ -166,8 +191,34 @@ def test_a_kineto_window_s_cpu_wait_is_read_from_beside_its_file_once(tmp_path: 
     assert not os.path.exists(cpu_wait_path(log_file)) and kineto_cpu_wait(job) is None
 
 
+@pytest.mark.parametrize("plant", ["fifo", "link", "text", "long", "empty"])
+def test_a_planted_cpu_wait_file_is_refused_never_followed_nor_waited_on(
+    tmp_path: Path, plant: str
+) -> None:
+    """Another user's (or a broken) file at the side file's name: a pipe (the read would
+    hang), a link (to /dev/zero: an endless read), not a count, a count past an int64: each
+    read as not measured, and removed."""
+    from worker_ext.agent.kineto_traces import KinetoRequest
+    from worker_ext.agent.trace_jobs import TraceJob, cpu_wait_path, kineto_cpu_wait
+
+    log_file = str(tmp_path / ".kineto.policy.rank0.1.0.json")
+    req = KinetoRequest(pid=1, config="", log_file=log_file, directory="", metadata="")
+    job = TraceJob(0, 0, (1, 2), False, "cpu", 5, False, "none", "raw", None, kineto=req)
+    path = cpu_wait_path(log_file)
+    if plant == "fifo":
+        os.mkfifo(path)
+    elif plant == "link":
+        os.symlink("/dev/zero", path)
+    else:
+        body = {"text": b"12ab", "long": b"9" * 4000, "empty": b""}[plant]
+        Path(path).write_bytes(body)
+    assert kineto_cpu_wait(job) is None
+    assert not os.path.lexists(path)
+
+
 def test_the_summary_gives_the_measured_wait_a_recorded_step(tmp_path: Path) -> None:
-    """A real torch.profiler trace of 3 steps summarised with a measured wait of 9 ms."""
+    """A real torch.profiler trace of 3 steps summarised with the rank's wait a step; one
+    longer than the whole window is refused (not measured)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -180,9 +231,11 @@ def test_the_summary_gives_the_measured_wait_a_recorded_step(tmp_path: Path) -> 
     path = str(tmp_path / "t.json")
     prof.export_chrome_trace(path)
     kw: dict[str, Any] = dict(rank=0, window=0, steps=(0, 2), partial=False, device="cpu")
-    s, _ = summarise_trace(path, top_k=5, cpu_wait_ns=9_000_000, **kw)
+    s, _ = summarise_trace(path, top_k=5, cpu_wait_ns=30_000, **kw)  # (a step's, as sent)
     assert s.host is not None and len(s.step_us) == 3, s.step_us
-    assert s.host.cpu_wait_us == pytest.approx(3e3)
+    assert s.host.cpu_wait_us == pytest.approx(30.0)
+    s, _ = summarise_trace(path, top_k=5, cpu_wait_ns=10**15, **kw)  # longer than the window
+    assert s.host is not None and s.host.cpu_wait_us is None
     s, _ = summarise_trace(path, top_k=5, **kw)
     assert s.host is not None and s.host.cpu_wait_us is None
 

@@ -131,6 +131,19 @@ def test_straggler_costs_its_step_over_the_median() -> None:
     assert f["evidence"]["median_step_ms"] == STEP_MS
 
 
+def test_a_table_s_first_and_last_step_count_every_step_between() -> None:
+    """``kernel_summary()`` gives a window's steps as its first and last: a compute straggler
+    costs the same as when every step is listed (its excess over the steps it spans)."""
+    listed = table()
+    slow = _rank(compute_ms=400.0)
+    slow["step_ms"] = slow["step_ratio"] = None  # (its compute is over the median, not its step)
+    listed["stragglers"]["ranks"][3] = slow
+    spanned = {**listed, "steps": [STEPS[0], STEPS[-1]]}
+    want = (400.0 - 240.0) / len(STEPS)
+    assert rules(listed)["straggler"]["cost_ms_per_step"] == pytest.approx(want)
+    assert rules(spanned)["straggler"]["cost_ms_per_step"] == pytest.approx(want)
+
+
 def test_straggler_is_quiet_under_the_ratio() -> None:
     t = table()
     t["stragglers"]["ranks"][3] = _rank(step_ms=110.0, compute_ms=264.0)  # 1.1x

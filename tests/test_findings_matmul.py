@@ -168,6 +168,7 @@ def test_misaligned_dims_judges_only_ops_with_their_types_and_shapes() -> None:
     assert misaligned_dims("aten::mm", None) is None
     assert misaligned_dims("aten::mm", Args([[8, 16], [16, 8]], ["c10::Half"] * 2)) is None
     assert misaligned_dims("aten::mm", Args([[9, "x"]], ["c10::Half"])) is None  # odd: unjudged
+    assert misaligned_dims("aten::mm", Args([[9, 8]], [["c10::Half"]])) is None  # a list: odd
     scalars = Args([[8], [8, 9], [9, 8], [], []], ["c10::Half"] * 3 + ["Scalar"] * 2)
     assert misaligned_dims("aten::addmm", scalars) == "aten::addmm [8] [8, 9] [9, 8]"
     huge = Args([[9, 2**40]] * 20, ["c10::Half"] * 20)

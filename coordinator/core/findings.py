@@ -166,7 +166,13 @@ def _per_step(fig: Figures, rank: int, part_us: float) -> float:
     """``part_us`` of a rank's window (a breakdown category) as ms a step: its share of the
     window times the rank's step time (else the window's steps share it evenly)."""
     scale = fig.scale.get(rank)
-    return part_us * scale if scale is not None else part_us / 1e3 / max(len(fig.steps), 1)
+    return part_us * scale if scale is not None else part_us / 1e3 / step_count(fig.steps)
+
+
+def step_count(steps: list[int]) -> int:
+    """How many steps a window's ``steps`` span: a table gives its first and last (every
+    step between counts), a list every one; at least 1."""
+    return max(steps[-1] - steps[0] + 1, 1) if steps else 1
 
 
 def _scales(rows: dict[int, Mapping[str, float]], step_ms: dict[int, float]) -> dict[int, float]:
@@ -240,10 +246,13 @@ def _host_rule(
     costs: dict[int, float] = {}
     host: dict[int, float] = {}
     key, step_ms, median = HOST_RULES[rule], fig.step_ms, fig.median_step_ms
+    waited = fig.spent.get("host_contention", {})
     for r, row in fig.breakdown.items():
         us = row.get(key)
         if us and us > share * (step_ms.get(r) or median) * 1e3:
             host[r] = costs[r] = us / 1e3
+            if r in waited:  # (its CPU wait, spread over the step: this time's share of it)
+                costs[r] -= waited[r] * min(costs[r] / (step_ms.get(r) or median or 1.0), 1.0)
             if at_most_idle and r in fig.cuda and row.get("window_us", 0.0) > 0:
                 costs[r] = min(costs[r], idle_ms(fig, r))
     costs = {r: c for r, c in costs.items() if c > 0}
@@ -256,7 +265,7 @@ def _host_rule(
         "share_of_step": {r: round(host[r] / steps[r], 4) if steps[r] else None for r in top},
         "step_ms": {r: round(steps[r], 3) for r in top},
     }
-    if any(costs[r] < host[r] for r in top):  # (capped at the device's idle)
+    if any(costs[r] < host[r] for r in top):  # (less its CPU wait, or capped at the idle)
         more["host_ms"] = {r: round(host[r], 3) for r in top}
     return _over_ranks(fig, rule, costs, more, advice, top)
 
@@ -300,7 +309,7 @@ def collective_wait(fig: Figures, th: dict[str, float]) -> Finding | None:
 def straggler(fig: Figures, th: dict[str, float]) -> Finding | None:
     s = fig.stragglers
     med_step, med_compute = s.get("median_step_ms") or 0.0, s.get("median_compute_ms") or 0.0
-    n = max(len(fig.steps), 1)
+    n = step_count(fig.steps)
     over: dict[int, float] = {}
     ratio = th["ratio"]
     for r, v in s.get("ranks", {}).items():
@@ -341,7 +350,7 @@ def exposed_comm(fig: Figures, th: dict[str, float]) -> Finding | None:
     costs: dict[int, float] = {}
     shares: dict[int, float] = {}
     cuda, scale, wait, step_ms = fig.cuda, fig.scale, fig.wait_ms, fig.step_ms
-    even = 1 / 1e3 / max(len(fig.steps), 1)  # (``_per_step`` without a scale)
+    even = 1 / 1e3 / step_count(fig.steps)  # (``_per_step`` without a scale)
     for r, row in fig.breakdown.items():
         comm = row.get("comm_us", 0.0)
         if not comm:
@@ -644,7 +653,7 @@ def figures_of(table: Mapping[str, Any], collectives: Mapping[str, Any] | None) 
             wait[int(rc["rank"])] = sum(per.values()) / len(per) / 1e3
     rows = _by_rank((table.get("breakdown") or {}).get("ranks", {}))
     if not step_ms:  # no step marker: the window is one step
-        n = max(len(table.get("steps") or []), 1)
+        n = step_count(list(table.get("steps") or []))
         step_ms = {r: v["window_us"] / 1e3 / n for r, v in rows.items() if v.get("window_us")}
     median = s.get("median_step_ms") or (statistics.median(step_ms.values()) if step_ms else 0.0)
     device_steps = table.get("device_steps") or {}

@@ -46,15 +46,19 @@ def not_judged(
         out |= dict.fromkeys(GPU_RULES, f"no CUDA rank's GPU figures in the window: {OLDER}")
     elif cuda and not any(g.get("mm_ops_shaped") for g in table["gpu"].values()):
         out["matmul_alignment"] = (
-            "no matmul op in the window was recorded with its input types and shapes "
-            "(torch.profiler.profile(record_shapes=True) records them)"
+            "no matmul op (aten::mm, bmm, addmm) in the window with its input types and "
+            "shapes: none ran, or they were recorded without (torch.profiler.profile("
+            "record_shapes=True) records them)"
         )
     if cuda and not (settings.get("memory_peak") or {}).get("device_gib"):
         out["memory_peak"] = (
             "the device's memory is not known: set advise.memory_peak.device_gib in the config"
         )
     if not memory_read:
-        out["memory_leak"] = "no memory book to read (only a live run, or its record, has one)"
+        out["memory_leak"] = (
+            "no memory book to read: a trace read offline has none, nor a run (or its record) "
+            "whose coordinator sampled no memory"
+        )
     return out
 
 

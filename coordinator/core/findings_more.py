@@ -81,7 +81,7 @@ def host_contention(fig: Window, th: dict[str, float], idle: Mapping[int, float]
     for r, row in fig.breakdown.items():
         wait = row.get("cpu_wait_us_per_step", 0.0) / 1e3
         step = fig.step_ms.get(r) or fig.median_step_ms
-        ms = min(wait, idle.get(r, 0.0)) if r in fig.cuda else wait
+        ms = min(wait, idle.get(r, 0.0)) if r in fig.cuda else min(wait, step or wait)
         if ms > 0 and step and ms > th["min_share"] * step:
             costs[r], waits[r], steps[r] = ms, wait, step
     if not costs:

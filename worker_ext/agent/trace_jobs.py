@@ -22,6 +22,7 @@ from typing import Any
 
 from coordinator.protocol.atomic_file import atomic_path
 from coordinator.protocol.collective_replies import DEFAULT_COLLECTIVES_CAP, CollectiveBlock
+from coordinator.protocol.node_files import open_own
 from coordinator.protocol.reasons import reason
 from coordinator.protocol.replies import Reason
 from coordinator.protocol.summary_codec import RankSummary, encode_summary
@@ -56,7 +57,7 @@ class TraceJob:
     collectives_cap: int = DEFAULT_COLLECTIVES_CAP
     """Collectives the summary keeps (the config's ``collectives_cap``)."""
     cpu_wait_ns: int | None = None
-    """The training thread's wait for a CPU over the recorded steps (``rank.cpu_wait``), ns;
+    """The training thread's wait for a CPU, a recorded step's mean (``rank.cpu_wait``), ns;
     None: not measured. A kineto rank writes it beside libkineto's file (``cpu_wait_path``)."""
 
 
@@ -143,19 +144,29 @@ def cpu_wait_path(log_file: str) -> str:
     return log_file + ".cpu_wait"
 
 
+MAX_CPU_WAIT_DIGITS = 19
+"""The longest ``cpu_wait_ns`` a kineto side file may hold (an int64's digits)."""
+
+
 def kineto_cpu_wait(job: TraceJob) -> int | None:
     """A kineto window's ``cpu_wait_ns`` as its rank wrote it (the file then removed); None:
-    not written, or not a number."""
+    not written, not this user's own regular file (never through a link, never a pipe:
+    ``node_files.open_own``), or not ASCII digits, ``MAX_CPU_WAIT_DIGITS`` at most."""
     assert job.kineto is not None
     path = cpu_wait_path(job.kineto.log_file)
     try:
-        with open(path, "rb") as f:
-            return max(int(f.read()), 0)
-    except (OSError, ValueError):
+        fd = open_own(path, os.O_RDONLY)
+        try:
+            raw = os.read(fd, MAX_CPU_WAIT_DIGITS + 1)
+        finally:
+            os.close(fd)
+    except OSError:
         return None
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
+    ok = 0 < len(raw) <= MAX_CPU_WAIT_DIGITS and raw.isascii() and raw.isdigit()
+    return int(raw) if ok else None
 
 
 def _encoded(summary: RankSummary) -> bytes:

@@ -173,7 +173,9 @@ def misaligned_dims(name: str, args: Any) -> str | None:
     matcher's test); None otherwise, and where the trace has no shapes (not judged)."""
     types: Any = getattr(args, "input_type", None)
     dims: Any = getattr(args, "input_dims", None)
-    if not isinstance(types, list) or not types or types[0] not in HALF_TYPES:
+    if not isinstance(types, list) or not types or not isinstance(types[0], str):
+        return None
+    if types[0] not in HALF_TYPES:
         return None
     if not isinstance(dims, list) or not all(isinstance(d, list) for d in dims):
         return None

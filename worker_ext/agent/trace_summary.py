@@ -104,8 +104,9 @@ def summarise_trace(
     ``flops``: count matrix-product flops from the recorded input shapes (``with_flops``).
     ``clip``: leave out the CPU events outside the recorded steps' span (a trace that began
     or ended off the steps: libkineto's, whose collection starts and stops on its own thread).
-    ``cpu_wait_ns``: the training thread's wait for a CPU over the recorded steps, as the rank
-    measured it (``TraceJob.cpu_wait_ns``; None: not measured).
+    ``cpu_wait_ns``: the training thread's wait for a CPU, a recorded step's mean, as the rank
+    measured it (``TraceJob.cpu_wait_ns``; None: not measured; one longer than the window's
+    span is refused: not measured).
     Raises ``trace_reader.TraceError`` for a trace that cannot be read.
     """
     digest = read_trace(path, chunk_bytes=chunk_bytes, flops=flops)
@@ -159,7 +160,7 @@ def summarise(
         memory=memory,
         memory_flow=flow,
         collectives=_collectives(d, collectives_cap, clip and bool(step_spans)),
-        host=_host_row(cpu.host_ns, max(len(step_spans), 1), cpu_wait_ns),
+        host=_host_row(cpu.host_ns, max(len(step_spans), 1), _plausible(cpu_wait_ns, w1 - w0)),
     )
     if device == "cuda" and d.device:
         # Attributed by their launch: to each recorded step, or (no step marker: the trace
@@ -486,6 +487,14 @@ def _above(bits: np.ndarray, idx: np.ndarray, parent: np.ndarray) -> np.ndarray:
     return acc
 
 
+def _plausible(wait_ns: int | None, span_ns: int) -> int | None:
+    """A rank's CPU wait a step (ns), or None where it is not a count or longer than the window
+    (``span_ns``): a wait a step cannot outlast the steps themselves."""
+    if type(wait_ns) is not int or not 0 <= wait_ns <= max(span_ns, 0):
+        return None
+    return wait_ns
+
+
 def _host_row(ns: tuple[int, ...], steps: int, cpu_wait_ns: int | None = None) -> HostRow:
     """``_host_ns`` as ``HostRow`` (times and the optimizer's op counts a mean over
     ``steps``), zeros included: a row of zeros says "measured, none found" where a summary
@@ -493,7 +502,7 @@ def _host_row(ns: tuple[int, ...], steps: int, cpu_wait_ns: int | None = None) -
     rank's CPU wait a step, None when it was not measured."""
     loader_ns, calls, zero_ns, ops, opt_ns, _, _, loop, _, multi = ns
     per = 1 / steps
-    wait = cpu_wait_ns / 1e3 * per if cpu_wait_ns is not None else None
+    wait = cpu_wait_ns / 1e3 if cpu_wait_ns is not None else None  # (a step's, as sent)
     return HostRow(
         loader_ns / 1e3 * per, calls, zero_ns / 1e3 * per, ops,
         opt_ns / 1e3 * per, loop * per, multi * per, wait,

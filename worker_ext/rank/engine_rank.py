@@ -34,7 +34,7 @@ from coordinator.core.validate import role_problem
 from coordinator.protocol.replies import ClosedWindow, Phase, RankReply, Reason, rank_reply
 from worker_ext.agent.trace_jobs import TraceJob
 from worker_ext.rank.agent_link import node_id
-from worker_ext.rank.cpu_wait import run_delay_ns, waited_ns
+from worker_ext.rank.cpu_wait import Reading, per_step, run_delay_ns, waited_ns
 from worker_ext.rank.hand_off import HandOff
 from worker_ext.rank.mixin import ProfilerWorkerMixin
 from worker_ext.rank.stack_dump import enable_stack_dump
@@ -67,7 +67,7 @@ class EngineRank:
         self.note: str | None = None
         self.window: Window | None = None
         self.recording_from: int | None = None  # the first step the engine records
-        self.waited_from: int | None = None  # run_delay_ns then (``cpu_wait``)
+        self.waited_from: Reading | None = None  # run_delay_ns then (``cpu_wait``)
         self.out_dir: str | None = None  # where the engine writes this window
         self.seen: set[str] = set()  # trace files in a shared engine_trace_dir before the window
         self.closed: ClosedWindow | None = None
@@ -209,6 +209,7 @@ class EngineRank:
         waited = waited_ns(self.waited_from)
         _engine_call(self.engine, "stop_profile")
         steps = (first, last if last is not None else first)
+        waited = per_step(waited, steps)
         path = self._place_trace(w, steps)
         self.closed = ClosedWindow(
             window=w.index, steps=list(steps), partial=partial, trace_path=path

@@ -52,7 +52,7 @@ from worker_ext.agent.kineto_ipc import (
 )
 from worker_ext.agent.kineto_traces import KinetoRequest, cancel_path, ended_path, written_path
 from worker_ext.agent.trace_jobs import TraceJob, cpu_wait_path
-from worker_ext.rank.cpu_wait import run_delay_ns, waited_ns
+from worker_ext.rank.cpu_wait import per_step, run_delay_ns, waited_ns
 from worker_ext.rank.rank_profiler import RankProfiler, may_start
 from worker_ext.rank.torch_session import TraceTarget, role_name, trace_job
 
@@ -467,7 +467,7 @@ class KinetoRankProfiler(RankProfiler):
         elif not self._taken(run):
             self._cancel(run, lost_why(w, run, self._ended, self._step_s))
         else:
-            self._let_libkineto_write(w, run, waited_ns(self._waited_from) if steps else None)
+            self._let_libkineto_write(w, run, per_step(waited_ns(self._waited_from), steps))
         self._closed = ClosedWindow(
             window=w.index,
             steps=list(steps) if steps else None,

@@ -33,7 +33,7 @@ from coordinator.protocol.reasons import is_exit
 from coordinator.protocol.replies import ClosedWindow, Phase, RankReply, Reason
 from worker_ext.agent.trace_jobs import TraceJob
 from worker_ext.rank.agent_link import AgentLink, node_id
-from worker_ext.rank.cpu_wait import run_delay_ns, waited_ns
+from worker_ext.rank.cpu_wait import Reading, per_step, run_delay_ns, waited_ns
 from worker_ext.rank.hand_off import HandOff
 from worker_ext.rank.memory_snapshot import MemorySnapshots
 from worker_ext.rank.stack_dump import enable_stack_dump
@@ -63,7 +63,7 @@ class _Closing:
     partial: bool
     trace_path: str | None = None
     job: TraceJob | None = None  # the written trace's job, handed to the agent after the stop
-    cpu_wait_ns: int | None = None  # the recorded steps' wait for a CPU (``cpu_wait``)
+    cpu_wait_ns: int | None = None  # the recorded steps' wait for a CPU, a step (``cpu_wait``)
     exit: BaseException | None = None  # an interpreter exit caught in the trace handler
 
 
@@ -108,7 +108,7 @@ class RankProfiler:
         self._prof: Any = None
         self._window: Window | None = None
         self._recorded_first: int | None = None
-        self._waited_from: int | None = None  # run_delay_ns as the recorded steps began
+        self._waited_from: Reading | None = None  # run_delay_ns as the recorded steps began
         self._last_done: int | None = None
         self._closing: _Closing | None = None
         self._closed: ClosedWindow | None = None
@@ -310,7 +310,8 @@ class RankProfiler:
         assert w is not None  # a profiler is open only with its window
         first, last = self._recorded_first, self._last_done
         steps = (first, last) if first is not None and last is not None and last >= first else None
-        self._closing = _Closing(w, steps, partial, cpu_wait_ns=waited_ns(self._waited_from))
+        waited = per_step(waited_ns(self._waited_from), steps)
+        self._closing = _Closing(w, steps, partial, cpu_wait_ns=waited)
         try:
             prof._rank_profiler_stopped = True
             prof.stop()  # runs _on_trace_ready while recording
