@@ -277,6 +277,31 @@ def test_the_agent_writes_the_trace_with_its_metadata_once_libkineto_renamed_it(
     assert not os.path.exists(out) and ipc.withdraw_config(req.directory, req.pid) is False
 
 
+@pytest.mark.parametrize("plant", ["fifo", "link"])
+def test_a_pipe_or_link_at_the_cancel_name_is_never_read(tmp_path, kdir, plant):
+    """Another user's pipe (an open that would hang) or link at a window's cancel file: not
+    read as the rank's reason, and the agent's poll goes on at once."""
+    import threading
+
+    from worker_ext.agent import kineto_traces
+
+    req = _request(kdir, tmp_path, os.getpid())
+    target = tmp_path / "elsewhere"
+    target.write_text("a reason planted by another user")
+    if plant == "fifo":
+        os.mkfifo(cancel_path(req.log_file))
+    else:
+        os.symlink(target, cancel_path(req.log_file))
+    got: list = []
+    t = threading.Thread(
+        target=lambda: got.append(kineto_traces._why_not_yet(req, False)), daemon=True
+    )
+    t.start()
+    t.join(10.0)
+    assert not t.is_alive() and got, "the poll hung on the planted file"
+    assert got[0] is None or "planted" not in got[0], got
+
+
 def test_a_trace_that_will_not_come_says_why_and_leaves_nothing(tmp_path, kdir):
     req = _request(kdir, tmp_path, os.getpid())
     tmp = written_path(req.log_file, req.pid) + ".tmp"

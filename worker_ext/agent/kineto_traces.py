@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from coordinator.protocol.atomic_file import atomic_path
+from coordinator.protocol.node_files import open_own
 from coordinator.protocol.replies import Reason
 from coordinator.protocol.summary_codec import decode_summary, encode_summary
 from worker_ext.agent.kineto_daemon import ensure_daemon
@@ -152,8 +153,13 @@ def _await_trace(
 
 def _why_not_yet(req: KinetoRequest, past_deadline: bool) -> str | None:
     """Why the trace will not come, or None while it may."""
-    with contextlib.suppress(OSError), open(cancel_path(req.log_file), encoding="utf-8") as f:
-        return f.read().strip()[:1000] or "the rank cancelled the window"
+    with contextlib.suppress(OSError):  # (the rank's own file only: no link, pipe, or giant)
+        fd = open_own(cancel_path(req.log_file), os.O_RDONLY)
+        try:
+            said = os.read(fd, 4096).decode("utf-8", "replace").strip()[:1000]
+        finally:
+            os.close(fd)
+        return said or "the rank cancelled the window"
     if process_exited(req.pid):
         sent = config_taken(req.directory, req.pid, req.log_file)
         return (
