@@ -122,10 +122,12 @@ class Served:
         from coordinator.client.step_client import wait_for_traces
         from coordinator.ops.web.server import CoordinatorLink
 
-        # (Two toy ranks on a busy 2-core host can differ 1.7x by chance: a straggler finding
-        # would be true of the window but not of the code; its rule is tested elsewhere.)
+        # (Two toy ranks on a busy 2-core host can differ 1.7x by chance, and wait for a CPU:
+        # a straggler or host_contention finding would be true of the window but not of the
+        # code; their rules are tested elsewhere.)
+        quiet = {"straggler": {"ratio": 100.0}, "host_contention": {"min_share": 1.0}}
         cfg = profiler_config(tmp_path, wait=1, warmup=1, active=2, repeat=2, stall_min_s=2.0,
-                              advise={"straggler": {"ratio": 100.0}})  # fmt: skip
+                              advise=quiet)  # fmt: skip
         self.name = f"profiler-{uuid.uuid4().hex[:8]}"
         self.coord = get_or_create_coordinator(cfg, name=self.name, namespace="profiler-tests")
         ray.get(self.coord.register.remote("t", workers))
