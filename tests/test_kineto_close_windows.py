@@ -37,7 +37,12 @@ def drive(ray, ranks, tmp_path, schedule: dict, sleep_s: float) -> dict:
             for k in range(steps):
                 ray.get([w.train_step.remote(4, sleep_s) for w in ranks])
                 hooks.step(k)
-                if k == schedule["skip_first"] - 2:
+                # before the first window's warm-up; read again while the coordinator does not
+                # know the step time yet (a report every 0.1 s at most: a fast host's first
+                # steps may all be in flight at the first read)
+                first_warmup = schedule["skip_first"] + schedule["wait"]
+                known = out.get("before", {}).get("schedule_problems")
+                if schedule["skip_first"] - 2 <= k <= first_warmup - 2 and not known:
                     out["before"] = ray.get(coord.status.remote())
         ended = time.monotonic()
         for until, limit in (("summaries", 60), ("traces", 180)):  # (traces: at lowest priority)
