@@ -35,13 +35,13 @@ CPU time is ``time.process_time`` (every thread of the process), the best of ``-
 
 Run: .venv/bin/python bench/advise_cost.py [--ranks 1024] [--per-rank 200] [--rounds 50]
 
-Last figures (2026-12-07, the commit that wrote them; this shared 2-core machine at a load of
-1.2-1.6, 3 runs of 40 rounds): ``window_findings`` 2.2-2.3 ms a window on the template
-(0.45-0.46x the 5 ms budget; ``figures_of`` 0.8 ms), 6.1-6.4 ms on the CUDA window (1.23-1.27x:
-over the budget; ``figures_of`` 1.1 ms; each rule 0.1-0.7 ms: ``host_sync`` 0.74,
-``exposed_comm`` 0.66, ``host_contention`` 0.65 with the window's idle made once for every rule,
-``tf32_off`` 0.43, ``zero_grad`` 0.39, ``launch_bound`` 0.36). ``advise()`` adds 0.3-0.6 ms
-beyond the rules.
+Last figures (2026-12-08, the commit that wrote them; this shared 2-core machine at a load of
+0.9-1.0, 3 runs of 40 rounds): ``window_findings`` 2.0-2.1 ms a window on the template
+(0.40-0.42x the 5 ms budget; ``figures_of`` 0.6-0.7 ms), 5.4-5.8 ms on the CUDA window
+(1.08-1.17x: over the budget; ``figures_of`` 0.9-1.0 ms; each rule 0.1-0.7 ms). The rank's two
+CPU-wait reads a window (``rank_reads``): 5.4-5.5 us at its start, 5.6-6.1 us at its stop, on
+the training thread, with no thread of their own: the closing step pays about 6 us, no later
+step anything.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ import os
 import random
 import sys
 import time
+import timeit
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -250,6 +251,18 @@ def run(ranks: int, per_rank: int, rounds: int, cuda: bool) -> None:
     print("; ".join(parts))
 
 
+def rank_reads(rounds: int = 20_000) -> None:
+    """What ``host_contention`` costs a rank's training thread: its two schedstat reads a
+    window (``worker_ext.rank.cpu_wait``), wall time each, the best of 5 batches."""
+    from worker_ext.rank.cpu_wait import per_step, run_delay_ns, waited_ns
+
+    start = run_delay_ns()
+    first = min(timeit.repeat(run_delay_ns, number=rounds, repeat=5)) / rounds
+    end = min(timeit.repeat(lambda: per_step(waited_ns(start), (1, 10)), number=rounds, repeat=5))
+    print(f"the rank's CPU-wait reads: {first * 1e6:.1f} us at a window's start, "
+          f"{end / rounds * 1e6:.1f} us at its stop (no thread; no other step pays)")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for flag, default in (("--ranks", 1024), ("--per-rank", 200), ("--rounds", 50)):
@@ -257,6 +270,7 @@ def main() -> None:
     args = ap.parse_args()
     for cuda in (False, True):
         run(args.ranks, args.per_rank, args.rounds, cuda)
+    rank_reads()
 
 
 if __name__ == "__main__":
