@@ -196,8 +196,8 @@ def test_a_planted_cpu_wait_file_is_refused_never_followed_nor_waited_on(
     tmp_path: Path, plant: str
 ) -> None:
     """Another user's (or a broken) file at the side file's name: a pipe (the read would
-    hang), a link (to /dev/zero: an endless read), not a count, a count past an int64: each
-    read as not measured, and removed."""
+    hang), a link (to a file that holds a count: never followed), not a count, a count past an
+    int64: each read as not measured, and removed."""
     from worker_ext.agent.kineto_traces import KinetoRequest
     from worker_ext.agent.trace_jobs import TraceJob, cpu_wait_path, kineto_cpu_wait
 
@@ -208,7 +208,9 @@ def test_a_planted_cpu_wait_file_is_refused_never_followed_nor_waited_on(
     if plant == "fifo":
         os.mkfifo(path)
     elif plant == "link":
-        os.symlink("/dev/zero", path)
+        planted = tmp_path / "planted"
+        planted.write_text("999999")
+        os.symlink(planted, path)
     else:
         body = {"text": b"12ab", "long": b"9" * 4000, "empty": b""}[plant]
         Path(path).write_bytes(body)
