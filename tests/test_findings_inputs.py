@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from coordinator.core.findings import RULES
-from coordinator.core.findings_inputs import GPU_RULES, HOST_RULES, advise_parts, not_judged
+from coordinator.core.findings_inputs import GPU_RULES, HOST_ROW_RULES, advise_parts, not_judged
 from tests.test_findings_core import table
 from tests.test_findings_host import _hosted
 
@@ -23,7 +23,7 @@ def _parts(t: dict[str, Any], settings: Any = None, memory: Any = None) -> Any:
 
 def test_a_window_without_host_figures_says_its_host_rules_could_not_judge() -> None:
     _, quiet, missing = _parts(table(4))
-    assert {*HOST_RULES} <= set(missing) and not {*HOST_RULES} & set(quiet)
+    assert {*HOST_ROW_RULES} <= set(missing) and not {*HOST_ROW_RULES} & set(quiet)
     assert "older than this rule" in missing["dataloader"]
     assert "memory_leak" in missing  # (no memory book was read)
 

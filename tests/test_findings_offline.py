@@ -141,7 +141,7 @@ def test_advise_reads_a_record_with_from_as_its_table_says(capsys):
     """A record (summaries from before issue 56: no collectives) answers ``advise`` with the
     rules run on the same window's ``kernel_summary``."""
     from coordinator.core.findings import RULES, window_findings
-    from coordinator.core.findings_inputs import GPU_RULES, HOST_RULES
+    from coordinator.core.findings_inputs import GPU_RULES, HOST_ROW_RULES
     from coordinator.ops.cli import main as cli_main
 
     record = os.path.join(ROOT, "tests", "data", "record-v1")
@@ -154,7 +154,7 @@ def test_advise_reads_a_record_with_from_as_its_table_says(capsys):
     assert json.loads(json.dumps(found)) == reply["findings"]
     missing = reply["not_judged"]  # (its summaries are older than the host and GPU rules)
     assert sorted(reply["quiet"] + list(missing)) == sorted(quiet), (reply, quiet)
-    expected = {*HOST_RULES, *GPU_RULES, "host_contention", "memory_peak", "memory_leak"}
+    expected = {*HOST_ROW_RULES, *GPU_RULES, "host_contention", "memory_peak", "memory_leak"}
     expected &= set(RULES)
     assert set(missing) == expected, missing
     assert (

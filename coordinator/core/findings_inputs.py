@@ -19,8 +19,9 @@ from typing import Any
 from coordinator.core.findings import window_findings
 from coordinator.protocol.finding_replies import Finding
 
-HOST_RULES = ("dataloader", "zero_grad", "optimizer_foreach")
-"""The rules of a rank's host time (the summary's ``HostRow``, in its breakdown row)."""
+HOST_ROW_RULES = ("dataloader", "zero_grad", "optimizer_foreach")
+"""The rules that read the ``HostRow`` figures every agent since them sends (its breakdown row;
+``findings.HOST_RULES`` is another list: the host time a late rank's excess may be)."""
 GPU_RULES = ("host_sync", "memcpy_pageable", "tf32_off", "matmul_alignment")
 """The rules of a CUDA rank's ``GpuRow`` (the table's ``gpu`` entries)."""
 OLDER = "a summary (an agent's, or a record's) older than this rule has none"
@@ -35,7 +36,7 @@ def not_judged(
     out: dict[str, str] = {}
     rows = (table.get("breakdown") or {}).get("ranks") or {}
     if rows and not any("dataloader_us_per_step" in row for row in rows.values()):
-        out |= dict.fromkeys(HOST_RULES, f"no rank's host time in the window: {OLDER}")
+        out |= dict.fromkeys(HOST_ROW_RULES, f"no rank's host time in the window: {OLDER}")
     if rows and not any("cpu_wait_us_per_step" in row for row in rows.values()):
         out["host_contention"] = (
             "no rank's CPU wait in the window: measured by a live rank (its training thread's "
